@@ -1,0 +1,169 @@
+"""Frozen configuration: the model's architecture and the engine's cache / scheduler / device settings.
+
+Nothing here reads the environment at import; `EngineConfig` is built from `LLM(...)` arguments.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration value or checkpoint is unusable; the message names what and the allowed values."""
+
+
+# HF `architectures[0]` / `model_type` -> tandem's family switch
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+SUPPORTED_MODEL_TYPES: dict[str, str] = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a Llama-family decoder (Llama 2/3, Mistral, TinyLlama, SmolLM, Qwen2/2.5, Qwen3)."""
+
+    family: str  # "llama" | "qwen2" | "qwen3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: Mapping[str, Any] | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: str | None = None
+
+    @classmethod
+    def from_hf(cls, cfg: Mapping[str, Any]) -> ModelConfig:
+        """Build from a HF `config.json` dict; raise ConfigError naming an unsupported architecture."""
+        archs = list(cfg.get("architectures") or [])
+        family = None
+        for a in archs:
+            family = SUPPORTED_ARCHITECTURES.get(a)
+            if family:
+                break
+        if family is None:
+            family = SUPPORTED_MODEL_TYPES.get(str(cfg.get("model_type", "")))
+        if family is None:
+            raise ConfigError(
+                f"unsupported architecture {archs or cfg.get('model_type')!r}; supported: "
+                f"{sorted(SUPPORTED_ARCHITECTURES)} (model_type {sorted(SUPPORTED_MODEL_TYPES)})"
+            )
+        try:
+            hidden = int(cfg["hidden_size"])
+            heads = int(cfg["num_attention_heads"])
+            eos = cfg.get("eos_token_id")
+            eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+            rope_scaling = cfg.get("rope_scaling")
+            rope_theta = cfg.get("rope_theta")
+            rope_params = cfg.get("rope_parameters")  # transformers >= 5 keeps theta and scaling here
+            if isinstance(rope_params, Mapping):
+                rope_theta = rope_theta or rope_params.get("rope_theta")
+                if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
+                    rope_scaling = dict(rope_params)
+            sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", family == "llama") else None
+            return cls(
+                family=family,
+                vocab_size=int(cfg["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_layers=int(cfg["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+                head_dim=int(cfg.get("head_dim") or hidden // heads),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(rope_theta or 10000.0),
+                rope_scaling=dict(rope_scaling) if rope_scaling else None,
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                attention_bias=bool(cfg.get("attention_bias", family == "qwen2")),
+                qk_norm=family == "qwen3",
+                sliding_window=int(sliding) if sliding else None,
+                bos_token_id=cfg.get("bos_token_id"),
+                eos_token_ids=tuple(int(e) for e in eos_ids),
+                torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigError(f"config.json is missing or has a bad value for {e}") from e
+
+    @classmethod
+    def from_json_file(cls, path: str | Path) -> ModelConfig:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"{p} not found: an HF checkpoint folder needs config.json")
+        try:
+            return cls.from_hf(json.loads(p.read_text()))
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{p} is not valid JSON: {e}") from e
+
+
+DTYPES = ("float32", "bfloat16", "float16", "auto")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache: block size in tokens and a memory budget (bytes, or a fraction of free memory)."""
+
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes; None: `memory_fraction` of what is free
+    memory_fraction: float = 0.5
+    enable_prefix_caching: bool = True
+    num_blocks: int | None = None  # overrides the budget (tests)
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+            raise ConfigError(f"block_size must be a power of two in [1, 256], got {self.block_size}")
+        if not 0.0 < self.memory_fraction <= 0.95:
+            raise ConfigError(f"memory_fraction must be in (0, 0.95], got {self.memory_fraction}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ConfigError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ConfigError(f"num_blocks must be >= 1, got {self.num_blocks}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_model_len < 2:
+            raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs; built once by `LLM`."""
+
+    model: str | None
+    model_config: ModelConfig
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+    seed: int = 0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    num_threads: int | None = None  # torch intra-op threads for the forward; None: all cores the process may use

@@ -1,0 +1,62 @@
+"""`StepPlan`: the only contract between the scheduler (CPU bookkeeping) and the model runner (device work).
+
+Plain data only: lists of ints, so a plan can be logged, tested without a model, or sent to another process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step.
+
+    The runner feeds `input_ids` at positions `start_pos, start_pos + 1, ...` and writes their K/V into the slots
+    `block_table[p // block_size] * block_size + p % block_size`. The last `num_draft_tokens` of `input_ids` are
+    speculative drafts. When `needs_logits`, the runner returns `1 + num_draft_tokens` logits rows for this request:
+    the rows of its last `1 + num_draft_tokens` input positions. With `all_logits` (prompt logprobs) it returns one row
+    per input position, for every chunk.
+    """
+
+    request_id: str
+    input_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+    num_draft_tokens: int = 0
+    needs_logits: bool = True
+    all_logits: bool = False  # prompt logprobs: one row per input position
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def num_logits_rows(self) -> int:
+        if self.all_logits:
+            return self.num_tokens
+        return 1 + self.num_draft_tokens if self.needs_logits else 0
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.num_tokens - self.num_draft_tokens > 1
+
+
+@dataclass
+class StepPlan:
+    """What one engine step runs. `requests` are in the order their logits rows come back."""
+
+    step_id: int
+    requests: list[ScheduledRequest] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.num_tokens for r in self.requests)
+
+    @property
+    def num_logits_rows(self) -> int:
+        return sum(r.num_logits_rows for r in self.requests)
+
+    def is_empty(self) -> bool:
+        return not self.requests

@@ -1,0 +1,240 @@
+"""Continuous-batching scheduler (vLLM v1 style): every step, each request asks for the tokens it still lacks.
+
+There are no prefill or decode phases. A running request needs `num_tokens - num_computed_tokens` more positions
+computed (1 at steady decode, the rest of its prompt while prefilling, everything after a preemption), plus its
+speculative drafts. Each step fills a token budget: running requests first, in admission order, then waiting ones
+in FIFO order. When KV blocks run out, the most recently admitted running request is preempted (its blocks freed,
+recomputed from scratch later, usually mostly from the prefix cache).
+
+Step protocol with the engine: set `req.draft_token_ids` -> `schedule()` -> run the plan -> `update(plan, tokens)`
+-> `finish(...)` the requests that hit a stop condition.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping, Sequence
+
+from tandem.config import SchedulerConfig
+from tandem.core.kv_blocks import BlockManager
+from tandem.core.plan import ScheduledRequest, StepPlan
+from tandem.request import Request, RequestStatus
+
+
+class KVCacheTooSmallError(RuntimeError):
+    """One request alone needs more KV blocks than the cache has (the engine should have rejected it)."""
+
+    def __init__(self, request_id: str, num_positions: int, block_manager: BlockManager) -> None:
+        bm = block_manager
+        super().__init__(
+            f"request {request_id!r} needs KV for {num_positions} positions "
+            f"({bm.num_blocks_for(num_positions)} blocks) but the whole cache is num_blocks={bm.num_blocks} x "
+            f"block_size={bm.block_size} = {bm.num_blocks * bm.block_size} positions; give the KV cache more "
+            f"memory or lower max_model_len"
+        )
+        self.request_id = request_id
+
+
+class Scheduler:
+    """Decides which tokens of which requests each step computes; owns the waiting queue and the running list."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self._requests: dict[str, Request] = {}  # every unfinished request, by id
+        self._waiting: deque[Request] = deque()  # FIFO; preempted requests re-enter at the front
+        self._running: list[Request] = []  # admission order: the last one is the next preemption victim
+        self._next_step_id = 0
+
+    # ----------------------------------------------------------------------------------------------- queries
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    def get(self, request_id: str) -> Request | None:
+        """The unfinished request with this id, or None."""
+        return self._requests.get(request_id)
+
+    # ------------------------------------------------------------------------------------------ membership
+    def add(self, req: Request) -> None:
+        """Queue a new request at the back of the waiting queue (status WAITING)."""
+        if req.request_id in self._requests:
+            raise ValueError(f"request id {req.request_id!r} is already scheduled")
+        req.status = RequestStatus.WAITING
+        self._requests[req.request_id] = req
+        self._waiting.append(req)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Remove a request from wherever it is, free its blocks, mark it FINISHED_ABORTED; None if unknown."""
+        req = self._remove(request_id)
+        if req is not None:
+            req.status = RequestStatus.FINISHED_ABORTED
+        return req
+
+    def finish(self, request_id: str, status: RequestStatus) -> None:
+        """Remove a request that reached a stop condition, free its blocks and set its final `status`."""
+        if not status.finished:
+            raise ValueError(f"finish needs a finished status, got {status}")
+        req = self._remove(request_id)
+        if req is None:
+            raise KeyError(f"no unfinished request {request_id!r}")
+        req.status = status
+
+    def _remove(self, request_id: str) -> Request | None:
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return None
+        if req.status is RequestStatus.RUNNING:
+            self._running.remove(req)
+        else:
+            self._waiting.remove(req)
+        self.block_manager.free(req)
+        req.draft_token_ids = []
+        return req
+
+    # ---------------------------------------------------------------------------------------------- schedule
+    def schedule(self) -> StepPlan:
+        """Build the next step's plan: running requests (preempting on block shortage), then admissions.
+
+        Changes: blocks allocated for every scheduled position, preempted requests moved to the front of the
+        waiting queue, admitted ones moved to running, and `req.draft_token_ids` cut to the drafts scheduled.
+        """
+        plan = StepPlan(step_id=self._next_step_id)
+        self._next_step_id += 1
+        budget = self._schedule_running(plan, self.config.max_num_batched_tokens)
+        self._schedule_waiting(plan, budget)
+        return plan
+
+    def _schedule_running(self, plan: StepPlan, budget: int) -> int:
+        """Schedule running requests in admission order; returns the budget left."""
+        bm = self.block_manager
+        i = 0
+        while i < len(self._running) and budget > 0:
+            req = self._running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if num_new <= 0:  # nothing to compute until the engine appends a token
+                i += 1
+                continue
+            num_drafts = self._num_schedulable_drafts(req, num_new, budget)
+            # Blocks for positions [0, computed + new + drafts): drop the drafts before preempting anyone for them.
+            while not bm.ensure_slots(req, req.num_computed_tokens + num_new + num_drafts):
+                if num_drafts:
+                    num_drafts = 0
+                    continue
+                victim = self._running[-1]  # the most recently admitted; never one already scheduled (index < i)
+                if victim is req and len(self._running) == 1:
+                    raise KVCacheTooSmallError(req.request_id, req.num_computed_tokens + num_new, bm)
+                self._preempt(victim, plan)
+                if victim is req:
+                    return budget  # req was the last running request
+            plan.requests.append(self._scheduled(req, num_new, num_drafts))
+            budget -= num_new + num_drafts
+            i += 1
+        return budget
+
+    def _schedule_waiting(self, plan: StepPlan, budget: int) -> None:
+        """Admit waiting requests in FIFO order while budget, `max_num_seqs` and blocks allow."""
+        bm = self.block_manager
+        preempted_now = set(plan.preempted_ids)
+        while self._waiting and budget > 0 and len(self._running) < self.config.max_num_seqs:
+            req = self._waiting[0]
+            if req.request_id in preempted_now:  # they sit at the front: nobody is admitted past them this step
+                return
+            if not bm.admit(req, budget, use_prefix_cache=not self._wants_prompt_logprobs(req)):
+                if not self._running:  # the whole cache is free and still too small for its first chunk
+                    raise KVCacheTooSmallError(req.request_id, min(req.num_tokens, budget), bm)
+                return
+            self._waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self._running.append(req)
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            plan.requests.append(self._scheduled(req, num_new, 0))
+            budget -= num_new
+
+    def _num_schedulable_drafts(self, req: Request, num_new: int, budget: int) -> int:
+        """Drafts ride along only at steady decode (exactly one non-draft token left), cut to budget and length."""
+        if not req.draft_token_ids or req.num_tokens - req.num_computed_tokens != 1 or num_new != 1:
+            return 0
+        if self._wants_prompt_logprobs(req):
+            return 0
+        # draft j sits at position num_tokens + j (0-based): keep every position < max_model_len
+        room = self.config.max_model_len - req.num_tokens
+        return max(0, min(len(req.draft_token_ids), budget - 1, room))
+
+    def _scheduled(self, req: Request, num_new: int, num_drafts: int) -> ScheduledRequest:
+        """The plan entry for `num_new` tokens from `num_computed_tokens` on, then `num_drafts` drafts."""
+        start = req.num_computed_tokens
+        req.draft_token_ids = req.draft_token_ids[:num_drafts]  # what is not scheduled is dropped, not kept
+        return ScheduledRequest(
+            request_id=req.request_id,
+            input_ids=req.token_ids[start : start + num_new] + req.draft_token_ids,
+            start_pos=start,
+            block_table=list(req.block_ids),
+            num_draft_tokens=num_drafts,
+            needs_logits=start + num_new == req.num_tokens,
+            all_logits=self._wants_prompt_logprobs(req),
+        )
+
+    def _preempt(self, req: Request, plan: StepPlan) -> None:
+        """Free all of a running request's KV; it recomputes prompt + outputs when re-admitted (front of queue)."""
+        self._running.remove(req)
+        self.block_manager.free(req)
+        req.num_computed_tokens = 0
+        req.draft_token_ids = []
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self._waiting.appendleft(req)
+        plan.preempted_ids.append(req.request_id)
+
+    @staticmethod
+    def _wants_prompt_logprobs(req: Request) -> bool:
+        """Still in its prompt with prompt logprobs requested: every position needs logits, no prefix-cache reuse."""
+        return req.params.prompt_logprobs is not None and req.num_output_tokens == 0
+
+    # ------------------------------------------------------------------------------------------------ update
+    def update(self, plan: StepPlan, new_tokens: Mapping[str, Sequence[int]]) -> None:
+        """Account a finished step: advance `num_computed_tokens`, append accepted tokens, roll back rejected drafts.
+
+        `new_tokens[id]` (for entries with `needs_logits`) is the accepted drafts followed by one sampled token, already
+        cut at stop conditions by the engine. Accepted drafts keep their KV; blocks past `num_tokens` are released;
+        newly full blocks go to the prefix cache. Requests aborted or finished since `schedule()` are skipped.
+        """
+        bm = self.block_manager
+        for sr in plan.requests:
+            req = self._requests.get(sr.request_id)
+            if req is None or req.status is not RequestStatus.RUNNING:
+                continue
+            if req.num_computed_tokens != sr.start_pos:
+                raise RuntimeError(
+                    f"stale plan for {sr.request_id!r}: scheduled from position {sr.start_pos}, "
+                    f"request is at {req.num_computed_tokens}"
+                )
+            accepted = list(new_tokens.get(sr.request_id, ())) if sr.needs_logits else []
+            if sr.needs_logits:
+                self._check_accepted(sr, accepted)  # before any change to req
+            req.num_computed_tokens += sr.num_tokens - sr.num_draft_tokens
+            if sr.needs_logits:
+                req.num_computed_tokens += len(accepted) - 1  # accepted drafts have KV; the sampled token not yet
+                req.append_tokens(accepted)
+                req.draft_token_ids = []
+                bm.truncate(req, req.num_tokens)  # keep blocks for positions < num_tokens (next input included)
+            bm.commit(req)
+
+    @staticmethod
+    def _check_accepted(sr: ScheduledRequest, accepted: list[int]) -> None:
+        k = sr.num_draft_tokens
+        if not 1 <= len(accepted) <= 1 + k:
+            raise ValueError(
+                f"request {sr.request_id!r}: expected 1..{1 + k} new tokens (accepted drafts + one sampled), "
+                f"got {len(accepted)}"
+            )
+        drafts = sr.input_ids[len(sr.input_ids) - k :] if k else []
+        if accepted[:-1] != drafts[: len(accepted) - 1]:
+            raise ValueError(f"request {sr.request_id!r}: accepted tokens {accepted[:-1]} are not a prefix of the drafts")

@@ -1,0 +1,204 @@
+"""The offline API, shaped like vLLM's: `LLM(model=...)`, `generate`, `chat`."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Union
+
+import torch
+from tqdm.auto import tqdm
+
+from tandem.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
+from tandem.engine.engine import LLMEngine
+from tandem.models.loader import Checkpoint, load_checkpoint, resolve_dtype
+from tandem.params import ParamError, SamplingParams
+from tandem.request import RequestOutput
+from tandem.runner.runner import ModelRunner
+from tandem.tokenizer import Tokenizer
+
+logger = logging.getLogger("tandem")
+
+# A prompt: text, token ids, or vLLM's dict forms {"prompt": ...} / {"prompt_token_ids": [...]}.
+PromptType = Union[str, Sequence[int], Mapping[str, Any]]
+ChatMessages = list[dict[str, str]]
+
+
+def build_engine(
+    model: str | os.PathLike[str] | None = None,
+    *,
+    tokenizer: str | os.PathLike[str] | None = None,
+    dtype: str = "auto",
+    device: str = "cpu",
+    max_model_len: int | None = None,
+    max_num_seqs: int = 64,
+    max_num_batched_tokens: int | None = None,
+    block_size: int = 16,
+    kv_cache_memory: int | None = None,
+    memory_fraction: float = 0.5,
+    num_kv_blocks: int | None = None,
+    enable_prefix_caching: bool = True,
+    seed: int = 0,
+    num_threads: int | None = None,
+    chat_template: str | None = None,
+    progress: bool = True,
+) -> LLMEngine:
+    """Load a checkpoint (the built-in demo model when `model` is None) and build an engine around it."""
+    if model is None:
+        from tandem.models.demo import demo_model_path
+
+        path = demo_model_path()
+        if dtype == "auto":
+            dtype = "bfloat16"  # the demo folder holds float32 dequantized weights; serve them in bf16
+    else:
+        path = Path(model)
+    _check_device(device)
+    ckpt = _load(path, dtype, progress)
+    cfg = ckpt.config
+    max_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+    if max_model_len is not None and max_model_len > cfg.max_position_embeddings:
+        raise ConfigError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {cfg.max_position_embeddings}")
+    sched = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens or max(512, min(2048, max_len)),
+        max_model_len=max_len,
+    )
+    cache = CacheConfig(
+        block_size=block_size,
+        kv_cache_memory=kv_cache_memory,
+        memory_fraction=memory_fraction,
+        enable_prefix_caching=enable_prefix_caching,
+        num_blocks=num_kv_blocks,
+    )
+    torch_dtype = next(iter(ckpt.weights.values())).dtype
+    config = EngineConfig(
+        model=str(path), model_config=cfg, dtype=str(torch_dtype).removeprefix("torch."), device=device, seed=seed,
+        cache=cache, scheduler=sched, num_threads=num_threads,
+    )
+    tok = Tokenizer.from_path(Path(tokenizer) if tokenizer else ckpt.tokenizer_path, chat_template=chat_template)
+    if chat_template is None and ckpt.chat_template and not tok.has_chat_template:
+        tok.set_chat_template(ckpt.chat_template)
+    runner = ModelRunner(cfg, ckpt.weights, torch_dtype, device, cache, sched, num_threads=num_threads)
+    del ckpt
+    return LLMEngine(config, runner, tok)
+
+
+def _load(path: Path, dtype: str, progress: bool) -> Checkpoint:
+    if dtype not in ("auto", "float32", "bfloat16", "float16"):
+        raise ConfigError(f"dtype must be one of 'auto', 'float32', 'bfloat16', 'float16', got {dtype!r}")
+    if path.is_dir() and (path / "config.json").is_file():
+        from tandem.config import ModelConfig
+
+        torch_dtype = resolve_dtype(dtype, ModelConfig.from_json_file(path / "config.json"))
+    else:
+        torch_dtype = torch.bfloat16 if dtype == "auto" else getattr(torch, dtype)
+    return load_checkpoint(path, torch_dtype, progress=progress)
+
+
+def _check_device(device: str) -> None:
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise ConfigError(f"device {device!r} is not a torch device (e.g. 'cpu', 'cuda', 'cuda:1'): {e}") from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device 'cuda' was asked for but torch sees no CUDA device; use device='cpu'")
+
+
+class LLM:
+    """Generate text offline for a list of prompts, as `vllm.LLM` does."""
+
+    def __init__(self, model: str | os.PathLike[str] | None = None, **kwargs: Any) -> None:
+        self.llm_engine = build_engine(model, **kwargs)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs in prompt order. Invalid input raises before anything runs."""
+        items = _as_prompt_list(prompts)
+        params = _params_list(sampling_params, len(items))
+        return self._run(items, params, use_tqdm)
+
+    def chat(
+        self,
+        messages: ChatMessages | Sequence[ChatMessages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[RequestOutput]:
+        """Render each conversation with the model's chat template, then generate."""
+        convs: list[ChatMessages] = [messages] if messages and isinstance(messages[0], dict) else list(messages)  # type: ignore[list-item,arg-type]
+        tok = self.llm_engine.tokenizer
+        if chat_template is not None:
+            tok.set_chat_template(chat_template)
+        items: list[PromptType] = [tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt) for c in convs]
+        return self._run(items, _params_list(sampling_params, len(items)), use_tqdm)
+
+    def _run(self, items: list[PromptType], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        ids = [f"gen-{next(self._ids)}" for _ in items]
+        added: list[str] = []
+        try:
+            for rid, item, p in zip(ids, items, params):
+                engine.add_request(rid, _prompt_of(item), p)
+                added.append(rid)
+        except ParamError:
+            for rid in added:
+                engine.abort_request(rid)
+            raise
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        bar.update(1)
+        finally:
+            bar.close()
+            for rid in ids:
+                if rid not in results:
+                    engine.abort_request(rid)
+        return [results[rid] for rid in ids]
+
+
+def _prompt_of(item: PromptType) -> str | list[int]:
+    if isinstance(item, str):
+        return item
+    if isinstance(item, Mapping):
+        if "prompt_token_ids" in item:
+            return [int(t) for t in item["prompt_token_ids"]]
+        if "prompt" in item:
+            return str(item["prompt"])
+        raise ParamError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(item)}")
+    return [int(t) for t in item]
+
+
+def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    if isinstance(prompts, (str, Mapping)):
+        return [prompts]
+    seq = list(prompts)
+    if seq and all(isinstance(t, int) for t in seq):
+        return [seq]  # one prompt of token ids
+    return seq  # type: ignore[return-value]
+
+
+def _params_list(p: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+    if p is None:
+        return [SamplingParams()] * n
+    if isinstance(p, SamplingParams):
+        return [p] * n
+    ps = list(p)
+    if len(ps) != n:
+        raise ParamError(f"got {len(ps)} SamplingParams for {n} prompts; give one, or one per prompt")
+    return ps

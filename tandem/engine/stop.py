@@ -1,0 +1,136 @@
+"""When does a request end, and what text does it keep: EOS, stop token ids, stop strings and the length limits.
+
+Rules, checked for each new output token in order (the n-th output token, n counting from 1):
+1. n > min_tokens: a token in `stop_token_ids` ends the request ("stop", stop_reason = the id); an EOS id of the
+   tokenizer ends it ("stop", stop_reason None) unless `ignore_eos`. The stopping token stays in the output token ids
+   but adds no text. Before that (n <= min_tokens) these tokens are ordinary tokens.
+2. The token's text is appended; n > min_tokens: a stop string that ends inside the new text ends the request
+   ("stop", stop_reason = the string). The text is cut before the stop string, or right after it with
+   `include_stop_str_in_output`. Among several matches the one that completes first (smallest end) wins.
+3. n == max_tokens, or num_prompt + n >= max_model_len: "length".
+Tokens after the stopping one in the same call are dropped (`StopDecision.num_tokens_kept`), as when speculative
+decoding accepts several tokens in one step.
+
+Streaming: `visible_text()` leaves out the longest end of the text that is the start of some stop string, since the
+next token may complete the stop string and that text would then be cut. This held-back part only ever shrinks into
+visible text or is cut, so the visible text only grows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tandem.engine.detokenizer import IncrementalDetokenizer
+from tandem.params import SamplingParams
+from tandem.tokenizer import Tokenizer
+
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+
+
+@dataclass
+class StopDecision:
+    finished: bool
+    reason: str | None  # "stop" | "length" | None
+    stop_reason: int | str | None  # the stop string or stop token id; None for EOS, length, or not finished
+    num_tokens_kept: int  # how many of the new tokens to keep (later ones are dropped)
+
+
+class StopChecker:
+    """Decides, token by token, when a request ends; holds back text that might be the start of a stop string."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        max_model_len: int,
+        extra_eos_token_ids: Sequence[int] = (),
+    ) -> None:
+        """`extra_eos_token_ids` (e.g. the model config's eos ids) end the request like the tokenizer's EOS."""
+        self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, params)
+        self._params = params
+        eos_ids = (*tokenizer.eos_token_ids, *extra_eos_token_ids)
+        self._eos_ids = frozenset(() if params.ignore_eos else eos_ids)
+        self._stop_ids = frozenset(params.stop_token_ids)
+        self._stops = params.stop
+        # the output may grow to max_tokens tokens, and prompt + output to max_model_len tokens
+        self._max_output = max_model_len - len(prompt_token_ids)
+        if params.max_tokens is not None:
+            self._max_output = min(self._max_output, params.max_tokens)
+        self.num_output_tokens = 0
+        self.text = ""
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def add_tokens(self, token_ids: Sequence[int]) -> StopDecision:
+        """Process `token_ids` in order up to the first that ends the request; advance text and the detokenizer."""
+        if self.finished:
+            raise RuntimeError(f"add_tokens after the request finished ({self.finish_reason})")
+        for kept, token_id in enumerate(token_ids, start=1):
+            self.num_output_tokens += 1
+            self._check_token(token_id)
+            if self.finished:
+                return StopDecision(True, self.finish_reason, self.stop_reason, kept)
+        return StopDecision(False, None, None, len(token_ids))
+
+    def _check_token(self, token_id: int) -> None:
+        """Apply rules 1-3 of the module docstring to one output token; sets finish_reason when it ends."""
+        may_stop = self.num_output_tokens > self._params.min_tokens
+        if may_stop and token_id in self._stop_ids:
+            self._finish(FINISH_STOP, token_id)
+            return
+        if may_stop and token_id in self._eos_ids:
+            self._finish(FINISH_STOP, None)
+            return
+        delta = self._detokenizer.add_tokens([token_id])
+        if delta:
+            old_len = len(self.text)
+            self.text += delta
+            if may_stop and self._stops and self._cut_at_stop_string(old_len):
+                return
+        if self.num_output_tokens >= self._max_output:
+            self._finish(FINISH_LENGTH, None)
+
+    def _cut_at_stop_string(self, old_len: int) -> bool:
+        """Find the stop string that ends first inside text[old_len:]; cut the text there and finish. True if found."""
+        # a match must end after old_len, so it starts at or after old_len - (len(stop) - 1)
+        best: tuple[int, int, str] | None = None  # (end, start, stop)
+        for stop in self._stops:
+            start = self.text.find(stop, max(0, old_len - len(stop) + 1))
+            if start >= 0:
+                match = (start + len(stop), start, stop)
+                if best is None or match[:2] < best[:2]:
+                    best = match
+        if best is None:
+            return False
+        end, start, stop = best
+        self.text = self.text[:end] if self._params.include_stop_str_in_output else self.text[:start]
+        self._finish(FINISH_STOP, stop)
+        return True
+
+    def _finish(self, reason: str, stop_reason: int | str | None) -> None:
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+
+    def visible_text(self) -> str:
+        """`text` minus its end that could still grow into a stop string (for streaming); == text once finished."""
+        if self.finished or not self._stops or self._params.include_stop_str_in_output:
+            return self.text
+        return self.text[: len(self.text) - self._held_back_len()]
+
+    def _held_back_len(self) -> int:
+        """Length of the longest end of `text` that is a proper prefix of some stop string."""
+        text = self.text
+        longest = 0
+        for stop in self._stops:
+            for k in range(min(len(stop) - 1, len(text)), longest, -1):
+                if text.endswith(stop[:k]):
+                    longest = k
+                    break
+        return longest

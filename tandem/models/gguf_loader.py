@@ -1,0 +1,330 @@
+"""GGUF (llama.cpp) checkpoints: metadata -> HF config, tensors -> HF names in HF layout, dequantized.
+
+The file is memory-mapped by `gguf.GGUFReader`; quantized tensors (Q4_0, Q4_1, Q8_0, K-quants, ...) are dequantized
+with `gguf.quants.dequantize` to float32 and then cast to the requested dtype, so the engine sees plain dense weights.
+
+llama.cpp's converter permutes the rows of `attn_q` / `attn_k` for the `llama` architecture (HF rotate-half pairs
+(i, i + D/2) -> interleaved pairs (2i, 2i+1)); we undo it so weights match HF's layout. Qwen2/Qwen3 GGUFs are not
+permuted (llama.cpp runs them with NeoX-style rotary, which is HF's layout).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderField, ReaderTensor
+from gguf.quants import dequantize
+from tqdm import tqdm
+
+from tandem.config import ConfigError, ModelConfig
+from tandem.models.loader import (
+    Checkpoint,
+    file_cache_key,
+    interleaved_to_rotate_half,
+    tandem_home,
+    write_folder_atomically,
+    write_hf_folder,
+)
+
+logger = logging.getLogger(__name__)
+
+# GGUF `general.architecture` -> HF `architectures[0]`
+GGUF_ARCHITECTURES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+# architectures whose q/k rows llama.cpp permuted to interleaved RoPE pairs
+_PERMUTED_QK = {"llama"}
+
+# GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.")
+_LAYER_TENSORS: dict[str, str] = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_TENSORS: dict[str, str] = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_SKIPPED_TENSORS = {"rope_freqs.weight"}  # folded into the config's rope_scaling (Llama 3)
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """HF parameter name of a GGUF tensor ("blk.3.attn_q.weight" -> "model.layers.3.self_attn.q_proj.weight")."""
+    if gguf_name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[gguf_name]
+    parts = gguf_name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_TENSORS:
+        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{parts[3]}"
+    return None
+
+
+def field_value(field: ReaderField) -> Any:
+    """Decode a metadata field: a str, an int/float/bool, or a list of those for arrays."""
+    kind = field.types[0]
+    if kind == GGUFValueType.ARRAY:
+        item = field.types[-1]
+        return [_decode_part(field.parts[i], item) for i in field.data]
+    return _decode_part(field.parts[field.data[0]], kind)
+
+
+def _decode_part(part: np.ndarray, kind: GGUFValueType) -> Any:
+    if kind == GGUFValueType.STRING:
+        return bytes(part).decode("utf-8", errors="replace")
+    return part.item() if part.size == 1 else part.tolist()
+
+
+class GGUFMetadata:
+    """Typed access to a reader's key/value metadata."""
+
+    def __init__(self, reader: GGUFReader, path: Path) -> None:
+        self.reader = reader
+        self.path = path
+
+    def get(self, key: str, default: Any = None) -> Any:
+        field = self.reader.fields.get(key)
+        return default if field is None else field_value(field)
+
+    def require(self, key: str) -> Any:
+        field = self.reader.fields.get(key)
+        if field is None:
+            raise ConfigError(f"{self.path}: GGUF metadata has no {key!r}")
+        return field_value(field)
+
+    def array_length(self, key: str) -> int | None:
+        field = self.reader.fields.get(key)
+        return None if field is None else len(field.data)
+
+
+def open_gguf(path: Path) -> GGUFReader:
+    """Memory-map a GGUF file; ConfigError when it is not one."""
+    try:
+        return GGUFReader(str(path))
+    except (ValueError, OSError, KeyError, IndexError) as e:
+        raise ConfigError(f"{path} is not a readable GGUF file: {e}") from e
+
+
+def gguf_hf_config(reader: GGUFReader, path: Path) -> dict[str, Any]:
+    """An HF `config.json` dict for the model in a GGUF (llama / qwen2 / qwen3 architectures)."""
+    meta = GGUFMetadata(reader, path)
+    arch = str(meta.require("general.architecture"))
+    if arch not in GGUF_ARCHITECTURES:
+        raise ConfigError(f"{path}: unsupported GGUF architecture {arch!r}; supported: {sorted(GGUF_ARCHITECTURES)}")
+    tensors = {t.name: t for t in reader.tensors}
+    if "token_embd.weight" not in tensors:
+        raise ConfigError(f"{path}: GGUF has no token_embd.weight tensor")
+    hidden = int(meta.require(f"{arch}.embedding_length"))
+    heads = int(meta.require(f"{arch}.attention.head_count"))
+    kv_heads = meta.get(f"{arch}.attention.head_count_kv", heads)
+    if isinstance(kv_heads, list):  # per-layer counts; a uniform list is fine
+        if len(set(kv_heads)) != 1:
+            raise ConfigError(f"{path}: per-layer head_count_kv {kv_heads} is not supported")
+        kv_heads = kv_heads[0]
+    head_dim = meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count") or hidden // heads
+    embd_rows = int(tensors["token_embd.weight"].shape[-1])  # GGUF shapes are [cols, rows]
+    vocab = meta.array_length("tokenizer.ggml.tokens") or meta.get(f"{arch}.vocab_size") or embd_rows
+    if vocab != embd_rows:
+        logger.warning("%s: %d tokens but token_embd has %d rows; using the latter", path, vocab, embd_rows)
+        vocab = embd_rows
+    cfg: dict[str, Any] = {
+        "architectures": [GGUF_ARCHITECTURES[arch]],
+        "model_type": arch,
+        "vocab_size": int(vocab),
+        "hidden_size": hidden,
+        "intermediate_size": int(meta.require(f"{arch}.feed_forward_length")),
+        "num_hidden_layers": int(meta.require(f"{arch}.block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(kv_heads),
+        "head_dim": int(head_dim),
+        "rms_norm_eps": float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(meta.get(f"{arch}.context_length", 4096)),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "hidden_act": "silu",
+        "torch_dtype": "float32",
+    }
+    if arch == "qwen2":
+        cfg["attention_bias"] = True  # Qwen2ForCausalLM always has q/k/v biases
+    for key, hf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
+        value = meta.get(f"tokenizer.ggml.{key}")
+        if value is not None:
+            cfg[hf_key] = int(value)
+    pad = meta.get("tokenizer.ggml.padding_token_id")
+    if pad is not None:
+        cfg["pad_token_id"] = int(pad)
+    rope_scaling = _rope_scaling(meta, arch, tensors.get("rope_freqs.weight"), cfg)
+    if rope_scaling is not None:
+        cfg["rope_scaling"] = rope_scaling
+    return cfg
+
+
+def _rope_scaling(
+    meta: GGUFMetadata, arch: str, rope_freqs: ReaderTensor | None, cfg: Mapping[str, Any]
+) -> dict[str, Any] | None:
+    """HF rope_scaling from `{arch}.rope.scaling.*` keys, or recovered from a Llama 3 `rope_freqs` tensor."""
+    kind = meta.get(f"{arch}.rope.scaling.type")
+    factor = meta.get(f"{arch}.rope.scaling.factor")
+    if kind in ("linear", "yarn") and factor:
+        scaling: dict[str, Any] = {"rope_type": kind, "factor": float(factor)}
+        original = meta.get(f"{arch}.rope.scaling.original_context_length")
+        if original:
+            scaling["original_max_position_embeddings"] = int(original)
+        return scaling
+    if rope_freqs is None:
+        return None
+    divisors = dequantize(rope_freqs.data, rope_freqs.tensor_type).reshape(-1).astype(np.float64)
+    return llama3_scaling_from_rope_freqs(divisors, float(cfg["rope_theta"]), int(cfg["head_dim"]), meta.path)
+
+
+def llama3_scaling_from_rope_freqs(
+    divisors: np.ndarray, theta: float, head_dim: int, path: Path, original: int = 8192
+) -> dict[str, Any]:
+    """Recover HF's Llama 3 rope_scaling from llama.cpp's per-frequency divisors `rope_freqs` [D/2].
+
+    llama.cpp stores d_i = 1 (wavelength < L/high), `factor` (wavelength > L/low), else 1 / ((1 - s)/factor + s)
+    with s = (L / wavelength - low) / (high - low). Only the ratios L/low and L/high matter, so L is fixed at 8192
+    (Llama 3.1's value) and low/high follow from a least-squares fit of the smooth band (Llama 3's 1 and 4 when the
+    band is empty). The recovered parameters must reproduce every divisor, else ConfigError.
+    """
+    factor = float(divisors.max())
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    x = original * inv_freq / (2 * math.pi)  # L / wavelength
+    low, high = 1.0, 4.0
+    band = (divisors > 1 + 1e-6) & (divisors < factor - 1e-6)
+    if factor > 1 and band.sum() >= 2:
+        smooth = (1 / divisors[band] - 1 / factor) / (1 - 1 / factor)  # s, linear in x: s = (x - low) / (high - low)
+        slope, intercept = np.polyfit(x[band], smooth, 1)
+        high_minus_low = 1 / slope
+        low = -intercept * high_minus_low
+        high = low + high_minus_low
+    scaling = {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": float(low),
+        "high_freq_factor": float(high),
+        "original_max_position_embeddings": original,
+    }
+    wavelen = 2 * math.pi / inv_freq
+    s = (original / wavelen - low) / (high - low)
+    rebuilt = np.where(wavelen < original / high, 1.0, np.where(wavelen > original / low, factor, 1 / ((1 - s) / factor + s)))
+    if not np.allclose(rebuilt, divisors, rtol=1e-4, atol=1e-4):
+        raise ConfigError(f"{path}: rope_freqs does not follow Llama 3 rope scaling; this GGUF is not supported")
+    return scaling
+
+
+def iter_gguf_weights(
+    reader: GGUFReader, cfg: Mapping[str, Any], dtype: torch.dtype, *, progress: bool = True, path: Path | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, tensor in `dtype`, HF layout) for every model tensor of the GGUF."""
+    arch = str(cfg["model_type"])
+    heads, kv_heads = int(cfg["num_attention_heads"]), int(cfg["num_key_value_heads"])
+    for t in tqdm(reader.tensors, desc=f"loading {path.name if path else 'gguf'}", unit="tensor", disable=not progress):
+        name = hf_tensor_name(t.name)
+        if name is None:
+            if t.name not in _SKIPPED_TENSORS:
+                logger.warning("ignoring unknown GGUF tensor %s", t.name)
+            continue
+        w = dequantized_tensor(t)
+        if arch in _PERMUTED_QK and ".self_attn.q_proj." in name:
+            w = interleaved_to_rotate_half(w, heads)
+        elif arch in _PERMUTED_QK and ".self_attn.k_proj." in name:
+            w = interleaved_to_rotate_half(w, kv_heads)
+        yield name, w.to(dtype)
+
+
+def dequantized_tensor(t: ReaderTensor) -> torch.Tensor:
+    """A GGUF tensor as a dense torch tensor in HF shape order ([rows, cols]); float32 unless stored F16/BF16."""
+    shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims innermost first
+    if t.tensor_type == GGMLQuantizationType.F32:
+        array = np.array(t.data, dtype=np.float32)
+    elif t.tensor_type == GGMLQuantizationType.F16:
+        array = np.array(t.data, dtype=np.float16)
+    else:  # BF16 and every quantized type: dequantize to float32
+        array = dequantize(t.data, t.tensor_type)
+    return torch.from_numpy(np.ascontiguousarray(array).reshape(shape))
+
+
+def read_gguf(
+    path: Path, dtype: torch.dtype, *, progress: bool = True
+) -> tuple[GGUFReader, dict[str, Any], dict[str, torch.Tensor]]:
+    """The open reader, the HF config dict and the HF-named weights of a GGUF."""
+    reader = open_gguf(path)
+    cfg = gguf_hf_config(reader, path)
+    weights = dict(iter_gguf_weights(reader, cfg, dtype, progress=progress, path=path))
+    return reader, cfg, weights
+
+
+def gguf_chat_template(reader: GGUFReader, path: Path) -> str | None:
+    """The chat template stored in the GGUF metadata (`tokenizer.chat_template`), if any."""
+    value = GGUFMetadata(reader, path).get("tokenizer.chat_template")
+    return str(value) if value is not None else None
+
+
+def has_tokenizer(reader: GGUFReader) -> bool:
+    """Whether the metadata describes a tokenizer transformers can rebuild (`tokenizer.ggml.model`)."""
+    return "tokenizer.ggml.model" in reader.fields
+
+
+def save_gguf_tokenizer(gguf_path: Path, out_dir: Path) -> None:
+    """Rebuild the GGUF's tokenizer with transformers (offline, from metadata) and `save_pretrained` it to out_dir."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    template = gguf_chat_template(open_gguf(gguf_path), gguf_path)
+    if template is not None and not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = template
+    tokenizer.save_pretrained(str(out_dir))
+
+
+def gguf_tokenizer_folder(gguf_path: Path) -> Path:
+    """A cached folder holding the GGUF's tokenizer: tandem_home()/tokenizers/<stem>-<key>, built once."""
+    folder = tandem_home() / "tokenizers" / f"{gguf_path.stem}-{file_cache_key(gguf_path)}"
+    if not (folder / "tokenizer_config.json").is_file():
+        write_folder_atomically(folder, lambda tmp: save_gguf_tokenizer(gguf_path, tmp))
+    return folder
+
+
+def load_gguf_checkpoint(path: Path, dtype: torch.dtype, *, progress: bool = True) -> Checkpoint:
+    """Load a GGUF directly (no conversion on disk); its tokenizer is exported once into tandem's cache."""
+    reader, cfg, weights = read_gguf(path, dtype, progress=progress)
+    config = ModelConfig.from_hf(cfg)
+    if has_tokenizer(reader):
+        tokenizer_path = gguf_tokenizer_folder(path)
+    else:
+        logger.warning("%s has no tokenizer metadata; tokenizer_path is its folder", path)
+        tokenizer_path = path.parent
+    return Checkpoint(config, weights, tokenizer_path, gguf_chat_template(reader, path), "gguf")
+
+
+def convert_gguf_to_hf(gguf_path: str | Path, out_dir: str | Path, dtype: torch.dtype = torch.float32) -> Path:
+    """Write an HF folder (config.json, model.safetensors, tokenizer, generation_config.json) from a GGUF.
+
+    Written atomically into `out_dir` (which must not exist or be empty); loadable by `load_checkpoint` and by
+    transformers' `AutoModelForCausalLM.from_pretrained`.
+    """
+    src = Path(gguf_path).expanduser()
+    if not src.is_file():
+        raise ConfigError(f"GGUF file {src} does not exist")
+    reader, cfg, weights = read_gguf(src, dtype, progress=False)
+    ModelConfig.from_hf(cfg)  # fail early on an unsupported config
+    cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
+    if has_tokenizer(reader):
+        return write_hf_folder(Path(out_dir), cfg, weights, lambda tmp: save_gguf_tokenizer(src, tmp))
+    logger.warning("%s has no tokenizer metadata; the HF folder gets no tokenizer", src)
+    return write_hf_folder(Path(out_dir), cfg, weights)

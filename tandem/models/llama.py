@@ -1,0 +1,136 @@
+"""The Llama-family decoder (Llama 2/3, Mistral, TinyLlama, SmolLM/SmolLM2, Qwen2/2.5, Qwen3), switched by config.
+
+Weights are fused at load time (q/k/v -> one projection, gate/up -> one) and held as plain tensors and linear
+functions, not `nn.Module`s: the per-layer loop is one Python function with no module dispatch or hooks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tandem.config import ConfigError, ModelConfig
+from tandem.runner.attention import AttentionMetadata, paged_attention, write_kv
+from tandem.runner.linear import LinearFn, make_linear
+
+
+@dataclass
+class _Layer:
+    input_norm: torch.Tensor  # [hidden]
+    qkv: LinearFn  # [T, hidden] -> [T, (H + 2 * KVH) * D]
+    o: LinearFn  # [T, H * D] -> [T, hidden]
+    post_norm: torch.Tensor  # [hidden]
+    gate_up: LinearFn  # [T, hidden] -> [T, 2 * I]
+    down: LinearFn  # [T, I] -> [T, hidden]
+    q_norm: torch.Tensor | None  # [D] (Qwen3)
+    k_norm: torch.Tensor | None
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [D / 2] of rotary embeddings, with Llama 3 / linear scaling applied."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    rs = dict(cfg.rope_scaling or {})
+    kind = rs.get("rope_type", rs.get("type", "default"))
+    if kind == "default":
+        return inv.float()
+    if kind == "linear":
+        return (inv / float(rs["factor"])).float()
+    if kind == "llama3":
+        factor = float(rs["factor"])
+        low, high = float(rs.get("low_freq_factor", 1.0)), float(rs.get("high_freq_factor", 4.0))
+        old_len = float(rs.get("original_max_position_embeddings", 8192))
+        wavelen = 2 * math.pi / inv
+        low_wl, high_wl = old_len / low, old_len / high
+        smooth = (old_len / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > low_wl, inv / factor, inv)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen >= high_wl) & (wavelen <= low_wl)
+        return torch.where(is_mid, mid, scaled).float()
+    raise ConfigError(f"rope_scaling type {kind!r} is not supported; supported: default, linear, llama3")
+
+
+class LlamaModel:
+    """Forward over a flattened batch: tokens [T] -> hidden [T, hidden], K/V written to the paged cache."""
+
+    def __init__(self, cfg: ModelConfig, weights: Mapping[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> None:
+        self.cfg = cfg
+        self.dtype = dtype
+        self.device = device
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.scale = 1.0 / math.sqrt(cfg.head_dim)
+        w = {k: v.to(device=device, dtype=dtype) for k, v in weights.items()}
+        self.embed = w["model.embed_tokens.weight"]  # [V, hidden]
+        self.norm = w["model.norm.weight"]
+        head = self.embed if cfg.tie_word_embeddings or "lm_head.weight" not in w else w["lm_head.weight"]
+        self.lm_head = make_linear(head)
+        self.layers = [self._layer(w, i) for i in range(cfg.num_layers)]
+        max_pos = cfg.max_position_embeddings
+        freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), rope_inv_freq(cfg))  # [max_pos, D / 2]
+        self.cos = freqs.cos().to(device=device, dtype=dtype)
+        self.sin = freqs.sin().to(device=device, dtype=dtype)
+
+    def _layer(self, w: Mapping[str, torch.Tensor], i: int) -> _Layer:
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        qkv_w = torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]])
+        qkv_b = None
+        if self.cfg.attention_bias or (a + "q_proj.bias") in w:
+            qkv_b = torch.cat([w[a + "q_proj.bias"], w[a + "k_proj.bias"], w[a + "v_proj.bias"]])
+        m = p + "mlp."
+        gate_up = torch.cat([w[m + "gate_proj.weight"], w[m + "up_proj.weight"]])
+        return _Layer(
+            input_norm=w[p + "input_layernorm.weight"],
+            qkv=make_linear(qkv_w, qkv_b),
+            o=make_linear(w[a + "o_proj.weight"], w.get(a + "o_proj.bias")),
+            post_norm=w[p + "post_attention_layernorm.weight"],
+            gate_up=make_linear(gate_up),
+            down=make_linear(w[m + "down_proj.weight"]),
+            q_norm=w.get(a + "q_norm.weight"),
+            k_norm=w.get(a + "k_norm.weight"),
+        )
+
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        """input_ids [T] -> final hidden states [T, hidden]; writes this step's K/V into `kv_caches` (one per layer)."""
+        cfg = self.cfg
+        eps = cfg.rms_norm_eps
+        H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        T = input_ids.shape[0]
+        half = D // 2
+        cos = self.cos[meta.positions].unsqueeze(1)  # [T, 1, D / 2]
+        sin = self.sin[meta.positions].unsqueeze(1)
+        norm_shape = (cfg.hidden_size,)
+        x = F.embedding(input_ids, self.embed)  # [T, hidden]
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            h = F.rms_norm(x, norm_shape, layer.input_norm, eps)
+            qkv = layer.qkv(h)  # [T, (H + 2 KVH) D]
+            qk = qkv[:, : self.q_size + self.kv_size].view(T, H + KVH, D)
+            v = qkv[:, self.q_size + self.kv_size :].view(T, KVH, D)
+            if layer.q_norm is not None and layer.k_norm is not None:
+                qk = torch.cat(
+                    [F.rms_norm(qk[:, :H], (D,), layer.q_norm, eps), F.rms_norm(qk[:, H:], (D,), layer.k_norm, eps)], dim=1
+                )
+            # rotate-half RoPE on q and k together: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)
+            x1, x2 = qk[..., :half], qk[..., half:]
+            qk = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)  # [T, H + KVH, D]
+            q, k = qk[:, :H], qk[:, H:]
+            write_kv(kv_cache, k, v, meta.slot_mapping)
+            attn = paged_attention(q, k, v, kv_cache, meta, self.scale)  # [T, H D]
+            x = x + layer.o(attn)
+            h = F.rms_norm(x, norm_shape, layer.post_norm, eps)
+            gu = layer.gate_up(h)  # [T, 2 I]
+            g, u = gu.chunk(2, dim=-1)
+            x = x + layer.down(F.silu(g) * u)
+        return F.rms_norm(x, norm_shape, self.norm, eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [R, hidden] -> logits [R, V] in float32."""
+        return self.lm_head(hidden).float()
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, self.cfg.num_kv_heads, self.cfg.head_dim)

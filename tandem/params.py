@@ -1,0 +1,204 @@
+"""Request parameters: `SamplingParams` and `StructuredOutputsParams` (vLLM-shaped, validated, plain data).
+
+Both are frozen dataclasses of plain Python values, so they pickle and cross a process boundary unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+_GREEDY_EPS = 1e-5
+
+
+class ParamError(ValueError):
+    """A request parameter has a value outside its allowed range; the message names both."""
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ParamError(msg)
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Constrain the output to a JSON schema, any JSON object, a regex, a choice or a grammar.
+
+    Exactly one of `json`, `json_object`, `regex`, `choice`, `grammar` must be set. `json` accepts a schema dict, its
+    JSON text, or a pydantic model class (converted to its schema here, so only plain data is kept).
+    """
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    whitespace: str = "compact"
+    backend: str | None = None
+
+    def __init__(
+        self,
+        json: Any = None,
+        json_object: bool = False,
+        regex: str | None = None,
+        choice: Sequence[str] | None = None,
+        grammar: str | None = None,
+        whitespace: str = "compact",
+        backend: str | None = None,
+    ) -> None:
+        object.__setattr__(self, "json", _schema_text(json) if json is not None else None)
+        object.__setattr__(self, "json_object", bool(json_object))
+        object.__setattr__(self, "regex", regex)
+        object.__setattr__(self, "choice", tuple(choice) if choice is not None else None)
+        object.__setattr__(self, "grammar", grammar)
+        object.__setattr__(self, "whitespace", whitespace)
+        object.__setattr__(self, "backend", backend)
+        self._validate()
+
+    def _validate(self) -> None:
+        kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        if self.json_object:
+            kinds.append("json_object")
+        _check(len(kinds) == 1, f"structured_outputs needs exactly one of json, json_object, regex, choice, grammar; got {kinds or 'none'}")
+        _check(self.whitespace in ("compact", "flexible"), f"whitespace must be 'compact' or 'flexible', got {self.whitespace!r}")
+        _check(self.backend in (None, "auto", "xgrammar", "llguidance"), f"backend must be one of None, 'auto', 'xgrammar', 'llguidance', got {self.backend!r}")
+        if self.choice is not None:
+            _check(len(self.choice) > 0 and all(isinstance(c, str) and c for c in self.choice), "choice must be a non-empty list of non-empty strings")
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None:
+                _check(isinstance(v, str) and v.strip() != "", f"{name} must be a non-empty string")
+
+    @property
+    def kind(self) -> str:
+        """One of 'json', 'json_object', 'regex', 'choice', 'grammar'."""
+        if self.json_object:
+            return "json_object"
+        for k in ("json", "regex", "choice", "grammar"):
+            if getattr(self, k) is not None:
+                return k
+        raise AssertionError("validated above")
+
+    @property
+    def spec(self) -> str:
+        """The constraint as one string (the cache key's spec part)."""
+        kind = self.kind
+        if kind == "json_object":
+            return "{}"
+        if kind == "choice":
+            return json.dumps(list(self.choice or ()))
+        return str(getattr(self, kind))
+
+
+def _schema_text(value: Any) -> str:
+    """A JSON schema given as dict, JSON text or pydantic model class -> canonical JSON text."""
+    if isinstance(value, str):
+        try:
+            json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ParamError(f"json schema is not valid JSON: {e}") from e
+        return value
+    if isinstance(value, Mapping):
+        return json.dumps(value)
+    schema_fn = getattr(value, "model_json_schema", None)
+    if callable(schema_fn):
+        return json.dumps(schema_fn())
+    if isinstance(value, bool):
+        return json.dumps(value)
+    raise ParamError(f"json must be a schema dict, JSON text or a pydantic model class, got {type(value).__name__}")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request's continuation (the fields and defaults of vLLM's `SamplingParams`)."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    logit_bias: Mapping[int, float] | None = None
+    allowed_token_ids: tuple[int, ...] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        stop = self.stop
+        if stop is None:
+            stop = ()
+        elif isinstance(stop, str):
+            stop = (stop,)
+        elif isinstance(stop, (list, tuple)):
+            for s in stop:
+                _check(isinstance(s, str), f"stop must be a string or a list of strings, got an element of type {type(s).__name__}")
+            stop = tuple(stop)
+        else:
+            raise ParamError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
+        _check(all(s != "" for s in stop), "stop strings must not be empty")
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in (self.stop_token_ids or ())))
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", tuple(int(t) for t in self.allowed_token_ids))
+        if self.logit_bias is not None:
+            object.__setattr__(self, "logit_bias", {int(k): float(v) for k, v in dict(self.logit_bias).items()})
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
+        self._validate()
+
+    def _validate(self) -> None:
+        _check(isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
+        _check(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
+        _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
+        _check(isinstance(self.top_k, int) and self.top_k >= 0, f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k}")
+        _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
+        _check(-2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        _check(-2.0 <= self.frequency_penalty <= 2.0, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        _check(0.0 < self.repetition_penalty <= 10.0, f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
+        _check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1), f"max_tokens must be None or an integer >= 1, got {self.max_tokens!r}")
+        _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None:
+            _check(self.min_tokens <= self.max_tokens, f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            _check(v is None or (isinstance(v, int) and 0 <= v <= 20), f"{name} must be None or an integer in [0, 20], got {v!r}")
+        _check(self.seed is None or isinstance(self.seed, int), f"seed must be None or an integer, got {self.seed!r}")
+        _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative token ids")
+        if self.logit_bias:
+            _check(all(-100.0 <= v <= 100.0 for v in self.logit_bias.values()), "logit_bias values must be in [-100, 100]")
+        if self.allowed_token_ids is not None:
+            _check(len(self.allowed_token_ids) > 0, "allowed_token_ids must not be empty")
+        _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams), "structured_outputs must be a StructuredOutputsParams")
+
+    @property
+    def greedy(self) -> bool:
+        """Temperature 0 means argmax (after penalties, bias and masks)."""
+        return self.temperature < _GREEDY_EPS
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise ParamError when a token id in these params is outside [0, vocab_size)."""
+        ids = list(self.stop_token_ids) + list(self.logit_bias or ()) + list(self.allowed_token_ids or ())
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        _check(not bad, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+
+    def clone(self, **changes: Any) -> SamplingParams:
+        return replace(self, **changes)
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]

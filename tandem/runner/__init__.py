@@ -1,0 +1,1 @@
+"""Device work: the model runner (input preparation, paged attention, launch / collect)."""

@@ -1,0 +1,61 @@
+"""Dense projections, picked once per weight for the device and dtype.
+
+On x86 CPUs `F.linear` on bfloat16 reaches about a third of memory bandwidth at batch 1, while oneDNN with a
+pre-packed (blocked) weight reaches it fully; float32 through oneDNN is also ~2x MKL's path there. Everything else uses
+`F.linear`. The packed weight replaces the plain one (weights are held once).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+LinearFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _onednn_available(dtype: torch.dtype) -> bool:
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    try:
+        w = torch.randn(8, 16, dtype=dtype)
+        x = torch.randn(2, 16, dtype=dtype)
+        packed = _pack(w)
+        y = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        return bool(torch.allclose(y.float(), F.linear(x, w).float(), atol=1e-2, rtol=1e-2))
+    except (RuntimeError, AttributeError):
+        return False
+
+
+def _pack(w: torch.Tensor) -> torch.Tensor:
+    if w.dtype == torch.bfloat16:
+        return torch.ops.mkldnn._reorder_linear_weight(w, 1)
+    return w  # float32: oneDNN takes the plain [out, in] weight
+
+
+_ONEDNN: dict[torch.dtype, bool] = {}
+
+
+def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> LinearFn:
+    """A function x [..., in] -> [..., out] computing x @ weight.T + bias with the fastest kernel for the device."""
+    dtype = weight.dtype
+    if weight.device.type == "cpu" and dtype in (torch.bfloat16, torch.float32):
+        ok = _ONEDNN.get(dtype)
+        if ok is None:
+            ok = _ONEDNN[dtype] = _onednn_available(dtype)
+        if ok:
+            packed = _pack(weight.contiguous())
+            op = torch.ops.mkldnn._linear_pointwise
+            b = bias.contiguous() if bias is not None else None
+
+            def onednn_linear(x: torch.Tensor) -> torch.Tensor:
+                return op(x, packed, b, "none", [], "")
+
+            return onednn_linear
+    w, b2 = weight, bias
+
+    def plain_linear(x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, w, b2)
+
+    return plain_linear

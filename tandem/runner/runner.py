@@ -1,0 +1,140 @@
+"""The model runner: owns the model, the KV cache tensors and the device; runs one `StepPlan` per step.
+
+`launch(plan)` prepares inputs and starts the forward on a dedicated thread (torch releases the GIL inside its ops, and
+on an accelerator the kernels queue asynchronously), so the caller's CPU work (grammar masks, drafting) overlaps it;
+`collect(handle)` waits and returns the logits rows the plan asked for.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from tandem.config import CacheConfig, ConfigError, ModelConfig, SchedulerConfig
+from tandem.core.plan import StepPlan
+from tandem.models.llama import LlamaModel
+from tandem.runner.attention import build_metadata
+
+
+@dataclass
+class ForwardHandle:
+    """A launched forward; `collect` turns it into logits."""
+
+    future: Future[torch.Tensor]
+    num_rows: int
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes free for the KV cache on `device` (MemAvailable on the host, free device memory otherwise)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 * 2**30
+
+
+def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * torch.tensor([], dtype=dtype).element_size()
+
+
+def plan_num_blocks(
+    cfg: ModelConfig, cache: CacheConfig, sched: SchedulerConfig, dtype: torch.dtype, device: torch.device
+) -> int:
+    """KV blocks that fit the budget, capped at what `max_num_seqs` full-length requests could ever use."""
+    if cache.num_blocks is not None:
+        return cache.num_blocks
+    per_block = kv_block_bytes(cfg, cache.block_size, dtype)
+    budget = cache.kv_cache_memory if cache.kv_cache_memory is not None else int(available_memory(device) * cache.memory_fraction)
+    blocks_per_seq = -(-sched.max_model_len // cache.block_size) + 1
+    num = min(budget // per_block, sched.max_num_seqs * blocks_per_seq)
+    if num < 1:
+        raise ConfigError(
+            f"KV cache budget of {budget} bytes holds no block of {per_block} bytes; raise kv_cache_memory or memory_fraction"
+        )
+    return int(num)
+
+
+class ModelRunner:
+    """One device: model weights, paged KV cache, input preparation, launch / collect."""
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+        device: str | torch.device,
+        cache_config: CacheConfig,
+        scheduler_config: SchedulerConfig,
+        num_threads: int | None = None,
+    ) -> None:
+        self.device = torch.device(device)
+        if self.device.type == "cpu":
+            torch.set_num_threads(num_threads or len(os.sched_getaffinity(0)))
+        self.model_config = model_config
+        self.dtype = dtype
+        self.block_size = cache_config.block_size
+        self.model = LlamaModel(model_config, weights, dtype, self.device)
+        self.num_blocks = plan_num_blocks(model_config, cache_config, scheduler_config, dtype, self.device)
+        shape = self.model.kv_cache_shape(self.num_blocks, self.block_size)
+        # zero-filled: padded key slots are masked, but 0 * NaN from uninitialised memory would still poison the output
+        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(model_config.num_layers)]
+        self.kv_cache_bytes = sum(t.numel() * t.element_size() for t in self.kv_caches)
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-forward")
+        self._pin = self.device.type == "cuda"
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    def launch(self, plan: StepPlan) -> ForwardHandle:
+        """Start the forward of `plan` and return at once; the CPU is free until `collect`."""
+        input_ids = self._to_device([t for r in plan.requests for t in r.input_ids])
+        meta = build_metadata(plan, self.block_size, self.device, pin=self._pin)
+        rows = self._to_device(self._logits_rows(plan))
+        fut = self._worker.submit(self._forward, input_ids, meta, rows)
+        return ForwardHandle(fut, plan.num_logits_rows)
+
+    def collect(self, handle: ForwardHandle) -> torch.Tensor:
+        """Wait for the forward; logits [R, V] float32 on the device, R = plan.num_logits_rows, in plan order."""
+        return handle.future.result()
+
+    def execute(self, plan: StepPlan) -> torch.Tensor:
+        return self.collect(self.launch(plan))
+
+    @torch.inference_mode()
+    def _forward(self, input_ids: torch.Tensor, meta, rows: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        hidden = self.model.forward(input_ids, meta, self.kv_caches)  # [T, hidden]
+        logits = self.model.logits(hidden[rows])  # [R, V]
+        if self.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+        return logits
+
+    def _to_device(self, values: list[int]) -> torch.Tensor:
+        t = torch.tensor(values, dtype=torch.int64)
+        if self._pin:
+            t = t.pin_memory()
+        return t.to(self.device, non_blocking=True)
+
+    @staticmethod
+    def _logits_rows(plan: StepPlan) -> list[int]:
+        """Rows of the flattened batch whose logits are wanted: each request's last 1 + drafts rows (all when asked)."""
+        rows: list[int] = []
+        row0 = 0
+        for r in plan.requests:
+            n = r.num_logits_rows
+            end = row0 + r.num_tokens
+            rows.extend(range(end - n, end))
+            row0 = end
+        return rows
+
+    def shutdown(self) -> None:
+        self._worker.shutdown(wait=True)

@@ -1,0 +1,147 @@
+"""Speculative-decoding verification: lossless rejection sampling of draft tokens against the target model.
+
+For a draft d proposed from q at a position where the target's (fully processed) distribution is p:
+  accept d with probability min(1, p(d) / q(d));
+  on rejection emit a token from norm(max(0, p - q)) and stop;
+  when all k drafts are accepted, emit one bonus token from p at the row after the last draft.
+Every emitted token is then distributed exactly as the target's (Leviathan et al. 2023, Chen et al. 2023).
+A deterministic proposer has q = one-hot(d): accept with probability p(d), residual = p with d removed.
+Greedy rows accept iff d == argmax p and emit argmax p, which is what non-speculative greedy decoding emits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import accumulate
+
+import torch
+from torch import Tensor
+
+from tandem.sampling.sampler import Sampler, SamplingRow, exponential_race, uniforms
+
+
+@dataclass
+class DraftRows:
+    """One request's k drafts and, for a probabilistic proposer, its distribution q at each draft position."""
+
+    draft_token_ids: list[int]
+    draft_probs: Tensor | None = None  # [k, V] q per draft position; None = deterministic proposer (one-hot)
+
+
+def _index(ids: Sequence[int], device: torch.device) -> Tensor:
+    return torch.tensor(ids, dtype=torch.long).to(device, non_blocking=True)
+
+
+def residual_probs(target: Tensor, draft: Tensor) -> Tensor:
+    """max(0, p - q) [n, V] (unnormalised) for target p and draft q [n, V]; p itself where that has no mass.
+
+    After a rejection the residual has mass sum(max(0, q - p)) >= q(d) - p(d) > 0, so the fallback only guards
+    against rounding when p == q.
+    """
+    residual = (target - draft).clamp_(min=0.0)
+    empty = residual.sum(dim=-1, keepdim=True) <= 0.0  # [n, 1]
+    return torch.where(empty, target, residual)
+
+
+def _draft_distribution(drafts: Sequence[DraftRows], vocab_size: int, device: torch.device) -> Tensor:
+    """q [D, V] for all draft positions, requests in order: the given probs, or one-hot at the draft."""
+    num = sum(len(d.draft_token_ids) for d in drafts)
+    q = torch.zeros(num, vocab_size, device=device)  # [D, V]
+    one_hot_pos: list[int] = []
+    one_hot_tok: list[int] = []
+    given_pos: list[int] = []
+    given: list[Tensor] = []
+    pos = 0
+    for d in drafts:
+        k = len(d.draft_token_ids)
+        if d.draft_probs is None:
+            one_hot_pos.extend(range(pos, pos + k))
+            one_hot_tok.extend(d.draft_token_ids)
+        elif k > 0:
+            if d.draft_probs.dim() != 2 or d.draft_probs.shape[0] != k or d.draft_probs.shape[1] > vocab_size:
+                raise ValueError(f"draft_probs has shape {tuple(d.draft_probs.shape)}, expected [{k}, <= {vocab_size}]")
+            given_pos.extend(range(pos, pos + k))
+            given.append(d.draft_probs)
+        pos += k
+    if one_hot_pos:
+        q[_index(one_hot_pos, device), _index(one_hot_tok, device)] = 1.0
+    if given:
+        # A draft model with a smaller vocabulary puts no mass on the rest: pad to V.
+        if len({b.shape[1] for b in given}) > 1:
+            given = [torch.nn.functional.pad(b, (0, vocab_size - b.shape[1])) for b in given]
+        block = torch.cat(given).to(device=device, dtype=torch.float32, non_blocking=True)  # [Dg, V or V_draft]
+        q.index_copy_(0, _index(given_pos, device), torch.nn.functional.pad(block, (0, vocab_size - block.shape[1])))
+    return q
+
+
+def rejection_sample(
+    sampler: Sampler,
+    target_logits: Tensor,
+    rows: Sequence[SamplingRow],
+    drafts: Sequence[DraftRows],
+    bitmask: Tensor | None = None,
+) -> list[list[int]]:
+    """Verify each request's drafts; returns per request the emitted tokens (accepted drafts + one more).
+
+    target_logits [sum(k_i + 1), V]: request i owns k_i + 1 consecutive rows (its last real token's position, then
+    each draft's); `rows` and `bitmask` match those rows one to one. Seeded requests draw, in order, k uniforms,
+    k residual noise vectors and one bonus noise vector from their own generator; greedy requests draw nothing.
+    """
+    sizes = [len(d.draft_token_ids) + 1 for d in drafts]
+    if sum(sizes) != target_logits.shape[0] or len(rows) != target_logits.shape[0]:
+        raise ValueError(f"{target_logits.shape[0]} target rows, {len(rows)} sampling rows, drafts need {sum(sizes)}")
+    p = sampler.probs(target_logits, rows, bitmask)  # [N, V]
+    dev, vocab = p.device, p.shape[-1]
+
+    starts = [0, *accumulate(sizes)][:-1]  # first row of each request
+    heads = [rows[s] for s in starts]  # one request's rows share params and generator
+    greedy = [h.params.greedy for h in heads]
+    draft_rows = [s + j for s, n in zip(starts, sizes, strict=True) for j in range(n - 1)]  # [D]
+    draft_req = [i for i, n in enumerate(sizes) for _ in range(n - 1)]  # [D] owning request
+    bonus_rows = [s + n - 1 for s, n in zip(starts, sizes, strict=True)]  # [n_req]
+
+    targets = p.argmax(dim=-1)  # [N] greedy choice (p is one-hot on greedy rows)
+    recovered = targets[_index(draft_rows, dev)]  # [D]
+    bonus = targets[_index(bonus_rows, dev)]  # [n_req]
+    draft_ids = _index([t for d in drafts for t in d.draft_token_ids], dev)  # [D]
+    p_d = p[_index(draft_rows, dev), draft_ids]  # [D] p(d)
+    accept = p_d > 0.5  # greedy: p is one-hot, so this is d == argmax p; random entries are overwritten below
+
+    rand_pos = [j for j, i in enumerate(draft_req) if not greedy[i]]
+    if rand_pos:
+        pos = _index(rand_pos, dev)
+        gens = [heads[draft_req[j]].generator for j in rand_pos]
+        q = _draft_distribution([d for d, g in zip(drafts, greedy, strict=True) if not g], vocab, dev)  # [Dr, V]
+        q_d = q.gather(1, draft_ids[pos].unsqueeze(1)).squeeze(1)  # [Dr] q(d)
+        u = uniforms(gens, dev)  # [Dr]
+        accept[pos] = u * q_d < p_d[pos]  # u < p(d) / q(d), safe for q(d) = 0
+        p_rand = p[_index([draft_rows[j] for j in rand_pos], dev)]  # [Dr, V]
+        recovered[pos] = exponential_race(residual_probs(p_rand, q), gens)
+    rand_req = [i for i, g in enumerate(greedy) if not g]
+    if rand_req:
+        idx = _index(rand_req, dev)
+        bonus_p = p[_index([bonus_rows[i] for i in rand_req], dev)]  # [n_rand, V]
+        bonus[idx] = exponential_race(bonus_p, [heads[i].generator for i in rand_req])
+
+    return _accept_walk(drafts, accept.tolist(), recovered.tolist(), bonus.tolist())
+
+
+def _accept_walk(
+    drafts: Sequence[DraftRows], accept: list[bool], recovered: list[int], bonus: list[int]
+) -> list[list[int]]:
+    """Per request: drafts up to the first rejection, then that position's recovered token (or the bonus)."""
+    out: list[list[int]] = []
+    pos = 0
+    for d, extra in zip(drafts, bonus, strict=True):
+        emitted: list[int] = []
+        for j, tok in enumerate(d.draft_token_ids):
+            if not accept[pos + j]:
+                emitted.append(recovered[pos + j])
+                break
+            emitted.append(tok)
+        else:
+            emitted.append(extra)
+        out.append(emitted)
+        pos += len(d.draft_token_ids)
+    return out

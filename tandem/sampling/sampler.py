@@ -1,0 +1,382 @@
+"""The batched sampler: logits rows -> processed logits -> final distributions -> tokens (+ logprobs).
+
+Processing follows vLLM v1's order:
+  1. grammar bitmask (disallowed -> -inf)
+  2. allowed_token_ids (all others -> -inf)
+  3. min_tokens (EOS and stop_token_ids -> -inf while fewer than min_tokens outputs)
+  4. logit_bias (added)
+  5. repetition penalty over prompt + output tokens (positive logits / r, negative * r),
+     then frequency and presence penalties over output tokens (logit -= f * count + p * [count > 0])
+  6. greedy rows: argmax. Random rows: temperature, min-p, top-k, top-p (vLLM v1 applies min-p, an
+     argmax-invariant processor, before its top-k/top-p sampler), softmax, exponential race.
+
+Every step is vectorised over rows: per-row parameters become [R] tensors and each step runs only when some row
+needs it (no penalties -> no counts tensor, all greedy -> no softmax, no top-k/top-p -> no sort).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from tandem.params import SamplingParams
+from tandem.sampling.bitmask import apply_token_bitmask_
+
+_NEG_INF = float("-inf")
+# Exponential noise is clamped away from 0 so p / q never becomes 0 / 0 (NaN wins argmax) or picks a p = 0 token.
+_MIN_NOISE = torch.finfo(torch.float32).tiny
+
+
+@dataclass
+class SamplingRow:
+    """One logits row to sample: the request's parameters, its tokens so far and its own generator (if seeded)."""
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int] = ()
+    output_token_ids: Sequence[int] = ()  # generated before this row's position (penalties, min_tokens)
+    generator: torch.Generator | None = None  # the request's own generator when params.seed is set
+
+
+@dataclass
+class RowLogprobs:
+    """Logprobs of one row: the chosen token's, its rank (1 = argmax) and the top-n."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]  # one per row
+    logprobs: list[RowLogprobs | None]  # None where params.logprobs is None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Row-parameter helpers (CPU lists -> device tensors)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _index(ids: Sequence[int], device: torch.device) -> Tensor:
+    return torch.tensor(ids, dtype=torch.long).to(device, non_blocking=True)
+
+
+def _select_rows(x: Tensor, idx: list[int]) -> Tensor:
+    """x[idx] (a copy), or x itself when idx names every row in order."""
+    if len(idx) == x.shape[0]:
+        return x
+    return x.index_select(0, _index(idx, x.device))
+
+
+def _pairs(rows_tokens: Sequence[tuple[int, Sequence[int]]]) -> tuple[list[int], list[int]]:
+    """Flatten [(row, [tok, ...]), ...] into parallel (row_ids, token_ids) lists for index_put_."""
+    row_ids: list[int] = []
+    tok_ids: list[int] = []
+    for row, toks in rows_tokens:
+        row_ids.extend([row] * len(toks))
+        tok_ids.extend(toks)
+    return row_ids, tok_ids
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Logits processing steps (each changes `logits` [R, V] float32 in place)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def apply_allowed_token_ids_(logits: Tensor, rows: Sequence[SamplingRow]) -> None:
+    """Rows with allowed_token_ids: every other token -> -inf."""
+    limited = [(i, r.params.allowed_token_ids) for i, r in enumerate(rows) if r.params.allowed_token_ids is not None]
+    if not limited:
+        return
+    row_ids, tok_ids = _pairs([(i, ids or ()) for i, ids in limited])
+    ri, ti = _index(row_ids, logits.device), _index(tok_ids, logits.device)
+    kept = logits[ri, ti]  # [n_allowed]
+    logits.index_fill_(0, _index([i for i, _ in limited], logits.device), _NEG_INF)
+    logits.index_put_((ri, ti), kept)
+
+
+def apply_min_tokens_(logits: Tensor, rows: Sequence[SamplingRow], eos_token_ids: Sequence[int]) -> None:
+    """Rows with fewer than min_tokens outputs: EOS and stop_token_ids -> -inf."""
+    blocked = [
+        (i, tuple(eos_token_ids) + r.params.stop_token_ids)
+        for i, r in enumerate(rows)
+        if len(r.output_token_ids) < r.params.min_tokens
+    ]
+    row_ids, tok_ids = _pairs(blocked)
+    if not row_ids:
+        return
+    logits.index_put_((_index(row_ids, logits.device), _index(tok_ids, logits.device)),
+                      torch.tensor(_NEG_INF, device=logits.device))
+
+
+def apply_logit_bias_(logits: Tensor, rows: Sequence[SamplingRow]) -> None:
+    """logits[i, t] += logit_bias[t] for each row's bias entries."""
+    row_ids: list[int] = []
+    tok_ids: list[int] = []
+    biases: list[float] = []
+    for i, r in enumerate(rows):
+        for tok, bias in (r.params.logit_bias or {}).items():
+            row_ids.append(i)
+            tok_ids.append(tok)
+            biases.append(bias)
+    if not row_ids:
+        return
+    dev = logits.device
+    values = torch.tensor(biases, dtype=logits.dtype).to(dev, non_blocking=True)
+    logits.index_put_((_index(row_ids, dev), _index(tok_ids, dev)), values, accumulate=True)
+
+
+def _has_penalty(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+
+
+def apply_penalties_(logits: Tensor, rows: Sequence[SamplingRow]) -> None:
+    """Repetition (prompt + output tokens), then frequency and presence (output tokens) penalties.
+
+    repetition r: seen token logit l -> l / r if l > 0 else l * r.
+    frequency f, presence p: l -> l - f * count - p * [count > 0], count = occurrences in the output.
+    """
+    pen = [i for i, r in enumerate(rows) if _has_penalty(r.params)]
+    if not pen:
+        return
+    dev, vocab = logits.device, logits.shape[-1]
+    sub_rows = [rows[i] for i in pen]
+    x = _select_rows(logits, pen)  # [P, V]
+    if x is logits:
+        x = logits.clone()
+    out_r, out_t = _pairs([(j, r.output_token_ids) for j, r in enumerate(sub_rows)])
+    counts = torch.zeros(len(pen), vocab, dtype=x.dtype, device=dev)  # [P, V] occurrences in the output
+    if out_r:
+        counts.index_put_((_index(out_r, dev), _index(out_t, dev)),
+                          torch.ones(len(out_r), dtype=x.dtype, device=dev), accumulate=True)
+    seen_out = counts > 0  # [P, V]
+
+    rep_list = [r.params.repetition_penalty for r in sub_rows]
+    if any(v != 1.0 for v in rep_list):
+        seen = seen_out.clone()
+        pr_r, pr_t = _pairs([(j, r.prompt_token_ids) for j, r in enumerate(sub_rows) if r.params.repetition_penalty != 1.0])
+        if pr_r:
+            seen[_index(pr_r, dev), _index(pr_t, dev)] = True
+        rep = torch.tensor(rep_list, dtype=x.dtype).to(dev, non_blocking=True).unsqueeze(1)  # [P, 1]
+        x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+
+    freq_list = [r.params.frequency_penalty for r in sub_rows]
+    pres_list = [r.params.presence_penalty for r in sub_rows]
+    if any(freq_list) or any(pres_list):
+        freq = torch.tensor(freq_list, dtype=x.dtype).to(dev, non_blocking=True).unsqueeze(1)  # [P, 1]
+        pres = torch.tensor(pres_list, dtype=x.dtype).to(dev, non_blocking=True).unsqueeze(1)  # [P, 1]
+        x = x - freq * counts - pres * seen_out.to(x.dtype)
+    logits.index_copy_(0, _index(pen, dev), x)
+
+
+def apply_min_p_(logits: Tensor, min_p: Tensor) -> None:
+    """Tokens with prob < min_p * max prob -> -inf. logits [R, V], min_p [R] (0 = off)."""
+    probs = logits.softmax(dim=-1)  # [R, V]
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)  # [R, 1]
+    logits.masked_fill_(probs < threshold, _NEG_INF)
+
+
+def apply_top_k_top_p(logits: Tensor, top_k: Tensor | None, top_p: Tensor | None) -> Tensor:
+    """Keep each row's top-k tokens (ties with the k-th kept), then the smallest prefix of them with mass >= top_p.
+
+    logits [R, V]; top_k [R] long in [1, V] (V = off); top_p [R] in (0, 1] (1 = off). Returns new logits [R, V]
+    with the dropped tokens at -inf. One descending sort serves both filters.
+    """
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [R, V] each
+    if top_k is not None:
+        kth = sorted_logits.gather(1, (top_k - 1).unsqueeze(1))  # [R, 1] the k-th largest logit
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, _NEG_INF)
+    if top_p is not None:
+        probs = sorted_logits.softmax(dim=-1)  # [R, V] descending
+        mass_before = probs.cumsum(dim=-1) - probs  # exclusive prefix mass; 0 at the argmax, so it always stays
+        drop = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+        sorted_logits = sorted_logits.masked_fill(drop, _NEG_INF)
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Randomness
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def exponential_noise(generators: Sequence[torch.Generator | None], vocab_size: int, device: torch.device) -> Tensor:
+    """[n, V] i.i.d. Exp(1) noise, one row per entry of `generators`.
+
+    Rows with a generator draw exactly V values from it (in list order), so a seeded request's noise does not depend
+    on the rest of the batch; the other rows come from one batched call on the default generator (untouched when
+    every row is seeded).
+    """
+    q = torch.empty(len(generators), vocab_size, device=device)  # [n, V]
+    seeded = [j for j, g in enumerate(generators) if g is not None]
+    if len(seeded) < len(generators):
+        shared = [j for j, g in enumerate(generators) if g is None]
+        if not seeded:
+            q.exponential_()
+        else:
+            q.index_copy_(0, _index(shared, device), torch.empty(len(shared), vocab_size, device=device).exponential_())
+    if seeded:
+        own = torch.stack([
+            torch.empty(vocab_size, device=g.device).exponential_(generator=g).to(device)
+            for g in generators if g is not None
+        ])  # [n_seeded, V]
+        q.index_copy_(0, _index(seeded, device), own)
+    return q.clamp_(min=_MIN_NOISE)
+
+
+def exponential_race(probs: Tensor, generators: Sequence[torch.Generator | None]) -> Tensor:
+    """One token per row drawn from `probs` [n, V] (need not be normalised): argmax(probs / q), q ~ Exp(1).
+
+    P(argmax = t) = probs[t] / sum(probs) (the first arrival of independent exponential clocks with rates probs).
+    Returns [n] long.
+    """
+    q = exponential_noise(generators, probs.shape[-1], probs.device)
+    return (probs / q).argmax(dim=-1)
+
+
+def uniforms(generators: Sequence[torch.Generator | None], device: torch.device) -> Tensor:
+    """[n] U[0, 1) draws, one per entry; entries with a generator draw from it in list order."""
+    seeded = [j for j, g in enumerate(generators) if g is not None]
+    if not seeded:
+        return torch.rand(len(generators), device=device)
+    u = torch.empty(len(generators), device=device)
+    if len(seeded) < len(generators):
+        shared = [j for j, g in enumerate(generators) if g is None]
+        u.index_copy_(0, _index(shared, device), torch.rand(len(shared), device=device))
+    own = torch.cat([torch.rand(1, device=g.device, generator=g).to(device) for g in generators if g is not None])
+    u.index_copy_(0, _index(seeded, device), own)
+    return u
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Logprobs
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _row_logprobs(logprobs: Tensor, token_ids: Tensor, top_ns: Sequence[int]) -> list[RowLogprobs]:
+    """RowLogprobs of each row of `logprobs` [n, V] for `token_ids` [n] with top-`top_ns[i]` lists."""
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1))  # [n, 1]
+    ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()  # rank 1 = argmax
+    max_n = max(top_ns, default=0)
+    if max_n > 0:
+        top_vals, top_ids = logprobs.topk(max_n, dim=-1)  # [n, max_n], descending
+        top_vals_l, top_ids_l = top_vals.tolist(), top_ids.tolist()
+    else:
+        top_vals_l = top_ids_l = [[] for _ in top_ns]
+    return [
+        RowLogprobs(token_id=t, logprob=lp, rank=rank, top_ids=ids[:n], top_logprobs=vals[:n])
+        for t, lp, rank, ids, vals, n in zip(
+            token_ids.tolist(), chosen.squeeze(1).tolist(), ranks, top_ids_l, top_vals_l, top_ns, strict=True
+        )
+    ]
+
+
+def prompt_logprobs(logits: Tensor, next_token_ids: Sequence[int], top_n: int) -> list[RowLogprobs]:
+    """Logprobs of the raw model logits [N, V] for the prompt's next tokens [N], with top-`top_n` lists."""
+    logprobs = logits.float().log_softmax(dim=-1)  # [N, V]
+    tokens = _index(next_token_ids, logits.device)
+    return _row_logprobs(logprobs, tokens, [top_n] * len(next_token_ids))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The sampler
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class Sampler:
+    """Turns a batch of logits rows into tokens, one row per `SamplingRow` (vectorised over rows)."""
+
+    def __init__(self, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
+
+    # -- steps 1-5 ------------------------------------------------------------------------------------------
+
+    def processed_logits(self, logits: Tensor, rows: Sequence[SamplingRow], bitmask: Tensor | None = None) -> Tensor:
+        """A float32 copy [R, V] of `logits` after bitmask, allowed ids, min_tokens, logit_bias and penalties.
+
+        Columns at or beyond `vocab_size` (a padded lm_head) are -inf. `logits` is not changed.
+        """
+        if logits.shape[0] != len(rows):
+            raise ValueError(f"{logits.shape[0]} logits rows but {len(rows)} sampling rows")
+        x = logits.to(torch.float32, copy=True)  # [R, V]
+        if x.shape[-1] > self.vocab_size:
+            x[:, self.vocab_size:] = _NEG_INF
+        if bitmask is not None:
+            apply_token_bitmask_(x, bitmask)
+        apply_allowed_token_ids_(x, rows)
+        apply_min_tokens_(x, rows, self.eos_token_ids)
+        apply_logit_bias_(x, rows)
+        apply_penalties_(x, rows)
+        return x
+
+    # -- step 6 ---------------------------------------------------------------------------------------------
+
+    def _random_probs(self, x: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
+        """The distribution [n, V] of non-greedy rows from processed logits `x` [n, V]: temperature, min-p,
+        top-k, top-p, softmax. `x` may be changed."""
+        dev, vocab = x.device, x.shape[-1]
+        params = [r.params for r in rows]
+        temps = torch.tensor([p.temperature for p in params], dtype=x.dtype).to(dev, non_blocking=True)
+        x = x / temps.unsqueeze(1)
+        if any(p.min_p > 0.0 for p in params):
+            apply_min_p_(x, torch.tensor([p.min_p for p in params], dtype=x.dtype).to(dev, non_blocking=True))
+        use_k = any(0 < p.top_k < vocab for p in params)
+        use_p = any(p.top_p < 1.0 for p in params)
+        if use_k or use_p:
+            top_k = _index([p.top_k if 0 < p.top_k < vocab else vocab for p in params], dev) if use_k else None
+            top_p = torch.tensor([p.top_p for p in params], dtype=x.dtype).to(dev, non_blocking=True) if use_p else None
+            x = apply_top_k_top_p(x, top_k, top_p)
+        return x.softmax(dim=-1)
+
+    def probs(self, logits: Tensor, rows: Sequence[SamplingRow], bitmask: Tensor | None = None) -> Tensor:
+        """[R, V] the distribution each row samples from; greedy rows are one-hot at the argmax."""
+        x = self.processed_logits(logits, rows, bitmask)
+        greedy = [i for i, r in enumerate(rows) if r.params.greedy]
+        rand = [i for i, r in enumerate(rows) if not r.params.greedy]
+        out = torch.zeros_like(x)  # [R, V]
+        if greedy:
+            g_idx = _index(greedy, x.device)
+            top = _select_rows(x, greedy).argmax(dim=-1)  # [G]
+            out[g_idx, top] = 1.0
+        if rand:
+            p = self._random_probs(_select_rows(x, rand), [rows[i] for i in rand])  # [n_rand, V]
+            out.index_copy_(0, _index(rand, x.device), p)
+        return out
+
+    def sample(self, logits: Tensor, rows: Sequence[SamplingRow], bitmask: Tensor | None = None) -> SamplerOutput:
+        """One token per row (greedy: argmax; otherwise an exponential race over the final distribution), plus
+        logprobs of the raw logits where requested. Seeded rows consume V exponentials from their generator."""
+        x = self.processed_logits(logits, rows, bitmask)
+        greedy = [i for i, r in enumerate(rows) if r.params.greedy]
+        rand = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if not rand:
+            tokens = x.argmax(dim=-1)  # [R]
+        else:
+            rand_rows = [rows[i] for i in rand]
+            p = self._random_probs(_select_rows(x, rand), rand_rows)  # [n_rand, V]
+            drawn = exponential_race(p, [r.generator for r in rand_rows])  # [n_rand]
+            if not greedy:
+                tokens = drawn
+            else:
+                tokens = torch.empty(len(rows), dtype=torch.long, device=x.device)
+                tokens.index_copy_(0, _index(rand, x.device), drawn)
+                tokens.index_copy_(0, _index(greedy, x.device), _select_rows(x, greedy).argmax(dim=-1))
+        return SamplerOutput(token_ids=tokens.tolist(), logprobs=self._logprobs(logits, tokens, rows))
+
+    def _logprobs(self, logits: Tensor, tokens: Tensor, rows: Sequence[SamplingRow]) -> list[RowLogprobs | None]:
+        """Logprobs of the raw logits (log_softmax before any processing) for rows that asked for them."""
+        want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        out: list[RowLogprobs | None] = [None] * len(rows)
+        if not want:
+            return out
+        raw = _select_rows(logits[:, : self.vocab_size], want).float().log_softmax(dim=-1)  # [n, V]
+        chosen = _select_rows(tokens.unsqueeze(1), want).squeeze(1)  # [n]
+        top_ns = [rows[i].params.logprobs or 0 for i in want]
+        for i, lp in zip(want, _row_logprobs(raw, chosen, top_ns), strict=True):
+            out[i] = lp
+        return out

@@ -1,0 +1,173 @@
+"""Adaptive speculation length: pick K per request per step from measured acceptance and measured step costs.
+
+Model (every quantity measured online, EWMA-smoothed, so the choice is a deterministic function of the reports):
+- acceptance: p_i = P(draft i accepted | drafts 1..i-1 accepted), per request and per position i = 1..k_max.
+  A step with K drafts yields E(K) = 1 + sum_{j=1..K} prod_{i<=j} p_i tokens for the request (the 1 is the token
+  the target samples anyway); with one rate a this is sum_{i=0..K} a^i.
+- cost: the engine reports each step's verify (forward) seconds with its token count, and the drafting seconds. The
+  verify time t(n) is interpolated from per-size buckets; drafting costs a measured time per drafted token.
+- choice: a batch of B decoding requests that all draft K tokens runs B (1 + K) tokens, so the step costs
+  cost(K) = t(B (1 + K)) + B K draft_per_token and this request's throughput is E(K) / cost(K). The K in
+  [0, k_max] with the best throughput wins; K > 0 must beat K = 0 by `min_gain` (relative) or speculation is off.
+  When the forward is compute bound (t linear in n) E(K) / (1 + K) < 1 makes K = 0 win for large batches.
+- probing: a request kept at K = 0 for `probe_interval` steps, while the shared acceptance estimate would
+  speculate, drafts one token once so that its acceptance estimate can recover.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass
+class _RequestStats:
+    acceptance: list[float]  # [k_max] EWMA of p_i, position i + 1
+    steps_at_zero: int = 0
+
+
+@dataclass
+class _Bucket:
+    num_tokens: float  # EWMA of the token counts that fell in this bucket
+    seconds: float  # EWMA of their verify seconds
+
+
+@dataclass
+class AdaptiveK:
+    """Chooses the number of drafts per request per step; feed it acceptance and timing reports."""
+
+    k_max: int
+    acceptance_alpha: float = 0.1  # EWMA weight of a new acceptance observation
+    cost_alpha: float = 0.2  # EWMA weight of a new timing observation
+    prior_acceptance: float = 0.6  # p_i before anything was measured
+    min_gain: float = 0.03  # K > 0 needs throughput >= (1 + min_gain) * throughput(K = 0)
+    probe_interval: int = 64  # steps at K = 0 before probing with K = 1 (0: never probe)
+    buckets_per_octave: int = 4  # resolution of the verify-time table in log2(num_tokens)
+    # [k_max] acceptance over all requests: the prior of a new request and of the probe decision
+    _shared: list[float] = field(init=False, repr=False)
+    _requests: dict[str, _RequestStats] = field(init=False, repr=False, default_factory=dict)
+    _verify: dict[int, _Bucket] = field(init=False, repr=False, default_factory=dict)
+    _draft_per_token: float = field(init=False, repr=False, default=0.0)
+    _drafts_since_step: int = field(init=False, repr=False, default=0)
+
+    def __post_init__(self) -> None:
+        if self.k_max < 0:
+            raise ValueError(f"k_max must be >= 0, got {self.k_max}")
+        self._shared = [self.prior_acceptance] * self.k_max
+
+    # ---- reports -----------------------------------------------------------------------------------------------
+    def observe_acceptance(self, request_id: str, num_drafted: int, num_accepted: int) -> None:
+        """Record that `num_accepted` of `num_drafted` drafts were accepted (a prefix, so positions
+        1..num_accepted succeeded and position num_accepted + 1 failed when it was drafted)."""
+        stats = self._stats(request_id)
+        tried = min(num_accepted + 1, num_drafted, self.k_max)
+        for i in range(tried):
+            hit = 1.0 if i < num_accepted else 0.0
+            stats.acceptance[i] += self.acceptance_alpha * (hit - stats.acceptance[i])
+            self._shared[i] += self.acceptance_alpha * (hit - self._shared[i])
+
+    def observe_step(self, num_tokens: int, seconds: float, draft_seconds: float) -> None:
+        """Record one step: the forward over `num_tokens` tokens took `seconds`, drafting took `draft_seconds`
+        (the time not hidden behind the forward) for the drafts chosen since the previous step."""
+        if num_tokens > 0:
+            key = self._bucket_key(num_tokens)
+            bucket = self._verify.get(key)
+            if bucket is None:
+                self._verify[key] = _Bucket(float(num_tokens), float(seconds))
+            else:
+                bucket.num_tokens += self.cost_alpha * (num_tokens - bucket.num_tokens)
+                bucket.seconds += self.cost_alpha * (seconds - bucket.seconds)
+        if self._drafts_since_step > 0:
+            per_token = draft_seconds / self._drafts_since_step
+            self._draft_per_token += self.cost_alpha * (per_token - self._draft_per_token)
+        self._drafts_since_step = 0
+
+    def release(self, request_id: str) -> None:
+        """Forget the request's acceptance history."""
+        self._requests.pop(request_id, None)
+
+    # ---- decision ----------------------------------------------------------------------------------------------
+    def choose(self, request_id: str, batch_size: int) -> int:
+        """K for this request this step, in a decode batch of `batch_size` requests; counts k as drafted this step."""
+        stats = self._stats(request_id)
+        k = self._best_k(stats.acceptance, batch_size)
+        if k > 0:
+            stats.steps_at_zero = 0
+        else:
+            stats.steps_at_zero += 1
+            if (
+                self.probe_interval > 0
+                and stats.steps_at_zero >= self.probe_interval
+                and self._best_k(self._shared, batch_size) > 0
+            ):
+                stats.steps_at_zero = 0
+                k = 1
+        self._drafts_since_step += k
+        return k
+
+    def expected_tokens(self, request_id: str, k: int) -> float:
+        """E(K): expected tokens this request gains from a step with `k` drafts."""
+        return self._expected_tokens(self._stats(request_id).acceptance, k)
+
+    def step_seconds(self, batch_size: int, k: int) -> float:
+        """Modelled cost of a step where `batch_size` decoding requests each draft `k` tokens."""
+        batch = max(batch_size, 1)
+        return self.verify_seconds(batch * (1 + k)) + batch * k * self._draft_per_token
+
+    def verify_seconds(self, num_tokens: int) -> float:
+        """Interpolated verify time for a forward over `num_tokens` tokens (1.0 before any measurement).
+
+        Piecewise linear through the buckets' (tokens, seconds), made non-decreasing; flat below the smallest,
+        and above the largest continued with the last segment's slope (flat when only one bucket is known).
+        """
+        if not self._verify:
+            return 1.0
+        points = sorted((b.num_tokens, b.seconds) for b in self._verify.values())
+        xs = [x for x, _ in points]
+        ys: list[float] = []
+        for _, y in points:
+            ys.append(max(y, ys[-1]) if ys else y)
+        n = float(num_tokens)
+        if n <= xs[0]:
+            return ys[0]
+        if n >= xs[-1]:
+            if len(xs) == 1:
+                return ys[-1]
+            width = xs[-1] - xs[-2]
+            slope = (ys[-1] - ys[-2]) / width if width > 0 else 0.0
+            return ys[-1] + slope * (n - xs[-1])
+        for i in range(1, len(xs)):
+            if n <= xs[i]:
+                frac = (n - xs[i - 1]) / (xs[i] - xs[i - 1])
+                return ys[i - 1] + frac * (ys[i] - ys[i - 1])
+        return ys[-1]  # unreachable: n < xs[-1]
+
+    # ---- internals ---------------------------------------------------------------------------------------------
+    def _stats(self, request_id: str) -> _RequestStats:
+        stats = self._requests.get(request_id)
+        if stats is None:
+            stats = self._requests[request_id] = _RequestStats(list(self._shared))
+        return stats
+
+    def _bucket_key(self, num_tokens: int) -> int:
+        return round(self.buckets_per_octave * math.log2(num_tokens))
+
+    @staticmethod
+    def _expected_tokens(acceptance: list[float], k: int) -> float:
+        total, reach = 1.0, 1.0
+        for p in acceptance[:k]:
+            reach *= p  # P(drafts 1..i all accepted)
+            total += reach
+        return total
+
+    def _best_k(self, acceptance: list[float], batch_size: int) -> int:
+        """argmax_K E(K) / cost(K), with K > 0 only when it beats K = 0 by min_gain (ties: smaller K)."""
+        base = self._expected_tokens(acceptance, 0) / self.step_seconds(batch_size, 0)
+        best_k, best_rate = 0, base
+        for k in range(1, self.k_max + 1):
+            rate = self._expected_tokens(acceptance, k) / self.step_seconds(batch_size, k)
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        if best_rate < base * (1.0 + self.min_gain):
+            return 0
+        return best_k

@@ -1,0 +1,401 @@
+"""SuffixDecoding (Arctic Inference): draft by following the most frequent continuation in suffix trees.
+
+Each request has a suffix tree over its own prompt + output (extended as tokens arrive), and one global tree holds
+the outputs of the last `max_cached_requests` finished requests. A step matches the longest suffix of the request's
+tokens in both trees, grows a draft along the most frequent continuation (at most max_spec_factor * match_length
+tokens, stopping once the draft's empirical probability falls below min_token_prob) and keeps the draft with the
+larger expected number of accepted tokens.
+
+`SuffixTree` is a suffix trie of bounded depth D with occurrence counts: for every sequence s and start i it holds
+the path s[i : i + D], and the count of a point (a string) is the number of such paths through or ending at it.
+Points with count 1 lie on one path only, so they are not stored as nodes: a `_Leaf` stands for that path's unique
+tail and reads its tokens from the sequence itself ("once a leaf, always a leaf" as in suffix trees), growing with
+it for free. Appending a token costs O(number of the sequence's suffixes that occur elsewhere) <= O(D).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from tandem.spec.proposer import DraftRequest, Drafts
+
+
+class _Node:
+    """An explicit point of the trie: `count` paths pass through or end here."""
+
+    __slots__ = ("count", "children")
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.children: dict[int, _Node | _Leaf] = {}
+
+
+class _Leaf:
+    """The unique tail of path (seq_id, start): the points for seq[pos : min(start + D, len(seq))], count 1 each.
+
+    `pos > start` unless the leaf hangs from the root. When the leaf is split at its only point the path ends at
+    an explicit node from then on.
+    """
+
+    __slots__ = ("seq", "seq_id", "start", "pos")
+
+    def __init__(self, seq: list[int], seq_id: int, start: int, pos: int) -> None:
+        self.seq = seq
+        self.seq_id = seq_id
+        self.start = start
+        self.pos = pos
+
+    def end(self, max_depth: int) -> int:
+        """One past the last sequence index this leaf covers (it grows with a growing sequence)."""
+        return min(self.start + max_depth, len(self.seq))
+
+
+def _count(child: _Node | _Leaf) -> int:
+    return child.count if type(child) is _Node else 1
+
+
+@dataclass
+class Cursor:
+    """A matched point: an explicit node, or a position inside a leaf (`next_pos` = index of its next token)."""
+
+    node: _Node | None = None
+    leaf: _Leaf | None = None
+    next_pos: int = 0
+
+
+@dataclass
+class Draft:
+    """A speculated continuation and its score: the sum over its tokens of their cumulative probability."""
+
+    token_ids: list[int] = field(default_factory=list)
+    score: float = 0.0
+    match_length: int = 0
+
+
+class SuffixTree:
+    """A bounded-depth suffix trie with counts over several token sequences (ids chosen by the caller)."""
+
+    def __init__(self, max_depth: int = 64) -> None:
+        if max_depth < 1:
+            raise ValueError(f"max_depth must be >= 1, got {max_depth}")
+        self.max_depth = max_depth
+        self.root = _Node(0)
+        self._seqs: dict[int, list[int]] = {}
+        # seq_id -> {start: node where path (seq_id, start) ends}, for the growing paths (depth < D) whose end is an
+        # explicit node. Growing paths not listed end inside their own leaf. Absent for finished sequences.
+        self._growing: dict[int, dict[int, _Node]] = {}
+
+    # ---- updates -----------------------------------------------------------------------------------------------
+    def extend(self, seq_id: int, tokens: Sequence[int]) -> None:
+        """Append `tokens` to sequence `seq_id` (created if new): every suffix of it gains the new tokens."""
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            seq = self._seqs[seq_id] = []
+            self._growing[seq_id] = {}
+        growing = self._growing.get(seq_id)
+        if growing is None:
+            raise ValueError(f"sequence {seq_id} was finished; it cannot grow")
+        for token in tokens:
+            self._append(seq_id, seq, growing, int(token))
+
+    def finish(self, seq_id: int) -> None:
+        """Freeze sequence `seq_id` (drops its growth bookkeeping; it stays in the tree until `remove`)."""
+        self._growing.pop(seq_id, None)
+
+    def remove(self, seq_id: int) -> None:
+        """Delete all paths of sequence `seq_id`: counts drop along them and points left with count 0 go."""
+        seq = self._seqs.pop(seq_id)
+        self._growing.pop(seq_id, None)
+        depth = self.max_depth
+        for start in range(len(seq)):
+            node = self.root
+            for pos in range(start, min(start + depth, len(seq))):
+                token = seq[pos]
+                child = node.children[token]
+                if type(child) is _Leaf:
+                    assert child.seq_id == seq_id and child.start == start, "leaf owned by another path"
+                    del node.children[token]
+                    break
+                assert type(child) is _Node
+                child.count -= 1
+                if child.count == 0:
+                    del node.children[token]  # the rest of the path hangs below and goes with it
+                    break
+                node = child
+
+    def _append(self, seq_id: int, seq: list[int], growing: dict[int, _Node], token: int) -> None:
+        """seq += [token]: the paths ending at explicit nodes step to their `token` child, plus a new path."""
+        pos = len(seq)
+        seq.append(token)  # paths ending inside leaves of this sequence grow with it, no work
+        complete = pos + 1 - self.max_depth  # paths starting at or before this reach depth D with this token
+        paths = list(growing.items())
+        paths.append((pos, self.root))
+        for start, node in paths:
+            children = node.children
+            child = children.get(token)
+            if child is None:
+                children[token] = _Leaf(seq, seq_id, start, pos)  # first occurrence: a unique tail
+                if start != pos:
+                    del growing[start]
+                continue
+            if isinstance(child, _Leaf):
+                child = self._split(node, token, child)
+            child.count += 1
+            if start <= complete:
+                growing.pop(start, None)
+            else:
+                growing[start] = child
+
+    def _split(self, parent: _Node, token: int, leaf: _Leaf) -> _Node:
+        """Make the first point of `leaf` (under `parent` via `token`) an explicit node holding the leaf's count 1."""
+        node = _Node(1)
+        parent.children[token] = node
+        leaf.pos += 1
+        if leaf.pos < leaf.end(self.max_depth):
+            node.children[leaf.seq[leaf.pos]] = leaf
+        else:
+            # the leaf's path ends at the new node; if it still grows it is tracked as ending at an explicit node
+            growing = self._growing.get(leaf.seq_id)
+            if growing is not None and leaf.pos - leaf.start < self.max_depth:
+                growing[leaf.start] = node
+        return node
+
+    # ---- queries -----------------------------------------------------------------------------------------------
+    def sequence(self, seq_id: int) -> list[int]:
+        """The tokens of `seq_id` (the tree's own list; do not modify)."""
+        return self._seqs[seq_id]
+
+    def __contains__(self, seq_id: int) -> bool:
+        return seq_id in self._seqs
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self._seqs)
+
+    def walk(self, tokens: Sequence[int]) -> Cursor | None:
+        """The point for string `tokens` (a path from the root), or None if no sequence contains it."""
+        node = self.root
+        for i, token in enumerate(tokens):
+            child = node.children.get(token)
+            if child is None:
+                return None
+            if type(child) is _Leaf:
+                rest = len(tokens) - i
+                stop = child.pos + rest
+                if stop > child.end(self.max_depth) or child.seq[child.pos : stop] != list(tokens[i:]):
+                    return None
+                return Cursor(leaf=child, next_pos=stop)
+            assert type(child) is _Node
+            node = child
+        return Cursor(node=node)
+
+    def longest_match(self, context: Sequence[int], max_length: int) -> int:
+        """The largest m <= max_length such that context[-m:] occurs in the tree (0 if none).
+
+        Occurrence is monotone in m (every substring of a stored string is stored while m <= D), so this is a
+        binary search with O(log D) walks.
+        """
+        lo, hi = 0, min(max_length, len(context), self.max_depth)
+        n = len(context)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.walk(context[n - mid :]) is None:
+                hi = mid - 1
+            else:
+                lo = mid
+        return lo
+
+    def speculate(self, cursor: Cursor, max_tokens: int, min_token_prob: float) -> Draft:
+        """Follow the most frequent continuation from `cursor` for up to `max_tokens` tokens.
+
+        A token's probability is its child's count over the counts of all children (occurrences that continue);
+        the draft stops before the cumulative probability falls below `min_token_prob`.
+        """
+        draft = Draft()
+        prob = 1.0
+        node, leaf, next_pos = cursor.node, cursor.leaf, cursor.next_pos
+        while len(draft.token_ids) < max_tokens:
+            if leaf is not None:  # a unique tail: every next token has probability 1
+                stop = min(leaf.end(self.max_depth), next_pos + max_tokens - len(draft.token_ids))
+                take = leaf.seq[next_pos:stop]
+                draft.token_ids.extend(take)
+                draft.score += prob * len(take)
+                break
+            assert node is not None
+            if not node.children:
+                break
+            best_token, best_child, best_count, total = -1, None, 0, 0
+            for token, child in node.children.items():
+                c = _count(child)
+                total += c
+                if c > best_count:
+                    best_token, best_child, best_count = token, child, c
+            prob *= best_count / total
+            if prob < min_token_prob:
+                break
+            draft.token_ids.append(best_token)
+            draft.score += prob
+            if type(best_child) is _Leaf:
+                leaf, next_pos = best_child, best_child.pos + 1
+            else:
+                assert type(best_child) is _Node
+                node = best_child
+        return draft
+
+    def growing_match(self, seq_id: int) -> dict[int, _Node]:
+        """For a growing sequence: match length m -> node of its suffix of length m, for suffixes occurring >= 2x."""
+        seq_len = len(self._seqs[seq_id])
+        return {seq_len - start: node for start, node in self._growing.get(seq_id, {}).items()}
+
+    def counts(self) -> dict[tuple[int, ...], int]:
+        """Every stored string -> its count (the canonical content, independent of how it was built)."""
+        out: dict[tuple[int, ...], int] = {}
+        stack: list[tuple[_Node, tuple[int, ...]]] = [(self.root, ())]
+        while stack:
+            node, prefix = stack.pop()
+            for token, child in node.children.items():
+                string = (*prefix, token)
+                if type(child) is _Leaf:
+                    out[string] = 1
+                    for t in child.seq[child.pos + 1 : child.end(self.max_depth)]:
+                        string = (*string, t)
+                        out[string] = 1
+                else:
+                    assert type(child) is _Node
+                    out[string] = child.count
+                    stack.append((child, string))
+        return out
+
+
+@dataclass
+class _RequestState:
+    tree: SuffixTree  # sequence 0 = the request's prompt + output as far as seen
+    view: Sequence[int]  # the engine's latest token_ids (read again at release for the final output)
+    num_prompt_tokens: int
+
+
+class SuffixProposer:
+    """Suffix decoding over each request's own tokens and the outputs of recently finished requests."""
+
+    name = "suffix"
+
+    def __init__(
+        self,
+        max_tree_depth: int = 64,
+        max_cached_requests: int = 1000,
+        max_spec_factor: float = 1.0,
+        min_token_prob: float = 0.1,
+    ) -> None:
+        if max_tree_depth < 2:
+            raise ValueError(f"max_tree_depth must be >= 2, got {max_tree_depth}")
+        if max_cached_requests < 0:
+            raise ValueError(f"max_cached_requests must be >= 0, got {max_cached_requests}")
+        self.max_tree_depth = max_tree_depth
+        self.max_cached_requests = max_cached_requests
+        self.max_spec_factor = max_spec_factor
+        self.min_token_prob = min_token_prob
+        self.global_tree = SuffixTree(max_tree_depth)
+        self._cached: OrderedDict[str, int] = OrderedDict()  # request id -> global sequence id, oldest first
+        self._next_seq_id = 0
+        self._requests: dict[str, _RequestState] = {}
+
+    # ---- Proposer ----------------------------------------------------------------------------------------------
+    def propose(self, batch: Sequence[DraftRequest]) -> dict[str, Drafts]:
+        """Draft for each request with K > 0; extends its own tree with the tokens it has not seen."""
+        out: dict[str, Drafts] = {}
+        for req in batch:
+            state = self._sync(req)
+            if req.max_drafts <= 0:
+                out[req.request_id] = Drafts([])
+                continue
+            out[req.request_id] = Drafts(self._draft(state, req.max_drafts).token_ids)
+        return out
+
+    def on_verified(self, request_id: str, accepted: Sequence[int], num_drafted: int) -> None:
+        """Nothing to do: accepted tokens reach the request's tree through the next `propose`."""
+
+    def release(self, request_id: str) -> None:
+        """Drop the request's tree and cache its output in the global tree (evicting the oldest beyond the cap)."""
+        state = self._requests.pop(request_id, None)
+        if state is None or self.max_cached_requests == 0:
+            return
+        output = [int(t) for t in state.view[state.num_prompt_tokens :]]
+        if output:
+            self.cache_output(request_id, output)
+
+    # ---- global cache ------------------------------------------------------------------------------------------
+    def cache_output(self, request_id: str, output: Sequence[int]) -> None:
+        """Add `output` to the global tree as the newest entry; evicts least recently cached requests."""
+        old = self._cached.pop(request_id, None)
+        if old is not None:
+            self.global_tree.remove(old)
+        seq_id = self._next_seq_id
+        self._next_seq_id += 1
+        self.global_tree.extend(seq_id, output)
+        self.global_tree.finish(seq_id)
+        self._cached[request_id] = seq_id
+        while len(self._cached) > self.max_cached_requests:
+            _, evicted = self._cached.popitem(last=False)
+            self.global_tree.remove(evicted)
+
+    @property
+    def cached_request_ids(self) -> list[str]:
+        """Request ids whose outputs are in the global tree, oldest first."""
+        return list(self._cached)
+
+    # ---- drafting ----------------------------------------------------------------------------------------------
+    def _sync(self, req: DraftRequest) -> _RequestState:
+        """The request's state with its tree extended by the unseen tail of `req.token_ids`."""
+        state = self._requests.get(req.request_id)
+        tokens = req.token_ids
+        if state is not None:
+            seq = state.tree.sequence(0)
+            known = len(seq)
+            if len(tokens) < known or (known and int(tokens[known - 1]) != seq[-1]):
+                state = None  # the token list changed under us: rebuild
+        if state is None:
+            state = _RequestState(SuffixTree(self.max_tree_depth), tokens, req.num_prompt_tokens)
+            state.tree.extend(0, [])
+            self._requests[req.request_id] = state
+        state.view = tokens
+        known = len(state.tree.sequence(0))
+        if len(tokens) > known:
+            state.tree.extend(0, tokens[known:])
+        return state
+
+    def _max_tokens(self, match_length: int, max_drafts: int) -> int:
+        return min(max_drafts, int(self.max_spec_factor * match_length + 1e-9))
+
+    def _draft(self, state: _RequestState, max_drafts: int) -> Draft:
+        """The better (higher expected accepted count) of the drafts from the request's tree and the global tree.
+
+        For each tree two match lengths are tried: the longest match m, and (when shorter) the longest one leaving
+        depth for max_drafts more tokens, min(m, D - max_drafts), since a bounded-depth path stops at depth D.
+        """
+        depth = self.max_tree_depth
+        best = Draft()
+        own = state.tree.growing_match(0)
+        if own:
+            longest = max(own)
+            for m in sorted({longest, min(longest, depth - max_drafts)}, reverse=True):
+                if m >= 1:
+                    node = own.get(m)
+                    if node is not None:
+                        best = self._better(best, state.tree, Cursor(node=node), m, max_drafts)
+        if self.global_tree.num_sequences:
+            context = state.tree.sequence(0)
+            longest = self.global_tree.longest_match(context, depth)
+            for m in sorted({longest, min(longest, depth - max_drafts)}, reverse=True):
+                cursor = self.global_tree.walk(context[len(context) - m :]) if m >= 1 else None
+                if cursor is not None:
+                    best = self._better(best, self.global_tree, cursor, m, max_drafts)
+        return best
+
+    def _better(
+        self, best: Draft, tree: SuffixTree, cursor: Cursor, match_length: int, max_drafts: int
+    ) -> Draft:
+        draft = tree.speculate(cursor, self._max_tokens(match_length, max_drafts), self.min_token_prob)
+        draft.match_length = match_length
+        return draft if draft.score > best.score else best

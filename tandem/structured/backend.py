@@ -1,0 +1,249 @@
+"""The structured-output contract: a grammar spec, a compiled grammar, a per-request matcher, and a backend.
+
+A backend turns a `GrammarSpec` (plain strings, taken from `StructuredOutputsParams`) into a `CompiledGrammar`
+once (slow, cached by the manager) and makes a cheap `Matcher` per request from it. A matcher walks one request's
+output token by token and writes its allowed-token bitmask into a row of a shared int32 array:
+
+    bitmask: int32 [R, ceil(V / 32)];  token t is allowed in row r  <=>  (bitmask[r, t // 32] >> (t % 32)) & 1
+
+where V is the model's logits width. Token ids at or above the tokenizer's own vocabulary (padding ids of the
+logits) are never allowed. EOS is allowed exactly where the grammar accepts; once a matcher has accepted EOS it is
+terminated and its row allows only EOS.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from tandem.params import StructuredOutputsParams
+
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+JSON_KINDS = ("json", "json_object")
+
+
+class GrammarError(ValueError):
+    """A backend rejected a spec (or the manager refused it); the message names the backend and its reason."""
+
+    def __init__(self, backend: str, reason: str) -> None:
+        super().__init__(f"{backend}: {reason}")
+        self.backend = backend
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """One constraint as plain strings: `kind` in KINDS, `spec` its text, `whitespace` 'compact' | 'flexible'.
+
+    `whitespace` only shapes the JSON kinds; for the others it is normalised to 'compact' so that equal regexes,
+    choices and grammars share one cache entry.
+    """
+
+    kind: str
+    spec: str
+    whitespace: str = "compact"
+
+    @classmethod
+    def from_params(cls, params: StructuredOutputsParams) -> GrammarSpec:
+        kind = params.kind
+        whitespace = params.whitespace if kind in JSON_KINDS else "compact"
+        return cls(kind=kind, spec=params.spec, whitespace=whitespace)
+
+    @property
+    def size_bytes(self) -> int:
+        """The spec's UTF-8 size (what `max_spec_bytes` limits)."""
+        return len(self.spec.encode("utf-8"))
+
+    def choices(self) -> list[str]:
+        """The literals of a 'choice' spec (a JSON list of strings)."""
+        values = json.loads(self.spec)
+        if not isinstance(values, list) or not values or not all(isinstance(v, str) and v for v in values):
+            raise ValueError("choice spec must be a JSON list of non-empty strings")
+        return values
+
+
+class CompiledGrammar(Protocol):
+    """A backend's compiled form of one spec; shared read-only by all matchers made from it."""
+
+    backend: str
+    memory_bytes: int  # the backend's estimate of the memory it holds (what the manager's cache bound counts)
+
+
+class Matcher(Protocol):
+    """One request's position in its grammar. Not thread-safe; distinct matchers may run on distinct threads."""
+
+    def accept(self, tokens: Sequence[int]) -> int:
+        """Advance over `tokens`; stop at the first token the grammar rejects (not consumed). Returns how many."""
+        ...
+
+    def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
+        """Overwrite `bitmask[row]` (int32 [R, ceil(V/32)]) with the tokens allowed next. State is unchanged."""
+        ...
+
+    def rollback(self, n: int) -> None:
+        """Undo the last `n` accepted tokens (EOS included)."""
+        ...
+
+    def is_terminated(self) -> bool:
+        """True once EOS has been accepted."""
+        ...
+
+    def forced_tokens(self) -> list[int]:
+        """Tokens the grammar forces next (empty when more than one continuation is possible). State is unchanged."""
+        ...
+
+    def validate(self, tokens: Sequence[int]) -> int:
+        """How many leading `tokens` `accept` would take, without changing state (draft checking)."""
+        ...
+
+
+class GrammarBackend(Protocol):
+    """Compiles specs for one tokenizer vocabulary and makes matchers; built once per engine."""
+
+    name: str
+    vocab_size: int  # V, the bitmask covers ceil(V / 32) words
+
+    def compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        """Compile `spec` (thread-safe; may take long). Raises GrammarError with the backend's reason."""
+        ...
+
+    def matcher(self, grammar: CompiledGrammar) -> Matcher:
+        """A fresh matcher at the grammar's start (cheap)."""
+        ...
+
+
+def bitmask_words(vocab_size: int) -> int:
+    """Number of int32 words per bitmask row: ceil(V / 32)."""
+    return (vocab_size + 31) // 32
+
+
+def allocate_bitmask(rows: int, vocab_size: int) -> np.ndarray:
+    """A bitmask with every token allowed: int32 [rows, ceil(V/32)], all bits set."""
+    return np.full((rows, bitmask_words(vocab_size)), -1, dtype=np.int32)
+
+
+def allowed_tokens(bitmask: np.ndarray, row: int, vocab_size: int) -> np.ndarray:
+    """The token ids whose bit is set in `bitmask[row]` (ascending), as int64 [n_allowed]."""
+    bits = np.unpackbits(np.ascontiguousarray(bitmask[row]).view(np.uint8), bitorder="little")  # [32 * words]
+    return np.flatnonzero(bits[:vocab_size])
+
+
+def is_allowed(bitmask: np.ndarray, row: int, token: int) -> bool:
+    """Whether `token`'s bit is set in `bitmask[row]`."""
+    return bool((int(bitmask[row, token >> 5]) >> (token & 31)) & 1)
+
+
+def fill_only(bitmask: np.ndarray, row: int, tokens: Sequence[int]) -> None:
+    """Overwrite `bitmask[row]` so that exactly `tokens` are allowed."""
+    words = bitmask[row].view(np.uint32)  # [W]; uint32 view so that bit 31 can be set with plain ints
+    words[:] = 0
+    for t in tokens:
+        words[t >> 5] |= np.uint32(1 << (t & 31))
+
+
+def check_bitmask(bitmask: np.ndarray, vocab_size: int) -> None:
+    """Raise ValueError unless `bitmask` is a C-contiguous int32 [R, ceil(V/32)] array."""
+    words = bitmask_words(vocab_size)
+    if bitmask.dtype != np.int32 or bitmask.ndim != 2 or bitmask.shape[1] != words:
+        raise ValueError(f"bitmask must be int32 [R, {words}] for vocab_size {vocab_size}, got {bitmask.dtype} {bitmask.shape}")
+    if not bitmask.flags["C_CONTIGUOUS"]:
+        raise ValueError("bitmask must be C-contiguous")
+
+
+_LOG_PREFIX = re.compile(r"^\[[0-9:]+\]\s+\S+:\d+:\s*")
+
+
+def backend_reason(exc: BaseException) -> str:
+    """A library exception's message without C++ log prefixes ('[12:00:00] /path/file.cc:94: ') or tracebacks."""
+    text = str(exc).strip() or type(exc).__name__
+    lines = [line for line in text.splitlines() if line.strip()]
+    first = _LOG_PREFIX.sub("", lines[0]) if lines else text
+    rest = [line for line in lines[1:] if not line.lstrip().startswith(("File ", "Stack trace", "  "))]
+    return " ".join([first, *rest[:3]]).strip()
+
+
+# --- vocabularies that do not come from a Hugging Face tokenizer (large-vocabulary mask benchmarks) ---------------
+
+# The pre-tokenization patterns tiktoken ships for its encodings (only used by llguidance's own tokenize()).
+_TIKTOKEN_PATTERNS = {
+    "o200k_base": "|".join(
+        [
+            r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+            r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+            r"""\p{N}{1,3}""",
+            r""" ?[^\s\p{L}\p{N}]+[\r\n/]*""",
+            r"""\s*[\r\n]+""",
+            r"""\s+(?!\S)""",
+            r"""\s+""",
+        ]
+    ),
+    "cl100k_base": r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+""",
+}
+_TIKTOKEN_SPECIALS = {
+    "o200k_base": {"<|endoftext|>": 199999, "<|endofprompt|>": 200018},
+    "cl100k_base": {"<|endoftext|>": 100257, "<|fim_prefix|>": 100258, "<|fim_middle|>": 100259, "<|fim_suffix|>": 100260, "<|endofprompt|>": 100276},
+}
+
+
+@dataclass(frozen=True)
+class TiktokenVocab:
+    """A tiktoken BPE vocabulary: `ranks` (token bytes -> id), named special tokens, the split pattern."""
+
+    name: str
+    ranks: dict[bytes, int] = field(repr=False)
+    special_tokens: dict[str, int]
+    pattern: str = field(repr=False)
+
+    @property
+    def size(self) -> int:
+        """Number of ids (ordinary and special tokens, gaps included)."""
+        return max([*self.ranks.values(), *self.special_tokens.values()]) + 1
+
+    @property
+    def eos_token_id(self) -> int:
+        return self.special_tokens["<|endoftext|>"]
+
+    def token_bytes(self) -> list[bytes]:
+        """Bytes of every id; special tokens and unused ids are b'' (which both libraries treat as never allowed)."""
+        vocab = [b""] * self.size
+        for piece, rank in self.ranks.items():
+            vocab[rank] = piece
+        return vocab
+
+    def encode_greedy(self, text: str) -> list[int]:
+        """Longest-match tokenization of `text` (a valid, if not BPE-canonical, tokenization; for tests)."""
+        data = text.encode("utf-8")
+        longest = max(len(p) for p in self.ranks)
+        ids: list[int] = []
+        i = 0
+        while i < len(data):
+            for n in range(min(longest, len(data) - i), 0, -1):
+                rank = self.ranks.get(data[i : i + n])
+                if rank is not None:
+                    ids.append(rank)
+                    i += n
+                    break
+            else:
+                raise ValueError(f"byte {data[i]} at {i} has no token")
+        return ids
+
+
+def load_tiktoken(path: str | Path) -> TiktokenVocab:
+    """Read a `.tiktoken` file (lines 'base64(token) rank'); the name (o200k_base, cl100k_base) picks the pattern."""
+    path = Path(path)
+    name = path.name.removesuffix(".tiktoken")
+    if name not in _TIKTOKEN_PATTERNS:
+        raise ValueError(f"unknown tiktoken encoding {name!r}; known: {sorted(_TIKTOKEN_PATTERNS)}")
+    ranks: dict[bytes, int] = {}
+    for line in path.read_bytes().splitlines():
+        if line.strip():
+            piece, rank = line.split()
+            ranks[base64.b64decode(piece)] = int(rank)
+    return TiktokenVocab(name, ranks, dict(_TIKTOKEN_SPECIALS[name]), _TIKTOKEN_PATTERNS[name])

@@ -1,0 +1,182 @@
+"""llguidance backend: JSON schema, any JSON object, regex (Rust `regex` syntax), choice, Lark and GBNF grammars.
+
+llguidance computes masks lazily (a derivative-based lexer over a token trie plus an Earley parser), so its
+"compile" is cheap: we translate the spec to llguidance's grammar JSON and build one prototype `LLMatcher`, which
+validates it; each request's matcher is a `deep_copy()` of the prototype (microseconds). Its Rust calls drop the
+GIL. The 'grammar' kind accepts Lark text and llama.cpp GBNF (converted to Lark by `llguidance.grammar_from`).
+
+Choices made here:
+- JSON schemas use JSON Schema semantics (extra object keys allowed unless `additionalProperties: false`); the
+  whitespace setting overrides any `x-guidance` in the schema. Unimplemented keywords are errors (not ignored).
+- llguidance has no memory-size API; `memory_bytes` is an estimate (see `_estimate_bytes`).
+- `LLMatcher` never raises on bad input: a bad grammar shows up as `is_error()` on the prototype, which we turn
+  into a GrammarError; tokens are validated before they are consumed, so a request's matcher never enters the
+  error state.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import llguidance
+import llguidance.hf
+import numpy as np
+
+from tandem.structured.backend import (
+    CompiledGrammar,
+    GrammarError,
+    GrammarSpec,
+    TiktokenVocab,
+    backend_reason,
+    fill_only,
+)
+
+_OBJECT_SCHEMA = '{"type": "object"}'
+_BASE_BYTES = 64 * 1024  # fixed cost of a prototype matcher (parser tables, lexer start state)
+_BYTES_PER_GRAMMAR_CHAR = 16  # the grammar JSON expands into rules, lexemes and lazily built lexer states
+
+
+def _estimate_bytes(grammar_json: str) -> int:
+    """A rough memory estimate: llguidance exposes none, and its lexer grows lazily with use."""
+    return _BASE_BYTES + _BYTES_PER_GRAMMAR_CHAR * len(grammar_json)
+
+
+@dataclass(frozen=True)
+class LLGuidanceCompiled:
+    """A validated llguidance grammar (JSON text) and a prototype matcher at its start state (never advanced)."""
+
+    grammar: str = field(repr=False)
+    prototype: Any = field(repr=False)  # llguidance.LLMatcher
+    memory_bytes: int
+    backend: str = "llguidance"
+
+
+class LLGuidanceMatcher:
+    """One request's `LLMatcher` plus the position of an accepted EOS (llguidance does not report one itself)."""
+
+    def __init__(self, compiled: LLGuidanceCompiled, eos_token_ids: Sequence[int]) -> None:
+        self._matcher = compiled.prototype.deep_copy()
+        self._eos = list(eos_token_ids)
+        self._eos_set = frozenset(self._eos)
+        self._num_tokens = 0  # tokens accepted so far (EOS included)
+        self._eos_at: int | None = None  # index of the accepted EOS in the stream; None while not terminated
+
+    def accept(self, tokens: Sequence[int]) -> int:
+        """Validate first, then consume the valid prefix, so a bad token never puts the matcher in error state."""
+        tokens = [int(t) for t in tokens]
+        n = self._matcher.validate_tokens(tokens) if tokens else 0
+        if n == 0:
+            return 0
+        if not self._matcher.consume_tokens(tokens[:n]):
+            raise GrammarError("llguidance", f"consume failed after validation: {self._matcher.get_error()}")
+        for i, token in enumerate(tokens[:n]):
+            if token in self._eos_set and self._eos_at is None:
+                self._eos_at = self._num_tokens + i
+        self._num_tokens += n
+        return n
+
+    def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
+        if self._eos_at is not None:
+            fill_only(bitmask, row, self._eos)
+            return
+        target = bitmask[row]  # [W] int32, a C-contiguous view of one row
+        self._matcher.unsafe_compute_mask_ptr(target.ctypes.data, target.nbytes)
+
+    def rollback(self, n: int) -> None:
+        if n <= 0:
+            return
+        if n > self._num_tokens or not self._matcher.rollback(n):
+            raise GrammarError("llguidance", f"cannot roll back {n} of {self._num_tokens} tokens")
+        self._num_tokens -= n
+        if self._eos_at is not None and self._eos_at >= self._num_tokens:
+            self._eos_at = None
+
+    def is_terminated(self) -> bool:
+        return self._eos_at is not None
+
+    def forced_tokens(self) -> list[int]:
+        if self._eos_at is not None:
+            return []
+        return [int(t) for t in self._matcher.compute_ff_tokens()]
+
+    def validate(self, tokens: Sequence[int]) -> int:
+        if not tokens:
+            return 0
+        return int(self._matcher.validate_tokens([int(t) for t in tokens]))
+
+
+class LLGuidanceBackend:
+    """Compiles specs against one `llguidance.LLTokenizer` (thread-safe: compiles share only the tokenizer)."""
+
+    name = "llguidance"
+
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int] = ()) -> None:
+        """Wrap a fast Hugging Face tokenizer; `vocab_size` is the logits width (ids past the tokenizer: never allowed)."""
+        eos = list(eos_token_ids) or [int(hf_tokenizer.eos_token_id)]
+        tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos)
+        self._setup(tokenizer, vocab_size, eos)
+
+    @classmethod
+    def from_tiktoken(cls, vocab: TiktokenVocab, vocab_size: int | None = None, eos_token_ids: Sequence[int] = ()) -> LLGuidanceBackend:
+        """A backend over a raw tiktoken vocabulary."""
+        size = vocab_size or vocab.size
+        eos = list(eos_token_ids) or [vocab.eos_token_id]
+        tokenizer = llguidance.LLTokenizer.from_tiktoken(  # type: ignore[attr-defined]
+            encoder=vocab.ranks, special_tokens=vocab.special_tokens, pattern=vocab.pattern, eos_token=eos, n_vocab=size
+        )
+        self = cls.__new__(cls)
+        self._setup(tokenizer, size, eos)
+        return self
+
+    def _setup(self, tokenizer: Any, vocab_size: int, eos: list[int]) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos
+        self._tokenizer = tokenizer
+        self._translators: dict[str, Callable[[GrammarSpec], str]] = {
+            "json": lambda s: self._schema_grammar(s.spec, s.whitespace),
+            "json_object": lambda s: self._schema_grammar(_OBJECT_SCHEMA, s.whitespace),
+            "regex": lambda s: llguidance.LLMatcher.grammar_from_regex(s.spec),
+            "choice": self._choice_grammar,
+            "grammar": lambda s: llguidance.grammar_from("grammar", s.spec),
+        }
+
+    def compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        translate = self._translators.get(spec.kind)
+        if translate is None:
+            raise GrammarError(self.name, f"unsupported kind {spec.kind!r}")
+        try:
+            grammar = translate(spec)
+        except GrammarError:
+            raise
+        except Exception as e:  # ValueError from the schema / GBNF translation
+            raise GrammarError(self.name, backend_reason(e)) from e
+        prototype = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
+        if prototype.is_error():
+            raise GrammarError(self.name, prototype.get_error().strip())
+        return LLGuidanceCompiled(grammar=grammar, prototype=prototype, memory_bytes=_estimate_bytes(grammar))
+
+    def matcher(self, grammar: CompiledGrammar) -> LLGuidanceMatcher:
+        assert isinstance(grammar, LLGuidanceCompiled), "a grammar compiled by another backend"
+        return LLGuidanceMatcher(grammar, self.eos_token_ids)
+
+    def tokenize(self, text: str) -> list[int]:
+        """llguidance's own tokenization of `text` (for tests and benchmarks)."""
+        return [int(t) for t in self._tokenizer.tokenize_str(text)]
+
+    @staticmethod
+    def _schema_grammar(schema: str, whitespace: str) -> str:
+        """compact: separators ',' ':' and no whitespace; flexible: any JSON whitespace around them."""
+        options: dict[str, Any] = {"whitespace_flexible": whitespace == "flexible", "item_separator": ",", "key_separator": ":"}
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=options)  # type: ignore[arg-type]
+
+    def _choice_grammar(self, spec: GrammarSpec) -> str:
+        """start: "lit1" | "lit2" | ...; JSON string escapes are valid Lark string escapes in llguidance."""
+        try:
+            literals = spec.choices()
+        except ValueError as e:
+            raise GrammarError(self.name, str(e)) from e
+        lark = "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in literals)
+        return llguidance.LLMatcher.grammar_from_lark(lark)

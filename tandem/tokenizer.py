@@ -1,0 +1,186 @@
+"""The tokenizer the engine uses: a thin wrapper over a `transformers` tokenizer with the ids and calls it needs.
+
+`Tokenizer.from_path` loads, from local files only:
+- an HF folder (`tokenizer.json` / `tokenizer_config.json`, via `AutoTokenizer`), plus the extra EOS ids of its
+  `generation_config.json`;
+- a `.gguf` file (the tokenizer embedded in the GGUF metadata);
+- a bare folder `transformers` cannot read on its own: one SentencePiece `*.model` file (llama2.c checkpoints such
+  as stories260K) or GPT-2 style `vocab.json` + `merges.txt`;
+- a SentencePiece `.model` file.
+
+Decoding never applies `clean_up_tokenization_spaces`: the incremental detokenizer decodes short windows of ids, and
+the clean-up rules (" ." -> ".") would give a different text for a window than for the whole output.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoTokenizer, GPT2Tokenizer, LlamaTokenizer, PreTrainedTokenizerBase
+
+from tandem.config import ConfigError
+
+
+class Tokenizer:
+    """Wraps a transformers tokenizer (AutoTokenizer) with what the engine needs."""
+
+    def __init__(self, hf: PreTrainedTokenizerBase, extra_eos_token_ids: Sequence[int] = ()) -> None:
+        """Wrap `hf`; `extra_eos_token_ids` (e.g. from generation_config.json) also end a request."""
+        self.hf = hf
+        self.vocab_size: int = len(hf)
+        eos = [int(hf.eos_token_id)] if hf.eos_token_id is not None else []
+        eos += [int(e) for e in extra_eos_token_ids if int(e) not in eos]
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos))
+        self.bos_token_id: int | None = hf.bos_token_id
+
+    # ---- loading -------------------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_path(cls, path: str | Path, chat_template: str | None = None) -> Tokenizer:
+        """Load from a folder, a `.gguf` file or a SentencePiece `.model` file (local files only).
+
+        `chat_template` replaces the tokenizer's own template: Jinja text, or the path of a file holding it.
+        Raises ConfigError naming `path` when nothing loadable is there.
+        """
+        p = Path(path)
+        if not p.exists():
+            raise ConfigError(
+                f"tokenizer path {p} does not exist (expected a folder, a .gguf or a .model file)"
+            )
+        try:
+            if p.is_file() and p.suffix == ".gguf":
+                hf = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name, local_files_only=True)
+                tok = cls(hf)
+            elif p.is_file() and p.suffix == ".model":
+                tok = cls.from_sentencepiece(p)
+            elif p.is_dir():
+                tok = cls._from_folder(p)
+            else:
+                raise ConfigError(f"tokenizer path {p} is neither a folder, a .gguf file nor a .model file")
+        except ConfigError:
+            raise
+        except Exception as e:
+            # transformers raises OSError / ValueError / KeyError / ... for unreadable or unsupported files
+            raise ConfigError(f"cannot load a tokenizer from {p}: {type(e).__name__}: {e}") from e
+        if chat_template is not None:
+            tok.set_chat_template(chat_template)
+        return tok
+
+    @classmethod
+    def _from_folder(cls, folder: Path) -> Tokenizer:
+        """An HF folder via AutoTokenizer; otherwise a bare SentencePiece or GPT-2 BPE folder."""
+        extra_eos = _generation_config_eos(folder)
+        if any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+            return cls(AutoTokenizer.from_pretrained(str(folder), local_files_only=True), extra_eos)
+        spm_files = sorted(folder.glob("*.model"))
+        if len(spm_files) == 1:
+            return cls.from_sentencepiece(spm_files[0], extra_eos)
+        if (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file():
+            return cls(GPT2Tokenizer.from_pretrained(str(folder), local_files_only=True), extra_eos)
+        raise ConfigError(
+            f"no tokenizer in folder {folder}: expected tokenizer.json / tokenizer_config.json, one SentencePiece "
+            "*.model file, or vocab.json + merges.txt"
+        )
+
+    @classmethod
+    def from_sentencepiece(cls, model_file: str | Path, extra_eos_token_ids: Sequence[int] = ()) -> Tokenizer:
+        """Build a Llama-style BPE tokenizer (byte fallback, "▁" spaces, BOS added) from a SentencePiece model.
+
+        Reads the pieces with the `sentencepiece` library (no protobuf needed); control pieces (<s>, </s>) become
+        special tokens. The model's normalizer is not reproduced: runs of spaces are kept, not collapsed.
+        """
+        import sentencepiece as spm
+        from transformers.convert_slow_tokenizer import generate_merges
+
+        sp = spm.SentencePieceProcessor(model_file=str(model_file))
+        vocab = {sp.id_to_piece(i): i for i in range(sp.get_piece_size())}
+        merges = generate_merges(vocab)
+
+        def piece(i: int) -> str | None:
+            return sp.id_to_piece(i) if i >= 0 else None
+
+        hf = LlamaTokenizer(
+            vocab=vocab,
+            merges=merges,
+            unk_token=piece(sp.unk_id()),
+            bos_token=piece(sp.bos_id()),
+            eos_token=piece(sp.eos_id()),
+            add_bos_token=sp.bos_id() >= 0,
+            add_eos_token=False,
+        )
+        return cls(hf, extra_eos_token_ids)
+
+    def set_chat_template(self, chat_template: str) -> None:
+        """Replace the chat template with `chat_template` (Jinja text, or a path to a file holding it)."""
+        candidate = Path(chat_template) if len(chat_template) < 4096 and "\n" not in chat_template else None
+        if candidate is not None and candidate.is_file():
+            chat_template = candidate.read_text()
+        self.hf.chat_template = chat_template
+
+    # ---- text <-> ids --------------------------------------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; `add_special_tokens` adds what the tokenizer's post-processor adds (e.g. BOS)."""
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(
+        self, ids: Sequence[int], skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True
+    ) -> str:
+        """Text of `ids` (no tokenization-space clean-up; see the module docstring)."""
+        return str(
+            self.hf.decode(
+                list(ids),
+                skip_special_tokens=skip_special_tokens,
+                spaces_between_special_tokens=spaces_between_special_tokens,
+                clean_up_tokenization_spaces=False,
+            )
+        )
+
+    @property
+    def has_chat_template(self) -> bool:
+        return getattr(self.hf, "chat_template", None) is not None
+
+    def render_chat(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True, **kw: Any
+    ) -> str:
+        """The chat template applied to `messages`, as text; ConfigError when the tokenizer has no template."""
+        if not self.has_chat_template:
+            raise ConfigError(
+                "this tokenizer has no chat template; pass chat_template=... (Jinja text or a file path) "
+                "or send a plain completion prompt"
+            )
+        text = self.hf.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False, **kw
+        )
+        return str(text)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True, **kw: Any
+    ) -> list[int]:
+        """Token ids of the rendered chat; the template writes its own special tokens, so none are added here."""
+        return self.encode(self.render_chat(messages, add_generation_prompt, **kw), add_special_tokens=False)
+
+    def token_strings(self) -> list[str]:
+        """The raw vocabulary piece of each id in [0, vocab_size) ("Ġthe", "▁the", "<0xE2>"); "" for holes."""
+        pieces = self.hf.convert_ids_to_tokens(list(range(self.vocab_size)))
+        return [p if isinstance(p, str) else "" for p in pieces]
+
+    def __repr__(self) -> str:
+        return f"Tokenizer({type(self.hf).__name__}, vocab_size={self.vocab_size}, eos={self.eos_token_ids})"
+
+
+def _generation_config_eos(folder: Path) -> tuple[int, ...]:
+    """The eos_token_id(s) of `folder/generation_config.json` (an int or a list), or () when absent."""
+    f = folder / "generation_config.json"
+    if not f.is_file():
+        return ()
+    try:
+        eos = json.loads(f.read_text()).get("eos_token_id")
+    except (json.JSONDecodeError, AttributeError) as e:
+        raise ConfigError(f"{f} is not a valid JSON object: {e}") from e
+    if eos is None:
+        return ()
+    return tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
