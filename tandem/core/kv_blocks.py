@@ -92,7 +92,9 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     # -------------------------------------------------------------------------------------------- lifecycle
-    def admit(self, req: Request, num_new_tokens: int | None = None, *, use_prefix_cache: bool = True) -> bool:
+    def admit(
+        self, req: Request, num_new_tokens: int | None = None, *, use_prefix_cache: bool = True
+    ) -> bool:
         """Give a request without blocks its cached prefix plus blocks for its first chunk.
 
         Reuses the longest run of leading full blocks of `req.token_ids` found in the prefix cache, never all of the

@@ -128,7 +128,8 @@ class Scheduler:
                 if num_drafts:
                     num_drafts = 0
                     continue
-                victim = self._running[-1]  # the most recently admitted; never one already scheduled (index < i)
+                # the most recently admitted; never one already scheduled (those have index < i)
+                victim = self._running[-1]
                 if victim is req and len(self._running) == 1:
                     raise KVCacheTooSmallError(req.request_id, req.num_computed_tokens + num_new, bm)
                 self._preempt(victim, plan)
@@ -145,8 +146,8 @@ class Scheduler:
         preempted_now = set(plan.preempted_ids)
         while self._waiting and budget > 0 and len(self._running) < self.config.max_num_seqs:
             req = self._waiting[0]
-            if req.request_id in preempted_now:  # they sit at the front: nobody is admitted past them this step
-                return
+            if req.request_id in preempted_now:
+                return  # preempted ones sit at the front: nobody is admitted past them this step
             if not bm.admit(req, budget, use_prefix_cache=not self._wants_prompt_logprobs(req)):
                 if not self._running:  # the whole cache is free and still too small for its first chunk
                     raise KVCacheTooSmallError(req.request_id, min(req.num_tokens, budget), bm)
@@ -221,10 +222,11 @@ class Scheduler:
                 self._check_accepted(sr, accepted)  # before any change to req
             req.num_computed_tokens += sr.num_tokens - sr.num_draft_tokens
             if sr.needs_logits:
-                req.num_computed_tokens += len(accepted) - 1  # accepted drafts have KV; the sampled token not yet
+                # accepted drafts have valid KV; the sampled token has none yet
+                req.num_computed_tokens += len(accepted) - 1
                 req.append_tokens(accepted)
                 req.draft_token_ids = []
-                bm.truncate(req, req.num_tokens)  # keep blocks for positions < num_tokens (next input included)
+                bm.truncate(req, req.num_tokens)  # keep blocks for positions < num_tokens (next input too)
             bm.commit(req)
 
     @staticmethod
@@ -237,4 +239,6 @@ class Scheduler:
             )
         drafts = sr.input_ids[len(sr.input_ids) - k :] if k else []
         if accepted[:-1] != drafts[: len(accepted) - 1]:
-            raise ValueError(f"request {sr.request_id!r}: accepted tokens {accepted[:-1]} are not a prefix of the drafts")
+            raise ValueError(
+                f"request {sr.request_id!r}: accepted tokens {accepted[:-1]} are not a prefix of the drafts"
+            )

@@ -243,16 +243,21 @@ class LLMEngine:
         return tokens
 
     def _record_prompt_logprobs(self, seq: _Sequence, sr: ScheduledRequest, logits: torch.Tensor) -> None:
-        """Row i predicts the token at position start + i + 1; record those inside the prompt (first sequence only)."""
+        """Row i predicts the token at position start + i + 1; record those inside the prompt (first sequence only).
+
+        Keyed by position: after a preemption the prompt is recomputed and rows already recorded are skipped.
+        """
         group = seq.group
         if seq.index != 0 or group.prompt_logprobs is None:
             return
         prompt = group.prompt_token_ids
-        nexts = [prompt[p + 1] for p in range(sr.start_pos, sr.start_pos + sr.num_tokens) if p + 1 < len(prompt)]
-        if not nexts:
+        first = len(group.prompt_logprobs)  # next position without a record
+        rows = [i for i in range(sr.num_tokens) if first <= sr.start_pos + i + 1 < len(prompt)]
+        if not rows:
             return
+        nexts = [prompt[sr.start_pos + i + 1] for i in rows]
         top_n = seq.req.params.prompt_logprobs or 0
-        for lp in prompt_logprobs(logits[: len(nexts)], nexts, top_n):
+        for lp in prompt_logprobs(logits[rows[0] : rows[-1] + 1], nexts, top_n):
             group.prompt_logprobs.append(self._logprob_dict(lp))
 
     def _logprob_dict(self, lp: RowLogprobs) -> dict[int, Logprob]:

@@ -41,7 +41,9 @@ def find_demo_gguf() -> Path:
             candidate = Path(folder) / DEMO_GGUF_NAME
             if candidate.is_file():
                 return candidate
-    raise ConfigError(f"the demo model {DEMO_GGUF_NAME} (package {DEMO_DISTRIBUTION}) is not installed; {_INSTALL_HINT}")
+    raise ConfigError(
+        f"the demo model {DEMO_GGUF_NAME} (package {DEMO_DISTRIBUTION}) is not installed; {_INSTALL_HINT}"
+    )
 
 
 def demo_model_path() -> Path:

@@ -125,7 +125,9 @@ def gguf_hf_config(reader: GGUFReader, path: Path) -> dict[str, Any]:
     meta = GGUFMetadata(reader, path)
     arch = str(meta.require("general.architecture"))
     if arch not in GGUF_ARCHITECTURES:
-        raise ConfigError(f"{path}: unsupported GGUF architecture {arch!r}; supported: {sorted(GGUF_ARCHITECTURES)}")
+        raise ConfigError(
+            f"{path}: unsupported GGUF architecture {arch!r}; supported: {sorted(GGUF_ARCHITECTURES)}"
+        )
     tensors = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in tensors:
         raise ConfigError(f"{path}: GGUF has no token_embd.weight tensor")
@@ -136,7 +138,11 @@ def gguf_hf_config(reader: GGUFReader, path: Path) -> dict[str, Any]:
         if len(set(kv_heads)) != 1:
             raise ConfigError(f"{path}: per-layer head_count_kv {kv_heads} is not supported")
         kv_heads = kv_heads[0]
-    head_dim = meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count") or hidden // heads
+    head_dim = (
+        meta.get(f"{arch}.attention.key_length")
+        or meta.get(f"{arch}.rope.dimension_count")
+        or hidden // heads
+    )
     embd_rows = int(tensors["token_embd.weight"].shape[-1])  # GGUF shapes are [cols, rows]
     vocab = meta.array_length("tokenizer.ggml.tokens") or meta.get(f"{arch}.vocab_size") or embd_rows
     if vocab != embd_rows:
@@ -208,7 +214,8 @@ def llama3_scaling_from_rope_freqs(
     low, high = 1.0, 4.0
     band = (divisors > 1 + 1e-6) & (divisors < factor - 1e-6)
     if factor > 1 and band.sum() >= 2:
-        smooth = (1 / divisors[band] - 1 / factor) / (1 - 1 / factor)  # s, linear in x: s = (x - low) / (high - low)
+        # s from 1/d = (1 - s)/factor + s; s is linear in x: s = (x - low) / (high - low)
+        smooth = (1 / divisors[band] - 1 / factor) / (1 - 1 / factor)
         slope, intercept = np.polyfit(x[band], smooth, 1)
         high_minus_low = 1 / slope
         low = -intercept * high_minus_low
@@ -222,19 +229,30 @@ def llama3_scaling_from_rope_freqs(
     }
     wavelen = 2 * math.pi / inv_freq
     s = (original / wavelen - low) / (high - low)
-    rebuilt = np.where(wavelen < original / high, 1.0, np.where(wavelen > original / low, factor, 1 / ((1 - s) / factor + s)))
+    rebuilt = np.where(
+        wavelen < original / high, 1.0, np.where(wavelen > original / low, factor, 1 / ((1 - s) / factor + s))
+    )
     if not np.allclose(rebuilt, divisors, rtol=1e-4, atol=1e-4):
-        raise ConfigError(f"{path}: rope_freqs does not follow Llama 3 rope scaling; this GGUF is not supported")
+        raise ConfigError(
+            f"{path}: rope_freqs does not follow Llama 3 rope scaling; this GGUF is not supported"
+        )
     return scaling
 
 
 def iter_gguf_weights(
-    reader: GGUFReader, cfg: Mapping[str, Any], dtype: torch.dtype, *, progress: bool = True, path: Path | None = None
+    reader: GGUFReader,
+    cfg: Mapping[str, Any],
+    dtype: torch.dtype,
+    *,
+    progress: bool = True,
+    path: Path | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, tensor in `dtype`, HF layout) for every model tensor of the GGUF."""
     arch = str(cfg["model_type"])
     heads, kv_heads = int(cfg["num_attention_heads"]), int(cfg["num_key_value_heads"])
-    for t in tqdm(reader.tensors, desc=f"loading {path.name if path else 'gguf'}", unit="tensor", disable=not progress):
+    for t in tqdm(
+        reader.tensors, desc=f"loading {path.name if path else 'gguf'}", unit="tensor", disable=not progress
+    ):
         name = hf_tensor_name(t.name)
         if name is None:
             if t.name not in _SKIPPED_TENSORS:
@@ -312,7 +330,9 @@ def load_gguf_checkpoint(path: Path, dtype: torch.dtype, *, progress: bool = Tru
     return Checkpoint(config, weights, tokenizer_path, gguf_chat_template(reader, path), "gguf")
 
 
-def convert_gguf_to_hf(gguf_path: str | Path, out_dir: str | Path, dtype: torch.dtype = torch.float32) -> Path:
+def convert_gguf_to_hf(
+    gguf_path: str | Path, out_dir: str | Path, dtype: torch.dtype = torch.float32
+) -> Path:
     """Write an HF folder (config.json, model.safetensors, tokenizer, generation_config.json) from a GGUF.
 
     Written atomically into `out_dir` (which must not exist or be empty); loadable by `load_checkpoint` and by

@@ -86,7 +86,9 @@ def read_header(bin_path: Path) -> Llama2cHeader:
         raise ConfigError(f"{bin_path} is too short to be a llama2.c checkpoint")
     dim, hidden, layers, heads, kv_heads, vocab, seq_len = _HEADER.unpack(raw)
     if dim == _LEGACY_MAGIC:
-        raise ConfigError(f"{bin_path} is a versioned llama2.c export (magic 'ak42'); only the legacy fp32 format loads")
+        raise ConfigError(
+            f"{bin_path} is a versioned llama2.c export (magic 'ak42'); only the legacy fp32 format loads"
+        )
     header = Llama2cHeader(dim, hidden, layers, heads, kv_heads, abs(vocab), seq_len, vocab > 0)
     ok = min(dim, hidden, layers, heads, kv_heads, abs(vocab), seq_len) > 0 and dim % heads == 0
     expected = _HEADER.size + 4 * sum(int(np.prod(s)) for _, s in header.float_counts()) if ok else -1
@@ -115,7 +117,9 @@ def read_llama2c_weights(bin_path: Path, header: Llama2cHeader) -> dict[str, tor
         weights[p + "input_layernorm.weight"] = arrays["attention_norm"][i]
         weights[p + "post_attention_layernorm.weight"] = arrays["ffn_norm"][i]
         weights[p + "self_attn.q_proj.weight"] = interleaved_to_rotate_half(arrays["wq"][i], header.n_heads)
-        weights[p + "self_attn.k_proj.weight"] = interleaved_to_rotate_half(arrays["wk"][i], header.n_kv_heads)
+        weights[p + "self_attn.k_proj.weight"] = interleaved_to_rotate_half(
+            arrays["wk"][i], header.n_kv_heads
+        )
         weights[p + "self_attn.v_proj.weight"] = arrays["wv"][i]
         weights[p + "self_attn.o_proj.weight"] = arrays["wo"][i]
         weights[p + "mlp.gate_proj.weight"] = arrays["w1"][i]
@@ -178,7 +182,9 @@ def convert_llama2c(bin_path: str | Path, tokenizer_model_path: str | Path, out_
             raise ConfigError(f"{p} does not exist")
     header = read_header(src)
     weights = read_llama2c_weights(src, header)
-    return write_hf_folder(Path(out_dir), llama2c_hf_config(header), weights, lambda tmp: save_sentencepiece_tokenizer(tok, tmp))
+    return write_hf_folder(
+        Path(out_dir), llama2c_hf_config(header), weights, lambda tmp: save_sentencepiece_tokenizer(tok, tmp)
+    )
 
 
 def find_tokenizer_model(bin_path: Path) -> Path:

@@ -96,7 +96,9 @@ def interleaved_to_rotate_half(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     return w.reshape(num_heads, head_dim // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()
 
 
-def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.bfloat16, *, progress: bool = True) -> Checkpoint:
+def load_checkpoint(
+    path: str | Path, dtype: torch.dtype = torch.bfloat16, *, progress: bool = True
+) -> Checkpoint:
     """Load an HF folder, a `.gguf` (or a folder holding exactly one and no config.json) or a llama2.c `.bin`."""
     p = Path(path).expanduser()
     if not p.exists():
@@ -165,7 +167,11 @@ def safetensors_files(folder: Path) -> list[Path]:
     if others:
         return others
     pickles = sorted(p.name for p in folder.glob("*.bin")) + sorted(p.name for p in folder.glob("*.pt*"))
-    hint = f" (found {', '.join(pickles[:3])}: .bin/pickle checkpoints are not loaded, for safety)" if pickles else ""
+    hint = (
+        f" (found {', '.join(pickles[:3])}: .bin/pickle checkpoints are not loaded, for safety)"
+        if pickles
+        else ""
+    )
     raise ConfigError(
         f"{folder} has no {SAFETENSORS_FILE} or {SAFETENSORS_INDEX}{hint}; convert the weights to safetensors "
         "(.bin/pickle checkpoints are never loaded because unpickling can run code)"
@@ -181,7 +187,9 @@ def _iter_safetensors(files: list[Path], wanted: set[str]) -> Iterator[tuple[str
                     if name in wanted:
                         yield name, f.get_tensor(name)
         except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-            raise ConfigError(f"{file} is not a readable safetensors file (corrupt or truncated?): {e}") from e
+            raise ConfigError(
+                f"{file} is not a readable safetensors file (corrupt or truncated?): {e}"
+            ) from e
 
 
 def read_chat_template(folder: Path) -> str | None:
@@ -220,7 +228,9 @@ def write_hf_folder(
 
     def fill(tmp: Path) -> None:
         (tmp / "config.json").write_text(json.dumps(dict(hf_config), indent=2, sort_keys=True) + "\n")
-        generation = {k: hf_config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in hf_config}
+        generation = {
+            k: hf_config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in hf_config
+        }
         (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
         tensors = {k: v.detach().contiguous() for k, v in weights.items()}
         save_file(tensors, str(tmp / SAFETENSORS_FILE), metadata={"format": "pt"})
@@ -229,7 +239,9 @@ def write_hf_folder(
 
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()):
-        raise ConfigError(f"{out_dir} already exists and is not empty; remove it or choose another output folder")
+        raise ConfigError(
+            f"{out_dir} already exists and is not empty; remove it or choose another output folder"
+        )
     return write_folder_atomically(out_dir, fill)
 
 

@@ -72,8 +72,15 @@ class GrammarSpec:
 class CompiledGrammar(Protocol):
     """A backend's compiled form of one spec; shared read-only by all matchers made from it."""
 
-    backend: str
-    memory_bytes: int  # the backend's estimate of the memory it holds (what the manager's cache bound counts)
+    @property
+    def backend(self) -> str:
+        """The name of the backend that compiled it."""
+        ...
+
+    @property
+    def memory_bytes(self) -> int:
+        """The backend's estimate of the memory it holds (what the manager's cache bound counts)."""
+        ...
 
 
 class Matcher(Protocol):

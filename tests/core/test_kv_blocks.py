@@ -124,7 +124,8 @@ def test_fully_cached_prompt_still_computes_last_token() -> None:
     a.num_computed_tokens = 80  # all 5 blocks full of computed tokens
     bm.commit(a)
     assert bm.num_cached_blocks == 5
-    same = make_request("b", prefix(64))  # exactly 4 cached blocks: the 4th must be recomputed for its last token
+    # exactly 4 cached blocks: the 4th must be recomputed for the prompt's last token
+    same = make_request("b", prefix(64))
     assert bm.admit(same)
     assert same.num_cached_tokens == 48
     assert same.block_ids[:3] == a.block_ids[:3] and same.block_ids[3] != a.block_ids[3]
@@ -197,7 +198,8 @@ def test_lru_evicts_least_recently_freed_request_first() -> None:
     a0, b0 = a.block_ids[0], b.block_ids[0]
     bm.free(b)  # b freed first -> evicted first
     bm.free(a)
-    c = make_request("c", prefix(48, base=300))  # 3 blocks: 2 plain free + the least recently freed cached one
+    # 3 blocks: 2 plain free + the least recently freed cached one
+    c = make_request("c", prefix(48, base=300))
     assert bm.admit(c)
     assert b0 in c.block_ids and a0 not in c.block_ids
     assert bm.block_hash(a0) is not None

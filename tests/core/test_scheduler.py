@@ -57,7 +57,9 @@ class FakeEngine:
     ) -> None:
         self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
         config = SchedulerConfig(
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
         )
         self.sched = Scheduler(config, self.bm)
         self.drafter = drafter
@@ -75,7 +77,9 @@ class FakeEngine:
         stop_token: int | None = None,
         prompt_logprobs: int | None = None,
     ) -> Request:
-        req = Request(rid, list(prompt), SamplingParams(max_tokens=max_tokens, prompt_logprobs=prompt_logprobs))
+        req = Request(
+            rid, list(prompt), SamplingParams(max_tokens=max_tokens, prompt_logprobs=prompt_logprobs)
+        )
         self.live[rid] = req
         self.stop_tokens[rid] = stop_token
         self.sched.add(req)
@@ -193,7 +197,8 @@ def check_invariants(eng: FakeEngine) -> None:
     assert len(eng.live) == sched.num_running + sched.num_waiting
     for b, n in holders.items():
         assert bm.ref_count(b) == n
-        if n > 1:  # shared: only a cached block, full of computed tokens, at the same index with the same tokens
+        if n > 1:
+            # shared: only a cached block, full of computed tokens, at the same index with the same tokens
             assert bm.block_hash(b) is not None
             owners = positions[b]
             (r0, i0) = owners[0]
@@ -418,6 +423,7 @@ def test_prompt_logprobs_get_all_logits_and_skip_the_cache() -> None:
     first = eng.step().requests[0]
     assert b.num_cached_tokens == 0 and first.start_pos == 0
     assert first.all_logits and not first.needs_logits and first.num_tokens == 8
+    assert first.num_logits_rows == 8  # prompt-logprob rows for every chunk
     last_chunk = eng.step().requests[0]
     assert last_chunk.all_logits and last_chunk.needs_logits and last_chunk.num_logits_rows == 4
     decode = eng.step().requests[0]

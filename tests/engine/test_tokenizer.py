@@ -82,8 +82,10 @@ def test_hf_folder_with_generation_config_and_chat_template(gpt2: Tokenizer, tmp
 
     template_file = tmp_path / "template.jinja"
     template_file.write_text(template)
-    from_file = Tokenizer.from_path(tmp_path, chat_template=str(template_file))
-    assert from_file.apply_chat_template(messages) == ids
+    tok.set_chat_template("{{ messages[0].content }}")
+    assert tok.render_chat(messages) == "Hello 😀"
+    tok.set_chat_template(str(template_file))
+    assert tok.apply_chat_template(messages) == ids
 
 
 def test_bad_paths_raise_config_error_naming_the_path(tmp_path: Path) -> None:

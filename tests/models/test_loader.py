@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -30,7 +31,7 @@ from tandem.models.loader import (
     resolve_dtype,
 )
 
-TINY = dict(
+TINY: dict[str, Any] = dict(
     hidden_size=64,
     intermediate_size=128,
     num_hidden_layers=2,
@@ -48,7 +49,7 @@ LLAMA3_ROPE = {
 }
 
 
-def tiny_model(kind: str, **overrides: object) -> PreTrainedModel:
+def tiny_model(kind: str, **overrides: Any) -> PreTrainedModel:
     """A random tiny model of one family; deterministic weights."""
     torch.manual_seed(0)
     classes: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel]]] = {
@@ -61,7 +62,7 @@ def tiny_model(kind: str, **overrides: object) -> PreTrainedModel:
     return model_cls(config_cls(**{**TINY, **overrides})).eval()
 
 
-def save(model: PreTrainedModel, folder: Path, **kwargs: object) -> Path:
+def save(model: PreTrainedModel, folder: Path, **kwargs: Any) -> Path:
     model.save_pretrained(str(folder), **kwargs)
     return folder
 
@@ -213,9 +214,15 @@ def test_corrupt_safetensors(tmp_path: Path, damage: str) -> None:
 def test_missing_weight_named(tmp_path: Path) -> None:
     model = tiny_model("qwen2", tie_word_embeddings=False)
     folder = save(model, tmp_path / "m")
-    state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "model.layers.1.self_attn.k_proj.bias"}
+    state = {
+        k: v.contiguous()
+        for k, v in model.state_dict().items()
+        if k != "model.layers.1.self_attn.k_proj.bias"
+    }
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(ConfigError, match=r"1 weight\(s\) missing.*2 layers: model\.layers\.1\.self_attn\.k_proj\.bias$"):
+    with pytest.raises(
+        ConfigError, match=r"1 weight\(s\) missing.*2 layers: model\.layers\.1\.self_attn\.k_proj\.bias$"
+    ):
         load_checkpoint(folder, progress=False)
 
 

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 import torch
@@ -94,7 +95,7 @@ _LOGITS = _P.log().unsqueeze(0)
         ({"top_k": 2, "min_p": 0.7}, [1]),
     ],
 )
-def test_top_k_top_p_min_p_keep_exactly(params: dict[str, float], kept: list[int]) -> None:
+def test_top_k_top_p_min_p_keep_exactly(params: dict[str, Any], kept: list[int]) -> None:
     probs = Sampler(4, [EOS]).probs(_LOGITS, [_row(**params)])[0]
     assert _survivors(probs) == kept
     torch.testing.assert_close(probs[kept], _P[kept] / _P[kept].sum())
@@ -251,7 +252,7 @@ def test_seeded_rows_reproduce_whatever_the_batch() -> None:
 
 
 @pytest.mark.parametrize("params", [{"temperature": 0.8, "top_p": 0.8}, {"temperature": 1.5, "top_k": 5, "min_p": 0.05}])
-def test_sampling_frequencies_match_the_distribution(params: dict[str, float]) -> None:
+def test_sampling_frequencies_match_the_distribution(params: dict[str, Any]) -> None:
     torch.manual_seed(0)
     logits_row = torch.tensor([1.2, 0.3, -0.5, 2.0, 0.9, -1.5, 0.0, 1.6])
     sampler = Sampler(8, [EOS])

@@ -53,7 +53,9 @@ def test_min_n_rejects_short_matches() -> None:
 
 
 def test_overlapping_occurrence_is_allowed() -> None:
-    assert propose(NgramProposer(1, 3), [9, 7, 7, 7, 7], 3) == [7]  # [7,7,7] ends at index 3, followed by one 7
+    assert propose(NgramProposer(1, 3), [9, 7, 7, 7, 7], 3) == [
+        7
+    ]  # [7,7,7] ends at index 3, followed by one 7
 
 
 def test_invalid_lookup_bounds() -> None:
@@ -123,7 +125,9 @@ def test_speed_on_4k_context() -> None:
         start = time.perf_counter()
         p.propose([DraftRequest("r", tokens, 4096, 5)])
         times.append(time.perf_counter() - start)
-    print(f"ngram propose, 4k context: median {np.median(times) * 1e6:.1f} us, p90 {np.percentile(times, 90) * 1e6:.1f} us")
+    print(
+        f"ngram propose, 4k context: median {np.median(times) * 1e6:.1f} us, p90 {np.percentile(times, 90) * 1e6:.1f} us"
+    )
 
 
 def copy_task_mean_accepted(proposer: NgramProposer, k: int = 5, seed: int = 0) -> float:
@@ -137,7 +141,11 @@ def copy_task_mean_accepted(proposer: NgramProposer, k: int = 5, seed: int = 0) 
         done = len(tokens) - len(prompt)
         drafts = proposer.propose([DraftRequest("copy", tokens, len(prompt), k)])["copy"].token_ids
         accepted = 0
-        while accepted < len(drafts) and done + accepted < len(target) and drafts[accepted] == target[done + accepted]:
+        while (
+            accepted < len(drafts)
+            and done + accepted < len(target)
+            and drafts[accepted] == target[done + accepted]
+        ):
             accepted += 1
         proposer.on_verified("copy", drafts[:accepted], len(drafts))
         tokens += target[done : done + accepted + 1]  # accepted drafts + the target's own next token

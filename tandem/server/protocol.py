@@ -1,0 +1,390 @@
+"""OpenAI-shaped request and response bodies (pydantic), and their mapping onto `SamplingParams`.
+
+Requests accept the OpenAI fields plus vLLM's extras (top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
+structured_outputs, guided_*); unknown fields are ignored, as vLLM does. Every numeric field carries the bounds the
+engine enforces, so the OpenAPI document describes what is accepted and a fuzzer's out-of-range values get a 400.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tandem.params import ParamError, SamplingParams, StructuredOutputsParams
+
+MAX_N = 128  # completions per request
+MAX_LOGPROBS = 20  # the engine's bound on top logprobs
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+class APIError(Exception):
+    """An error that becomes an OpenAI-shaped error body with `status_code`."""
+
+    def __init__(
+        self,
+        message: str,
+        status_code: int = 400,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status_code = status_code
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return ErrorResponse(
+            error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
+        ).model_dump()
+
+
+# ---------------------------------------------------------------------------------------------------------- errors
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+# ---------------------------------------------------------------------------------------------- request pieces
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+class JSONSchemaFormat(_Lenient):
+    name: str = "response"
+    description: str | None = None
+    json_schema: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Lenient):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(_Lenient):
+    """vLLM's `structured_outputs` body field: exactly one of the constraint kinds."""
+
+    json_: dict[str, Any] | str | bool | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    whitespace: Literal["compact", "flexible"] | None = None
+    backend: Literal["auto", "xgrammar", "llguidance"] | None = None
+
+
+class TextContentPart(_Lenient):
+    type: Literal["text"] = "text"
+    text: str
+
+
+class ChatMessage(_Lenient):
+    role: str
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        """The content as one string (text parts joined)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class _SamplingRequest(_Lenient):
+    """Fields shared by chat and completion requests."""
+
+    model: str | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=100.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
+    user: str | None = None
+    # vLLM extras
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
+    min_tokens: int = Field(default=0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | str | bool | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: Literal["auto", "xgrammar", "llguidance"] | None = None
+
+    def _max_tokens(self) -> int | None:
+        raise NotImplementedError
+
+    def _num_logprobs(self) -> int | None:
+        raise NotImplementedError
+
+    def sampling_params(self) -> SamplingParams:
+        """The engine's parameters for this body; raises ParamError for values the engine refuses."""
+        return SamplingParams(
+            n=self.n,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=0 if self.top_k is None else self.top_k,
+            min_p=self.min_p or 0.0,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            seed=self.seed,
+            stop=self.stop or (),
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
+            max_tokens=self._max_tokens(),
+            min_tokens=self.min_tokens,
+            logprobs=self._num_logprobs(),
+            logit_bias=_logit_bias(self.logit_bias),
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+            structured_outputs=self.structured_outputs_params(),
+        )
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """response_format, structured_outputs and guided_* -> one StructuredOutputsParams (at most one source)."""
+        sources: list[tuple[str, dict[str, Any]]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            sources.append(("response_format", {"json_object": True}))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.json_schema is None:
+                raise APIError("response_format json_schema needs json_schema.schema", param="response_format")
+            sources.append(("response_format", {"json": rf.json_schema.json_schema}))
+        so = self.structured_outputs
+        if so is not None:
+            kw = {
+                k: v
+                for k, v in (
+                    ("json", so.json_),
+                    ("json_object", so.json_object or None),
+                    ("regex", so.regex),
+                    ("choice", so.choice),
+                    ("grammar", so.grammar),
+                )
+                if v is not None
+            }
+            sources.append(("structured_outputs", kw))
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+            value = getattr(self, name)
+            if value is not None:
+                sources.append((name, {key: value}))
+        if not sources:
+            return None
+        if len(sources) > 1:
+            names = [s for s, _ in sources]
+            raise APIError(f"give at most one structured-output constraint, got {names}", param=names[1])
+        param, kw = sources[0]
+        whitespace = (so.whitespace if so is not None else None) or "compact"
+        backend = (so.backend if so is not None else None) or self.guided_decoding_backend
+        try:
+            return StructuredOutputsParams(**kw, whitespace=whitespace, backend=backend)
+        except ParamError as e:
+            raise APIError(str(e), param=param) from e
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    if not bias:
+        return None
+    out: dict[int, float] = {}
+    for k, v in bias.items():
+        try:
+            out[int(k)] = float(v)
+        except ValueError as e:
+            raise APIError(f"logit_bias keys must be token ids, got {k!r}", param="logit_bias") from e
+    return out
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+
+    def _max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def _num_logprobs(self) -> int | None:
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
+            return None
+        return self.top_logprobs or 0
+
+    def conversation(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+PromptInput = str | list[int] | list[str] | list[list[int]]
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: PromptInput
+    max_tokens: int | None = Field(default=16, ge=1)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+
+    def _max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def _num_logprobs(self) -> int | None:
+        return self.logprobs
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt as a batch: text or token ids each; raises APIError when empty."""
+        p = self.prompt
+        if isinstance(p, str):
+            batch: list[str | list[int]] = [p]
+        elif not p:
+            raise APIError("prompt must not be empty", param="prompt")
+        elif all(isinstance(t, int) for t in p):
+            batch = [list(p)]  # type: ignore[arg-type]
+        else:
+            batch = list(p)  # type: ignore[arg-type]
+        if not batch or any(len(b) == 0 for b in batch):
+            raise APIError("prompt must not be empty", param="prompt")
+        return batch
+
+
+# ------------------------------------------------------------------------------------------------------ responses
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatCompletionChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatCompletionStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "tandem"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"

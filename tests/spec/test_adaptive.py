@@ -1,0 +1,149 @@
+"""Adaptive K: the throughput model picks long drafts when they pay and turns speculation off when they do not."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+from tandem.spec import AdaptiveK
+
+
+def feed_acceptance(ak: AdaptiveK, request_id: str, accepted: int, times: int = 100) -> None:
+    for _ in range(times):
+        ak.observe_acceptance(request_id, ak.k_max, accepted)
+
+
+def feed_costs(ak: AdaptiveK, verify: Callable[[int], float], draft_per_token: float = 0.0) -> None:
+    for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096):
+        k = ak.choose("_timing", 1)  # the drafts chosen before a step are what its draft time is spread over
+        ak.observe_step(n, verify(n), draft_per_token * k)
+    ak.release("_timing")
+
+
+def flat(n: int) -> float:
+    return 0.010
+
+
+def linear(n: int) -> float:
+    return 0.0001 * n
+
+
+def roofline(n: int) -> float:
+    return max(0.010, 0.0001 * n)  # memory bound up to 100 tokens, compute bound after
+
+
+def test_high_acceptance_and_cheap_verify_give_large_k() -> None:
+    ak = AdaptiveK(k_max=8)
+    feed_costs(ak, flat, draft_per_token=1e-5)
+    feed_acceptance(ak, "r", accepted=8)
+    assert ak.choose("r", batch_size=8) == 8
+
+
+def test_low_acceptance_turns_speculation_off() -> None:
+    ak = AdaptiveK(k_max=8, probe_interval=0)
+    feed_costs(ak, lambda n: 0.010 + 0.00002 * n, draft_per_token=2e-4)
+    feed_acceptance(ak, "r", accepted=0)
+    assert ak.choose("r", batch_size=4) == 0
+    feed_acceptance(ak, "good", accepted=8)
+    assert ak.choose("good", batch_size=4) > 0  # same costs, other request: acceptance decides
+
+
+def test_large_compute_bound_batch_turns_speculation_off() -> None:
+    ak = AdaptiveK(k_max=6)
+    feed_costs(ak, roofline)
+    feed_acceptance(ak, "r", accepted=6)  # perfect acceptance still cannot beat a linear cost
+    assert ak.choose("r", batch_size=1) >= 4  # small batch: the forward is memory bound, drafts are free
+    assert ak.choose("r", batch_size=512) == 0
+    linear_only = AdaptiveK(k_max=6)
+    feed_costs(linear_only, linear)
+    feed_acceptance(linear_only, "r", accepted=5)
+    assert all(linear_only.choose("r", batch_size=b) == 0 for b in (1, 16, 256))
+
+
+def test_expected_tokens_model() -> None:
+    ak = AdaptiveK(k_max=4, prior_acceptance=0.5)
+    assert ak.expected_tokens("r", 0) == 1.0
+    assert abs(ak.expected_tokens("r", 3) - (1 + 0.5 + 0.25 + 0.125)) < 1e-12
+    ak.observe_acceptance("r", 4, 1)  # position 1 accepted, position 2 rejected, 3-4 untried
+    accept = ak._requests["r"].acceptance
+    assert accept[0] > 0.5 > accept[1] and accept[2] == accept[3] == 0.5
+
+
+def test_verify_time_interpolation() -> None:
+    ak = AdaptiveK(k_max=2)
+    assert ak.verify_seconds(10) == 1.0  # nothing measured yet
+    ak.observe_step(10, 1.0, 0.0)
+    assert ak.verify_seconds(1000) == 1.0  # one point: flat
+    ak.observe_step(100, 2.0, 0.0)
+    assert abs(ak.verify_seconds(55) - 1.5) < 1e-9
+    assert abs(ak.verify_seconds(190) - 3.0) < 1e-9  # extrapolated with the last slope
+    assert ak.verify_seconds(1) == 1.0
+
+
+def test_deterministic_given_inputs() -> None:
+    def run() -> list[int]:
+        ak = AdaptiveK(k_max=5)
+        rng = random.Random(7)
+        choices = []
+        for step in range(300):
+            k = ak.choose("r", 4)
+            choices.append(k)
+            ak.observe_acceptance("r", k, sum(1 for _ in range(k) if rng.random() < 0.7))
+            ak.observe_step(4 * (1 + k), roofline(4 * (1 + k)) + 0.0001 * (step % 3), 1e-4 * k)
+        return choices
+
+    assert run() == run()
+
+
+def simulate(
+    acceptance: dict[str, float], verify: Callable[[int], float], steps: int, k_max: int = 6
+) -> tuple[AdaptiveK, dict[str, list[int]]]:
+    """Requests whose drafts are accepted independently with a fixed rate; returns K chosen per step."""
+    ak = AdaptiveK(k_max=k_max)
+    rng = random.Random(11)
+    history: dict[str, list[int]] = {rid: [] for rid in acceptance}
+    for _ in range(steps):
+        batch = len(acceptance)
+        ks = {rid: ak.choose(rid, batch) for rid in acceptance}
+        for rid, k in ks.items():
+            history[rid].append(k)
+            accepted = 0
+            while accepted < k and rng.random() < acceptance[rid]:
+                accepted += 1
+            ak.observe_acceptance(rid, k, accepted)
+        num_tokens = sum(1 + k for k in ks.values())
+        ak.observe_step(num_tokens, verify(num_tokens) * (1 + 0.02 * rng.random()), 2e-5 * sum(ks.values()))
+    return ak, history
+
+
+def oracle_k(a: float, batch: int, verify: Callable[[int], float], k_max: int) -> int:
+    def rate(k: int) -> float:
+        return sum(a**i for i in range(k + 1)) / (verify(batch * (1 + k)) + 2e-5 * batch * k)
+
+    return max(range(k_max + 1), key=rate)
+
+
+def test_converges_under_simulated_workload() -> None:
+    acceptance = {"easy": 0.9, "medium": 0.6, "hard": 0.02}
+    ak, history = simulate(acceptance, roofline, steps=600)
+    late = {rid: ks[-100:] for rid, ks in history.items()}
+    assert sum(late["hard"]) <= 10  # off, apart from rare probes
+    for rid in ("easy", "medium"):
+        best = oracle_k(acceptance[rid], 3, roofline, 6)
+        mean = sum(late[rid]) / len(late[rid])
+        assert abs(mean - best) <= 1.0, (rid, mean, best)
+    assert max(late["easy"]) == min(late["easy"]) == 6  # stable at the top once converged
+    est = ak._requests["medium"].acceptance[0]
+    assert abs(est - 0.6) < 0.2
+
+
+def test_probe_recovers_a_request_stuck_at_zero() -> None:
+    ak = AdaptiveK(k_max=4, probe_interval=5)
+    feed_costs(ak, flat)
+    feed_acceptance(ak, "other", accepted=4)  # the shared estimate says drafting pays
+    feed_acceptance(ak, "r", accepted=0, times=200)
+    feed_acceptance(ak, "other", accepted=4, times=200)
+    ks = [ak.choose("r", 2) for _ in range(10)]
+    assert ks == [0, 0, 0, 0, 1, 0, 0, 0, 0, 1]
+    ak.release("r")
+    assert "r" not in ak._requests

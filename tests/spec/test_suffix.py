@@ -1,0 +1,234 @@
+"""Suffix decoding: the bounded-depth suffix trie (counts, incremental growth, removal) and the proposer."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterable
+
+import numpy as np
+
+from tandem.spec import DraftRequest, SuffixProposer, SuffixTree, make_proposer
+
+
+def brute_counts(seqs: Iterable[list[int]], depth: int) -> dict[tuple[int, ...], int]:
+    """Every substring of length <= depth -> number of start positions whose depth-capped suffix contains it."""
+    out: dict[tuple[int, ...], int] = {}
+    for s in seqs:
+        for i in range(len(s)):
+            for j in range(i + 1, min(i + depth, len(s)) + 1):
+                key = tuple(s[i:j])
+                out[key] = out.get(key, 0) + 1
+    return out
+
+
+def propose(
+    p: SuffixProposer, tokens: list[int], k: int, request_id: str = "r", num_prompt: int = 1
+) -> list[int]:
+    return p.propose([DraftRequest(request_id, tokens, num_prompt, k)])[request_id].token_ids
+
+
+# ---- SuffixTree ------------------------------------------------------------------------------------------------
+def test_tree_counts_match_brute_force_under_growth_finish_and_removal() -> None:
+    rng = random.Random(0)
+    for _ in range(150):
+        depth = rng.randint(1, 7)
+        vocab = rng.randint(1, 4)
+        tree = SuffixTree(depth)
+        seqs: dict[int, list[int]] = {}
+        finished: set[int] = set()
+        for _ in range(rng.randint(1, 10)):
+            r = rng.random()
+            if r < 0.6:
+                sid = rng.randint(0, 3)
+                if sid in finished:
+                    continue
+                tokens = [rng.randrange(vocab) for _ in range(rng.randint(0, 6))]
+                tree.extend(sid, tokens)
+                seqs.setdefault(sid, []).extend(tokens)
+            elif r < 0.75 and seqs:
+                sid = rng.choice(sorted(seqs))
+                tree.finish(sid)
+                finished.add(sid)
+            elif seqs:
+                sid = rng.choice(sorted(seqs))
+                tree.remove(sid)
+                del seqs[sid]
+                finished.discard(sid)
+            assert tree.counts() == brute_counts(seqs.values(), depth)
+
+
+def test_incremental_growth_equals_rebuild_from_scratch() -> None:
+    rng = random.Random(3)
+    tokens = [rng.randrange(6) for _ in range(400)]
+    incremental = SuffixTree(16)
+    i = 0
+    while i < len(tokens):
+        step = rng.randint(1, 9)
+        incremental.extend(0, tokens[i : i + step])
+        i += step
+    rebuilt = SuffixTree(16)
+    rebuilt.extend(0, tokens)
+    assert incremental.counts() == rebuilt.counts() == brute_counts([tokens], 16)
+    assert incremental.growing_match(0).keys() == rebuilt.growing_match(0).keys()
+
+
+def test_proposer_tree_updated_incrementally_equals_rebuild() -> None:
+    rng = random.Random(4)
+    tokens = [rng.randrange(20) for _ in range(300)]
+    p = SuffixProposer(max_tree_depth=12)
+    n = 50
+    while n < len(tokens):
+        propose(p, tokens[:n], 4, num_prompt=50)
+        n += rng.randint(1, 5)  # accepted drafts + bonus token
+    propose(p, tokens, 4, num_prompt=50)
+    rebuilt = SuffixTree(12)
+    rebuilt.extend(0, tokens)
+    assert p._requests["r"].tree.counts() == rebuilt.counts()
+
+
+def test_growing_match_reports_repeated_suffixes() -> None:
+    tree = SuffixTree(8)
+    tree.extend(0, [1, 2, 3, 9, 1, 2])
+    matches = tree.growing_match(0)
+    assert sorted(matches) == [1, 2]  # [2] and [1, 2] occur twice; [9, 1, 2] once
+    assert matches[2].count == 2
+
+
+def test_speculate_follows_most_frequent_continuation_and_stops_on_low_probability() -> None:
+    tree = SuffixTree(8)
+    tree.extend(0, [1, 2, 5, 6, 0, 1, 2, 5, 7, 0, 1, 2, 4, 8])
+    cursor = tree.walk([1, 2])
+    assert cursor is not None
+    draft = tree.speculate(cursor, 4, 0.1)
+    assert draft.token_ids[:1] == [5]  # 5 follows [1, 2] twice, 4 once
+    assert tree.speculate(cursor, 4, 0.5).token_ids == [5]  # then 6 or 7: cumulative 2/3 * 1/2 < 0.5
+    assert tree.speculate(cursor, 4, 0.9).token_ids == []
+    assert tree.walk([3]) is None
+
+
+# ---- SuffixProposer --------------------------------------------------------------------------------------------
+def test_own_tree_proposes_the_continuation() -> None:
+    p = SuffixProposer()
+    prompt = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19]
+    # the output starts repeating the prompt: [10, 11, 12] matched (length 3) -> up to 3 drafts
+    assert propose(p, [*prompt, 10, 11, 12], 8) == [13, 14, 15]
+    assert propose(p, [*prompt, 10, 11, 12, 13, 14, 15], 8) == [16, 17, 18, 19, 10, 11]
+    assert propose(p, [1, 2, 3], 8, "fresh") == []
+
+
+def test_draft_length_grows_with_match_length() -> None:
+    source = list(range(100, 140))  # distinct tokens
+    filler = list(range(500, 520))  # never seen in the source
+    for factor in (1.0, 0.5):
+        lengths = []
+        for m in (1, 2, 4, 8):
+            p = SuffixProposer(max_spec_factor=factor)
+            tokens = [
+                *source,
+                *filler,
+                *source[20 - m : 20],
+            ]  # tail matches source[:20] over exactly m tokens
+            drafts = propose(p, tokens, 16)
+            assert drafts == source[20 : 20 + len(drafts)]
+            lengths.append(len(drafts))
+        assert lengths == [int(factor * m) for m in (1, 2, 4, 8)]
+
+
+def test_global_tree_helps_a_second_request_with_the_same_output() -> None:
+    rng = random.Random(5)
+    output = [rng.randrange(1000, 2000) for _ in range(60)]
+    prompt_a = [rng.randrange(0, 1000) for _ in range(30)]
+    prompt_b = [rng.randrange(0, 1000) for _ in range(30)]
+    p = SuffixProposer()
+    propose(p, [*prompt_a, *output], 4, "a", num_prompt=30)
+    p.release("a")
+    assert p.cached_request_ids == ["a"]
+    context = [*prompt_b, *output[:10]]
+    assert propose(p, context, 5, "b", num_prompt=30) == output[10:15]
+    assert propose(SuffixProposer(), context, 5, "b", num_prompt=30) == []  # nothing without the cache
+
+
+def test_release_reads_the_final_tokens_from_the_live_view() -> None:
+    p = SuffixProposer()
+    tokens = [1, 2, 3, 4, 5, 6]
+    propose(p, tokens, 2, "a", num_prompt=3)
+    tokens += [7, 8, 9]  # the engine's list grew after the last propose
+    p.release("a")
+    assert p.global_tree.sequence(0) == [4, 5, 6, 7, 8, 9]
+
+
+def test_global_memory_is_bounded_lru() -> None:
+    rng = random.Random(6)
+    outputs = {f"r{i}": [rng.randrange(50) for _ in range(40)] for i in range(4)}
+    p = SuffixProposer(max_tree_depth=8, max_cached_requests=2)
+    for rid, out in outputs.items():
+        p.cache_output(rid, out)
+    assert p.cached_request_ids == ["r2", "r3"]
+    assert p.global_tree.num_sequences == 2
+    assert p.global_tree.counts() == brute_counts([outputs["r2"], outputs["r3"]], 8)
+    p.cache_output("r2", outputs["r2"])  # re-caching refreshes its place
+    assert p.cached_request_ids == ["r3", "r2"]
+    p.cache_output("r4", [1, 2, 3])
+    assert p.cached_request_ids == ["r2", "r4"]
+    assert p.global_tree.counts() == brute_counts([outputs["r2"], [1, 2, 3]], 8)
+    disabled = SuffixProposer(max_cached_requests=0)
+    propose(disabled, [1, 2, 3], 2, "x")
+    disabled.release("x")
+    assert disabled.global_tree.num_sequences == 0
+
+
+def test_k_zero_and_registry() -> None:
+    p = make_proposer("suffix", max_tree_depth=16)
+    assert p.name == "suffix"
+    out = p.propose([DraftRequest("a", [1, 2, 1, 2], 1, 0)])
+    assert out["a"].token_ids == [] and out["a"].probs is None
+
+
+def test_speed_on_4k_context() -> None:
+    rng = random.Random(0)
+    tokens = [rng.randrange(32000) for _ in range(4096)]
+    p = SuffixProposer()
+    start = time.perf_counter()
+    propose(p, tokens, 5, num_prompt=4096)
+    build = time.perf_counter() - start
+    times = []
+    for i in range(200):
+        tokens.append(tokens[1000 + i] if i % 2 else rng.randrange(32000))
+        start = time.perf_counter()
+        propose(p, tokens, 5, num_prompt=4096)
+        times.append(time.perf_counter() - start)
+    print(
+        f"suffix: 4k prompt tree {build * 1e3:.1f} ms, propose median {np.median(times) * 1e6:.1f} us, "
+        f"p90 {np.percentile(times, 90) * 1e6:.1f} us"
+    )
+
+
+def copy_task_mean_accepted(proposer: SuffixProposer, k: int = 5, seed: int = 0) -> float:
+    """A target that copies a 400-token prompt with an edit every 37 tokens; returns mean accepted drafts/step."""
+    rng = random.Random(seed)
+    prompt = [rng.randrange(1000) for _ in range(400)]
+    target = [(t + 1) % 1000 if i % 37 == 36 else t for i, t in enumerate(prompt)]
+    tokens = list(prompt)
+    accepted_per_step = []
+    while len(tokens) - len(prompt) < len(target):
+        done = len(tokens) - len(prompt)
+        drafts = proposer.propose([DraftRequest("copy", tokens, len(prompt), k)])["copy"].token_ids
+        accepted = 0
+        while (
+            accepted < len(drafts)
+            and done + accepted < len(target)
+            and drafts[accepted] == target[done + accepted]
+        ):
+            accepted += 1
+        proposer.on_verified("copy", drafts[:accepted], len(drafts))
+        tokens += target[done : done + accepted + 1]  # accepted drafts + the target's own next token
+        accepted_per_step.append(accepted)
+    proposer.release("copy")
+    return float(np.mean(accepted_per_step))
+
+
+def test_copy_task_mean_accepted_length() -> None:
+    mean = copy_task_mean_accepted(SuffixProposer())
+    print(f"suffix copy task: mean accepted drafts per step {mean:.2f}")
+    assert mean > 2.0
