@@ -14,6 +14,7 @@ the clean-up rules (" ." -> ".") would give a different text for a window than f
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -31,9 +32,10 @@ class Tokenizer:
         """Wrap `hf`; `extra_eos_token_ids` (e.g. from generation_config.json) also end a request."""
         self.hf = hf
         self.vocab_size: int = len(hf)
-        eos = [int(hf.eos_token_id)] if hf.eos_token_id is not None else []
-        eos += [int(e) for e in extra_eos_token_ids if int(e) not in eos]
-        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos))
+        eos = ([hf.eos_token_id] if hf.eos_token_id is not None else []) + list(extra_eos_token_ids)
+        self.eos_token_ids: tuple[int, ...] = tuple(
+            dict.fromkeys(int(e) for e in eos)
+        )  # deduplicated, in order
         self.bos_token_id: int | None = hf.bos_token_id
 
     # ---- loading -------------------------------------------------------------------------------------------------
@@ -162,6 +164,11 @@ class Tokenizer:
     ) -> list[int]:
         """Token ids of the rendered chat; the template writes its own special tokens, so none are added here."""
         return self.encode(self.render_chat(messages, add_generation_prompt, **kw), add_special_tokens=False)
+
+    @functools.cached_property
+    def special_token_ids(self) -> frozenset[int]:
+        """Ids of the special added tokens: the ones `decode(..., skip_special_tokens=True)` drops."""
+        return frozenset(int(i) for i, tok in self.hf.added_tokens_decoder.items() if tok.special)
 
     def token_strings(self) -> list[str]:
         """The raw vocabulary piece of each id in [0, vocab_size) ("Ġthe", "▁the", "<0xE2>"); "" for holes."""

@@ -39,6 +39,7 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         self._skip_special_tokens = params.skip_special_tokens
         self._spaces_between_special_tokens = params.spaces_between_special_tokens
+        self._skipped_ids = tokenizer.special_token_ids if params.skip_special_tokens else frozenset()
         # invariant: self._ids[:self._read_offset] has been emitted (its prompt part counts as emitted context);
         # self._ids[self._prefix_offset:self._read_offset] decodes to self._prefix_text and starts on a character
         # boundary (or in the prompt); self._prefix_offset <= self._read_offset <= len(self._ids)
@@ -52,10 +53,14 @@ class IncrementalDetokenizer:
 
     def add_tokens(self, token_ids: Sequence[int]) -> str:
         """Append output `token_ids`; return the newly completed text (may be "") and extend `self.text` by it."""
+        self.num_tokens += len(token_ids)
+        if self._skipped_ids:
+            # dropped here exactly as decode would drop them, so a run of skipped tokens (EOS repeated under
+            # ignore_eos) does not widen the decode window
+            token_ids = [t for t in token_ids if t not in self._skipped_ids]
         if not token_ids:
             return ""
         self._ids.extend(token_ids)
-        self.num_tokens += len(token_ids)
         new_text = self._decode(self._ids[self._prefix_offset :])
         if len(new_text) <= len(self._prefix_text) or new_text.endswith(_REPLACEMENT_CHAR):
             return ""  # nothing new, or the last character is still incomplete: wait for more bytes

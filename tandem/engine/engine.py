@@ -129,7 +129,7 @@ class LLMEngine:
                 req=req,
                 group=group,
                 index=i,
-                stop=StopChecker(self.tokenizer, prompt_ids, params, self.max_model_len),
+                stop=StopChecker(self.tokenizer, prompt_ids, params, self.max_model_len, self.eos_token_ids),
                 generator=self._generator(params, i),
                 logprobs=[] if params.logprobs is not None else None,
             )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import os
@@ -83,7 +84,10 @@ def build_engine(
         tok.set_chat_template(ckpt.chat_template)
     runner = ModelRunner(cfg, ckpt.weights, torch_dtype, device, cache, sched, num_threads=num_threads)
     del ckpt
-    return LLMEngine(config, runner, tok)
+    engine = LLMEngine(config, runner, tok)
+    gc.collect()
+    gc.freeze()  # the long-lived objects of torch and the model never need scanning again: no GC pauses in the loop
+    return engine
 
 
 def _load(path: Path, dtype: str, progress: bool) -> Checkpoint:

@@ -146,9 +146,7 @@ def apply_penalties_(logits: Tensor, rows: Sequence[SamplingRow]) -> None:
         return
     dev, vocab = logits.device, logits.shape[-1]
     sub_rows = [rows[i] for i in pen]
-    x = _select_rows(logits, pen)  # [P, V]
-    if x is logits:
-        x = logits.clone()
+    x = _select_rows(logits, pen)  # [P, V]; every update below makes a new tensor, so `logits` is read-only here
     out_r, out_t = _pairs([(j, r.output_token_ids) for j, r in enumerate(sub_rows)])
     counts = torch.zeros(len(pen), vocab, dtype=x.dtype, device=dev)  # [P, V] occurrences in the output
     if out_r:
@@ -261,7 +259,7 @@ def _row_logprobs(logprobs: Tensor, token_ids: Tensor, top_ns: Sequence[int]) ->
     """RowLogprobs of each row of `logprobs` [n, V] for `token_ids` [n] with top-`top_ns[i]` lists."""
     chosen = logprobs.gather(1, token_ids.unsqueeze(1))  # [n, 1]
     ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()  # rank 1 = argmax
-    max_n = max(top_ns, default=0)
+    max_n = min(max(top_ns, default=0), logprobs.shape[-1])
     if max_n > 0:
         top_vals, top_ids = logprobs.topk(max_n, dim=-1)  # [n, max_n], descending
         top_vals_l, top_ids_l = top_vals.tolist(), top_ids.tolist()
@@ -275,11 +273,22 @@ def _row_logprobs(logprobs: Tensor, token_ids: Tensor, top_ns: Sequence[int]) ->
     ]
 
 
-def prompt_logprobs(logits: Tensor, next_token_ids: Sequence[int], top_n: int) -> list[RowLogprobs]:
-    """Logprobs of the raw model logits [N, V] for the prompt's next tokens [N], with top-`top_n` lists."""
-    logprobs = logits.float().log_softmax(dim=-1)  # [N, V]
-    tokens = _index(next_token_ids, logits.device)
-    return _row_logprobs(logprobs, tokens, [top_n] * len(next_token_ids))
+def prompt_logprobs(
+    logits: Tensor, next_token_ids: Sequence[int], top_n: int, chunk_rows: int = 256
+) -> list[RowLogprobs]:
+    """Logprobs of the raw model logits [N, V] for the prompt's next tokens [N], with top-`top_n` lists.
+
+    Works through `chunk_rows` rows at a time, so a long prompt never holds a float32 [N, V] copy.
+    """
+    if logits.shape[0] != len(next_token_ids):
+        raise ValueError(f"{logits.shape[0]} logits rows but {len(next_token_ids)} next tokens")
+    out: list[RowLogprobs] = []
+    for start in range(0, len(next_token_ids), chunk_rows):
+        stop = min(start + chunk_rows, len(next_token_ids))
+        logprobs = logits[start:stop].float().log_softmax(dim=-1)  # [chunk, V]
+        tokens = _index(next_token_ids[start:stop], logits.device)
+        out.extend(_row_logprobs(logprobs, tokens, [top_n] * (stop - start)))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -57,8 +57,14 @@ from tandem.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DEFAULT_KV_CACHE_MEMORY = 256 * 2**20  # bytes of draft KV cache when neither a budget nor a block count is given
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+DEFAULT_KV_CACHE_MEMORY = (
+    256 * 2**20
+)  # bytes of draft KV cache when neither a budget nor a block count is given
 
 # One request's sync-and-draft job: (request id, KV tokens to keep, tokens to feed, drafts wanted).
 SyncJob = tuple[str, int, list[int], int]
@@ -128,14 +134,21 @@ class DraftModelCore:
         ckpt = load_checkpoint(options.model_path, dtype, progress=False)
         cfg = ckpt.config
         max_len = min(options.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        sched = SchedulerConfig(max_num_seqs=options.max_num_seqs, max_num_batched_tokens=max_len, max_model_len=max_len)
+        sched = SchedulerConfig(
+            max_num_seqs=options.max_num_seqs, max_num_batched_tokens=max_len, max_model_len=max_len
+        )
         budget = options.kv_cache_memory
         if budget is None and options.num_blocks is None:
             budget = DEFAULT_KV_CACHE_MEMORY
         cache = CacheConfig(
-            block_size=options.block_size, kv_cache_memory=budget, enable_prefix_caching=False, num_blocks=options.num_blocks
+            block_size=options.block_size,
+            kv_cache_memory=budget,
+            enable_prefix_caching=False,
+            num_blocks=options.num_blocks,
         )
-        self.runner = ModelRunner(cfg, ckpt.weights, dtype, options.device, cache, sched, num_threads=options.num_threads)
+        self.runner = ModelRunner(
+            cfg, ckpt.weights, dtype, options.device, cache, sched, num_threads=options.num_threads
+        )
         self.blocks = BlockManager(self.runner.num_blocks, options.block_size, enable_prefix_caching=False)
         self.vocab_limit = min(cfg.vocab_size, options.target_vocab_size)  # drafts are ids < vocab_limit
         self.info = DraftModelInfo(
@@ -195,7 +208,11 @@ class DraftModelCore:
             next_tokens = self._forward_greedy([(seq, feed) for seq, feed, _ in running])
             for (seq, _, _), tok in zip(running, next_tokens):
                 drafts[seq.request_id].append(tok)
-            running = [(seq, [tok], k) for (seq, _, k), tok in zip(running, next_tokens) if len(drafts[seq.request_id]) < k]
+            running = [
+                (seq, [tok], k)
+                for (seq, _, k), tok in zip(running, next_tokens)
+                if len(drafts[seq.request_id]) < k
+            ]
         return drafts, dropped
 
     # ------------------------------------------------------------------------------------------------- inner
@@ -204,7 +221,9 @@ class DraftModelCore:
         seq = self._seqs.get(request_id)
         if seq is None:
             if keep:
-                raise DraftStepError(f"request {request_id!r} is unknown to the draft but {keep} tokens were kept")
+                raise DraftStepError(
+                    f"request {request_id!r} is unknown to the draft but {keep} tokens were kept"
+                )
             seq = Request(request_id, [], self._params)
             self._seqs[request_id] = seq
         if keep > seq.num_tokens:
@@ -232,7 +251,10 @@ class DraftModelCore:
         self._step_id += 1
         plan = StepPlan(
             self._step_id,
-            [ScheduledRequest(seq.request_id, tokens, seq.num_tokens, seq.block_ids) for seq, tokens in feeds],
+            [
+                ScheduledRequest(seq.request_id, tokens, seq.num_tokens, seq.block_ids)
+                for seq, tokens in feeds
+            ],
         )
         logits = self.runner.execute(plan)  # [num_requests, V] float32, one row per request (its last input)
         next_tokens: list[int] = logits[:, : self.vocab_limit].argmax(dim=-1).tolist()
@@ -320,15 +342,20 @@ class WorkerProcessBackend:
         self.timeout_s = timeout_s
         ctx = mp.get_context("spawn")
         parent_conn, child_conn = ctx.Pipe(duplex=True)
-        self.process = ctx.Process(target=_worker_main, args=(child_conn, options), name="tandem-draft", daemon=True)
+        self.process = ctx.Process(
+            target=_worker_main, args=(child_conn, options), name="tandem-draft", daemon=True
+        )
         self.process.start()
         child_conn.close()  # only the child holds its end now: the child dying closes the pipe (EOF here)
         self.conn = parent_conn
         try:
             msg = self._receive(startup_timeout_s, "start")
-        except DraftWorkerError:
+        except DraftWorkerError as e:
             self.close()
-            raise
+            raise DraftWorkerError(
+                f"{e}; see the worker's stderr. (A script that builds a worker must guard its top level with "
+                "`if __name__ == '__main__':`, since multiprocessing spawn re-imports it.)"
+            ) from e
         if msg[0] == "error":
             self.close()
             if msg[1] == "config":
@@ -361,14 +388,18 @@ class WorkerProcessBackend:
             left = deadline - time.monotonic()
             if left <= 0:
                 self._kill()
-                raise DraftWorkerError(f"the draft worker did not {doing} within {timeout_s:.1f} s (hung?); killed it")
+                raise DraftWorkerError(
+                    f"the draft worker did not {doing} within {timeout_s:.1f} s (hung?); killed it"
+                )
             try:
                 if self.conn.poll(min(left, 0.5)):
                     msg: tuple[Any, ...] = self.conn.recv()
                     return msg
             except (EOFError, OSError) as e:
                 self._kill()
-                raise DraftWorkerError(f"the draft worker died before it could {doing} ({self._exit_text()})") from e
+                raise DraftWorkerError(
+                    f"the draft worker died before it could {doing} ({self._exit_text()})"
+                ) from e
             if not self.process.is_alive():
                 self._kill()
                 raise DraftWorkerError(f"the draft worker died before it could {doing} ({self._exit_text()})")
@@ -460,13 +491,17 @@ class DraftModelProposer:
         if num_speculative_tokens < 1:
             raise ConfigError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
         if timeout_s <= 0 or startup_timeout_s <= 0:
-            raise ConfigError(f"timeouts must be > 0, got timeout_s={timeout_s}, startup_timeout_s={startup_timeout_s}")
+            raise ConfigError(
+                f"timeouts must be > 0, got timeout_s={timeout_s}, startup_timeout_s={startup_timeout_s}"
+            )
         if draft_dtype not in _DTYPES:
             raise ConfigError(f"draft_dtype must be one of {sorted(_DTYPES)}, got {draft_dtype!r}")
         device = _draft_device(draft_device)
         cores = _check_cores(cpu_cores)
         self.in_process = in_process or device.type != "cpu"
-        threads = draft_threads if draft_threads is not None or self.in_process else (len(cores) if cores else 1)
+        threads = (
+            draft_threads if draft_threads is not None or self.in_process else (len(cores) if cores else 1)
+        )
         options = DraftModelOptions(
             model_path=str(Path(model_path).expanduser()),
             target_vocab_size=target_vocab_size,
@@ -496,7 +531,9 @@ class DraftModelProposer:
         self.enabled = True  # False once the worker died or hung: speculation off
         self._mirrors: dict[str, _Mirror] = {}
         self._pending_releases: list[str] = []
-        self._lock = threading.Lock()  # guards _mirrors and _pending_releases (engine thread vs drafting thread)
+        self._lock = (
+            threading.Lock()
+        )  # guards _mirrors and _pending_releases (engine thread vs drafting thread)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-draft")
         self._inflight: Future[dict[str, Drafts]] | None = None
         self._closed = False
@@ -619,17 +656,26 @@ def check_vocabulary(
     at least the tokenizer's size (they differ only in padding rows, which drafts never use).
     """
     if target_tokenizer is not None:
-        target = target_tokenizer if isinstance(target_tokenizer, Tokenizer) else Tokenizer.from_path(target_tokenizer)
+        target = (
+            target_tokenizer
+            if isinstance(target_tokenizer, Tokenizer)
+            else Tokenizer.from_path(target_tokenizer)
+        )
         draft = Tokenizer.from_path(info.tokenizer_path)
         t_strings, d_strings = target.token_strings(), draft.token_strings()
         if t_strings != d_strings:
-            first = next((i for i, (a, b) in enumerate(zip(t_strings, d_strings)) if a != b), min(len(t_strings), len(d_strings)))
+            first = next(
+                (i for i, (a, b) in enumerate(zip(t_strings, d_strings)) if a != b),
+                min(len(t_strings), len(d_strings)),
+            )
             shown = (
                 f"id {first} is {t_strings[first]!r} for the target but {d_strings[first]!r} for the draft"
                 if first < min(len(t_strings), len(d_strings))
                 else f"the target's tokenizer has {len(t_strings)} tokens, the draft's {len(d_strings)}"
             )
-            raise ConfigError(f"the draft model's tokenizer differs from the target's: {shown}; draft and target must share a vocabulary")
+            raise ConfigError(
+                f"the draft model's tokenizer differs from the target's: {shown}; draft and target must share a vocabulary"
+            )
         tokenizer_size = len(t_strings)
     else:
         tokenizer_size = min(info.vocab_size, target_vocab_size)
@@ -683,7 +729,9 @@ def _draft_device(device: str) -> torch.device:
     except RuntimeError as e:
         raise ConfigError(f"draft_device {device!r} is not a torch device (e.g. 'cpu', 'cuda'): {e}") from e
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("draft_device 'cuda' was asked for but torch sees no CUDA device; use draft_device='cpu'")
+        raise ConfigError(
+            "draft_device 'cuda' was asked for but torch sees no CUDA device; use draft_device='cpu'"
+        )
     return dev
 
 
@@ -694,7 +742,9 @@ def _check_cores(cpu_cores: Sequence[int] | None) -> tuple[int, ...] | None:
     total = os.cpu_count() or 1
     bad = [c for c in cores if not 0 <= c < total]
     if not cores or bad:
-        raise ConfigError(f"cpu_cores must be a non-empty list of core ids in [0, {total}), got {list(cpu_cores)}")
+        raise ConfigError(
+            f"cpu_cores must be a non-empty list of core ids in [0, {total}), got {list(cpu_cores)}"
+        )
     return cores
 
 

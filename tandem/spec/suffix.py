@@ -303,13 +303,15 @@ class SuffixProposer:
 
     # ---- Proposer ----------------------------------------------------------------------------------------------
     def propose(self, batch: Sequence[DraftRequest]) -> dict[str, Drafts]:
-        """Draft for each request with K > 0; extends its own tree with the tokens it has not seen."""
+        """Draft for each request; a request with K > 0 first extends its own tree with the tokens it has not seen
+        (with K = 0 only its token view is kept, for `release`)."""
         out: dict[str, Drafts] = {}
         for req in batch:
-            state = self._sync(req)
+            state = self._state(req)
             if req.max_drafts <= 0:
                 out[req.request_id] = Drafts([])
                 continue
+            self._sync_tree(state)
             out[req.request_id] = Drafts(self._draft(state, req.max_drafts).token_ids)
         return out
 
@@ -346,24 +348,27 @@ class SuffixProposer:
         return list(self._cached)
 
     # ---- drafting ----------------------------------------------------------------------------------------------
-    def _sync(self, req: DraftRequest) -> _RequestState:
-        """The request's state with its tree extended by the unseen tail of `req.token_ids`."""
+    def _state(self, req: DraftRequest) -> _RequestState:
+        """The request's state (created on first sight) pointing at its latest token view."""
         state = self._requests.get(req.request_id)
-        tokens = req.token_ids
-        if state is not None:
-            seq = state.tree.sequence(0)
-            known = len(seq)
-            if len(tokens) < known or (known and int(tokens[known - 1]) != seq[-1]):
-                state = None  # the token list changed under us: rebuild
         if state is None:
-            state = _RequestState(SuffixTree(self.max_tree_depth), tokens, req.num_prompt_tokens)
+            state = self._requests[req.request_id] = _RequestState(
+                SuffixTree(self.max_tree_depth), req.token_ids, req.num_prompt_tokens
+            )
             state.tree.extend(0, [])
-            self._requests[req.request_id] = state
-        state.view = tokens
-        known = len(state.tree.sequence(0))
-        if len(tokens) > known:
-            state.tree.extend(0, tokens[known:])
+        state.view = req.token_ids
         return state
+
+    def _sync_tree(self, state: _RequestState) -> None:
+        """Extend the request's tree with the unseen tail of its view (rebuilt if the view no longer extends it)."""
+        tokens = state.view
+        seq = state.tree.sequence(0)
+        known = len(seq)
+        if len(tokens) < known or (known and int(tokens[known - 1]) != seq[-1]):
+            state.tree = SuffixTree(self.max_tree_depth)
+            known = 0
+        if len(tokens) > known or known == 0:
+            state.tree.extend(0, [int(t) for t in tokens[known:]])
 
     def _max_tokens(self, match_length: int, max_drafts: int) -> int:
         return min(max_drafts, int(self.max_spec_factor * match_length + 1e-9))

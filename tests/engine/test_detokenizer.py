@@ -145,3 +145,24 @@ def test_work_per_call_does_not_grow_with_the_output(gpt2: Tokenizer) -> None:
     _, det = stream(spy, gpt2.encode("Go:"), ids)
     assert det.text == continuation(gpt2, gpt2.encode("Go:"), ids)
     assert max(windows) <= 10  # a few tokens of context + an incomplete character, never the whole output
+
+
+def test_skipped_special_tokens_do_not_widen_the_window(gpt2: Tokenizer) -> None:
+    eos = gpt2.eos_token_ids[0]
+    assert gpt2.special_token_ids == {eos} and gpt2.decode([eos]) == ""
+    windows: list[int] = []
+
+    class Spy(Tokenizer):
+        def decode(
+            self,
+            ids: Sequence[int],
+            skip_special_tokens: bool = True,
+            spaces_between_special_tokens: bool = True,
+        ) -> str:
+            windows.append(len(ids))
+            return super().decode(ids, skip_special_tokens, spaces_between_special_tokens)
+
+    out = [*gpt2.encode("Hi 😀"), *([eos] * 300), *gpt2.encode(" there")]
+    _, det = stream(Spy(gpt2.hf), [], out)
+    assert det.text == "Hi 😀 there" and det.num_tokens == len(out)
+    assert max(windows) <= 10

@@ -13,7 +13,9 @@ from ..conftest import STORIES_GREEDY
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 
 
-def run_all(engine: LLMEngine, prompts: dict[str, list[int] | str], params: SamplingParams = GREEDY) -> dict[str, RequestOutput]:
+def run_all(
+    engine: LLMEngine, prompts: dict[str, list[int] | str], params: SamplingParams = GREEDY
+) -> dict[str, RequestOutput]:
     for rid, p in prompts.items():
         engine.add_request(rid, p, params)
     done: dict[str, RequestOutput] = {}
@@ -32,7 +34,13 @@ def test_stories_golden_greedy(stories_engine_factory) -> None:  # type: ignore[
 
 
 def _prompts(engine: LLMEngine, n: int) -> dict[str, list[int]]:
-    words = ["Once upon a time", "The little dog", "Lily and Tom went to", "One day, a big bird", "The sun was"]
+    words = [
+        "Once upon a time",
+        "The little dog",
+        "Lily and Tom went to",
+        "One day, a big bird",
+        "The sun was",
+    ]
     tok = engine.tokenizer
     return {f"r{i}": tok.encode(words[i % len(words)] + " " * (i % 3) + "there" * (i % 4)) for i in range(n)}
 
@@ -62,7 +70,9 @@ def test_preemption_keeps_outputs(stories_engine_factory) -> None:  # type: igno
 
 def test_prefix_cache_hit_gives_identical_output(stories_engine_factory) -> None:  # type: ignore[no-untyped-def]
     engine = stories_engine_factory(block_size=4)
-    prefix = engine.tokenizer.encode("Once upon a time, there was a little girl named Lily. She loved to play")
+    prefix = engine.tokenizer.encode(
+        "Once upon a time, there was a little girl named Lily. She loved to play"
+    )
     first = run_all(engine, {"a": prefix + [5]})["a"]
     hits_before = engine.block_manager.stats.hits
     second = run_all(engine, {"b": prefix + [5]})["b"]
@@ -86,7 +96,9 @@ def test_seeded_sampling_independent_of_batch(stories_engine_factory) -> None:  
 
 def test_n_best_and_logprobs(stories_engine_factory) -> None:  # type: ignore[no-untyped-def]
     engine = stories_engine_factory()
-    p = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12, logprobs=2, prompt_logprobs=1, ignore_eos=True)
+    p = SamplingParams(
+        n=3, temperature=1.0, seed=7, max_tokens=12, logprobs=2, prompt_logprobs=1, ignore_eos=True
+    )
     out = run_all(engine, {"a": engine.tokenizer.encode("Once upon a time")}, p)["a"]
     assert [o.index for o in out.outputs] == [0, 1, 2]
     assert len({tuple(o.token_ids) for o in out.outputs}) > 1  # different samples
@@ -101,7 +113,9 @@ def test_n_best_and_logprobs(stories_engine_factory) -> None:  # type: ignore[no
 
 def test_stop_strings_and_max_tokens(stories_engine_factory) -> None:  # type: ignore[no-untyped-def]
     engine = stories_engine_factory()
-    out = run_all(engine, {"a": [1]}, SamplingParams(temperature=0.0, max_tokens=60, stop=["Lily"]))["a"].outputs[0]
+    out = run_all(engine, {"a": [1]}, SamplingParams(temperature=0.0, max_tokens=60, stop=["Lily"]))[
+        "a"
+    ].outputs[0]
     assert out.text == "Once upon a time, there was a little girl named " and out.finish_reason == "stop"
     assert out.stop_reason == "Lily"
     out = run_all(engine, {"b": [1]}, SamplingParams(temperature=0.0, max_tokens=5))["b"].outputs[0]
@@ -154,13 +168,19 @@ def test_demo_model_greedy_matches_transformers(demo_model_dir) -> None:  # type
     engine = build_engine(str(demo_model_dir), dtype="float32", progress=False, max_model_len=512)
     ref = transformers.AutoModelForCausalLM.from_pretrained(demo_model_dir, torch_dtype=torch.float32).eval()
     tok = engine.tokenizer
-    prompts = ["The capital of France is", "def add(a, b):", "Q: What is 12 * 7?\nA:",
-               tok.hf.apply_chat_template([{"role": "user", "content": "Name three colors."}], tokenize=False, add_generation_prompt=True)]
+    prompts = [
+        "The capital of France is",
+        "def add(a, b):",
+        "Q: What is 12 * 7?\nA:",
+        tok.hf.apply_chat_template(
+            [{"role": "user", "content": "Name three colors."}], tokenize=False, add_generation_prompt=True
+        ),
+    ]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     got = run_all(engine, {str(i): p for i, p in enumerate(prompts)}, params)
     for i, p in enumerate(prompts):
         ids = torch.tensor([tok.encode(p)])
         with torch.no_grad():
-            exp = ref.generate(ids, max_new_tokens=24, do_sample=False)[0, ids.shape[1]:].tolist()
+            exp = ref.generate(ids, max_new_tokens=24, do_sample=False)[0, ids.shape[1] :].tolist()
         assert len(exp) >= 8
         assert got[str(i)].outputs[0].token_ids[: len(exp)] == exp, p

@@ -25,8 +25,16 @@ pytestmark = pytest.mark.skipif(not BIN.is_file(), reason="shared/data stories26
 
 
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return convert_llama2c(BIN, TOKENIZER, tmp_path_factory.mktemp("l2c") / "stories260K")
+def converted(stories_dir: Path) -> Path:
+    """stories260K converted by `convert_llama2c` (conftest's session fixture)."""
+    return stories_dir
+
+
+def test_convert_refuses_a_non_empty_output_folder(tmp_path: Path) -> None:
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("x")
+    with pytest.raises(ConfigError, match="already exists"):
+        convert_llama2c(BIN, TOKENIZER, tmp_path / "out")
 
 
 def test_config_of_converted_folder(converted: Path) -> None:

@@ -319,7 +319,9 @@ def test_logprobs_are_of_the_raw_logits() -> None:
 
 
 def test_prompt_logprobs() -> None:
-    logits = torch.randn(3, 10)
-    got = prompt_logprobs(logits, [4, 0, 9], top_n=2)
-    for i, tok in enumerate([4, 0, 9]):
+    logits = torch.randn(5, 10)
+    tokens = [4, 0, 9, 9, 1]
+    got = prompt_logprobs(logits, tokens, top_n=2, chunk_rows=2)
+    assert len(got) == 5
+    for i, tok in enumerate(tokens):
         _check_logprobs(got[i], logits[i], tok, 2)

@@ -1,0 +1,1 @@
+"""Benchmarks: `tandem bench throughput | structured | spec | serve`. Commands, not tests."""

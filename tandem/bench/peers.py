@@ -1,0 +1,125 @@
+"""Peers measured in the same run as tandem: HF transformers `generate` and llama.cpp (llama-cpp-python).
+
+Both get the same token ids and the same greedy decoding; llama.cpp gets a bf16 GGUF written from the same weights.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tandem.bench.common import RunResult
+
+
+def hf_generate(
+    model_dir: Path, prompts: Sequence[list[int]], max_tokens: int, batch_size: int, dtype: torch.dtype,
+    fixed_length: bool, eos_ids: Sequence[int], pad_id: int, name: str = "hf-transformers",
+) -> RunResult:
+    """HF static batching: batches of `batch_size` left-padded prompts through `generate` (greedy)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    res = RunResult(name, len(prompts), 0, 0.0)
+    t0 = time.perf_counter()
+    for b in range(0, len(prompts), batch_size):
+        batch = prompts[b : b + batch_size]
+        width = max(len(p) for p in batch)
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        kw = dict(max_new_tokens=max_tokens, do_sample=False, pad_token_id=pad_id)
+        if fixed_length:
+            kw.update(min_new_tokens=max_tokens)
+        else:
+            kw.update(eos_token_id=list(eos_ids))
+        tb = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=mask, **kw)[:, width:]
+        dt = time.perf_counter() - tb
+        for row in out.tolist():
+            n = len(row)
+            if not fixed_length:
+                n = next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))
+            res.output_tokens += n
+            res.tpot_s.append(dt / max(n, 1))
+    res.wall_s = time.perf_counter() - t0
+    return res
+
+
+def llama_cpp_available() -> bool:
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def write_bf16_gguf(src: Path, dst: Path) -> Path:
+    """Rewrite a GGUF with every quantized matrix dequantized to bf16 (norms stay f32), metadata copied."""
+    import gguf
+
+    if dst.is_file():
+        return dst
+    reader = gguf.GGUFReader(src)
+    arch = str(reader.fields["general.architecture"].contents())
+    tmp = dst.with_suffix(".tmp")
+    writer = gguf.GGUFWriter(str(tmp), arch=arch)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key in ("general.architecture", "general.file_type"):
+            continue
+        vtype = field.types[0]
+        value = field.contents()
+        if vtype == gguf.GGUFValueType.ARRAY:
+            writer.add_key_value(key, value, vtype, sub_type=field.types[-1])
+        else:
+            writer.add_key_value(key, value, vtype)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_BF16)
+    for t in reader.tensors:
+        data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        shape = tuple(int(x) for x in reversed(t.shape.tolist()))
+        data = data.reshape(shape)
+        if data.ndim == 1:
+            writer.add_tensor(t.name, data)
+        else:
+            writer.add_tensor(t.name, gguf.quants.quantize(data, gguf.GGMLQuantizationType.BF16),
+                              raw_dtype=gguf.GGMLQuantizationType.BF16)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tmp.rename(dst)
+    return dst
+
+
+def llama_cpp_generate(
+    gguf_path: Path, prompts: Sequence[list[int]], max_tokens: int, fixed_length: bool, threads: int,
+    eos_ids: Sequence[int], name: str = "llama.cpp",
+) -> RunResult:
+    """llama.cpp, one request at a time (its Python API has no continuous batching), greedy."""
+    from llama_cpp import Llama
+
+    ctx = max(len(p) for p in prompts) + max_tokens + 8
+    llm = Llama(model_path=str(gguf_path), n_ctx=ctx, n_threads=threads, n_batch=512, verbose=False, logits_all=False)
+    res = RunResult(name, len(prompts), 0, 0.0)
+    t0 = time.perf_counter()
+    for p in prompts:
+        llm.reset()
+        ts = time.perf_counter()
+        n = 0
+        first = None
+        for tok in llm.generate(p, temp=0.0, top_k=1, reset=True):
+            n += 1
+            if first is None:
+                first = time.perf_counter()
+            if (not fixed_length and tok in eos_ids) or n >= max_tokens:
+                break
+        end = time.perf_counter()
+        res.output_tokens += n
+        res.ttft_s.append((first or end) - ts)
+        if n > 1 and first is not None:
+            res.tpot_s.append((end - first) / (n - 1))
+    res.wall_s = time.perf_counter() - t0
+    return res

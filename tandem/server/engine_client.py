@@ -1,0 +1,425 @@
+"""The process boundary: an engine-core process runs the model; the HTTP process talks to it with plain data.
+
+Engine core (spawned child): builds the engine, then loops
+    drain the command queue (add / abort / shutdown) -> step() -> send one ("step", events, stats) message,
+and blocks on the command queue while nothing is unfinished. Each event is plain data: an output *delta* of one
+request (text, token ids and logprobs produced since the last event for it) or the error of a refused request.
+Because the engine's visible text only grows (see tandem/engine/stop.py), deltas are exact.
+
+Client (HTTP process, asyncio): `EngineClient.add()` registers a per-request asyncio queue and sends the command;
+one reader callback (loop.add_reader on the output pipe) dispatches every message to those queues, and a second
+callback on the child's process sentinel notices its death at once: every in-flight request then fails with a 5xx
+and new ones are refused with 503.
+
+Messages child -> parent: ("ready", info) | ("failed", reason) | ("step", events, stats) | ("fatal", reason).
+Commands parent -> child: ("add", request_id, prompt_spec, SamplingParams) | ("abort", [ids]) | ("shutdown",).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing as mp
+import os
+import queue
+import signal
+import time
+import traceback
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+from tandem.params import SamplingParams
+from tandem.request import RequestOutput
+
+logger = logging.getLogger("tandem.server")
+
+IDLE_POLL_S = 1.0  # idle core: how often it checks that its parent is still alive
+PENDING_POLL_S = 0.002  # unfinished requests but nothing scheduled (e.g. a grammar compiling): wait this long for commands
+
+# Exceptions from add_request / chat templating that mean "this request is invalid" (400), not "the server broke".
+_BAD_REQUEST_ERRORS: tuple[type[BaseException], ...] = (ValueError, TypeError, OverflowError, KeyError)
+
+
+# --------------------------------------------------------------------------------------------- plain-data events
+@dataclass
+class CompletionDelta:
+    """What one of a request's `n` completions produced since its previous delta."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[list[tuple[int, float, int | None, str | None]]] | None  # per token: [(id, logprob, rank, text)], sampled first
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+
+@dataclass
+class RequestDelta:
+    request_id: str
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    finished: bool
+    error: str | None
+    outputs: list[CompletionDelta] = field(default_factory=list)
+
+
+class _DeltaTracker:
+    """Core side: turns the engine's cumulative RequestOutputs into deltas (sent lengths per completion)."""
+
+    def __init__(self) -> None:
+        self._sent: dict[str, dict[int, tuple[int, int, int]]] = {}  # rid -> index -> (tokens, chars, logprobs)
+
+    def delta(self, out: RequestOutput) -> RequestDelta:
+        sent = self._sent.setdefault(out.request_id, {})
+        deltas: list[CompletionDelta] = []
+        for c in out.outputs:
+            nt, nc, nl = sent.get(c.index, (0, 0, 0))
+            new_lp = None
+            if c.logprobs is not None:
+                new_lp = [[(tid, lp.logprob, lp.rank, lp.decoded_token) for tid, lp in pos.items()] for pos in c.logprobs[nl:]]
+            if len(c.token_ids) == nt and len(c.text) == nc and c.finish_reason is None:
+                continue
+            deltas.append(CompletionDelta(c.index, c.text[nc:], list(c.token_ids[nt:]), new_lp, c.finish_reason, c.stop_reason))
+            sent[c.index] = (len(c.token_ids), len(c.text), len(c.logprobs) if c.logprobs is not None else 0)
+        if out.finished:
+            self._sent.pop(out.request_id, None)
+        cached = out.metrics.num_cached_tokens if out.metrics is not None else 0
+        return RequestDelta(out.request_id, len(out.prompt_token_ids), cached, out.finished, out.error, deltas)
+
+    def forget(self, request_id: str) -> None:
+        self._sent.pop(request_id, None)
+
+
+# ------------------------------------------------------------------------------------------------ engine core
+def run_engine_core(
+    model: str | None, engine_kwargs: Mapping[str, Any], commands: Any, results: Connection, parent_pid: int
+) -> None:
+    """Entry point of the engine-core process: build the engine, report ready, run the busy loop until shutdown."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine-core %(levelname)s %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the whole group: the HTTP process decides
+    try:
+        from tandem.engine.llm import build_engine
+
+        engine = build_engine(model, **dict(engine_kwargs))
+    except BaseException as e:  # noqa: BLE001 - any failure to start is reported, then the process ends
+        results.send(("failed", f"{type(e).__name__}: {e}"))
+        return
+    results.send(("ready", {"max_model_len": engine.max_model_len, "vocab_size": engine.vocab_size,
+                            "has_chat_template": engine.tokenizer.has_chat_template, "pid": os.getpid()}))
+    try:
+        _core_loop(engine, commands, results, parent_pid)
+    except BaseException as e:  # noqa: BLE001 - the engine is broken: say why, then die (the client fails requests)
+        logger.exception("engine core failed")
+        with contextlib.suppress(Exception):
+            results.send(("fatal", f"{type(e).__name__}: {e}"))
+        raise SystemExit(1) from e
+
+
+def _core_loop(engine: Any, commands: Any, results: Connection, parent_pid: int) -> None:
+    tracker = _DeltaTracker()
+    progressed = True
+    while True:
+        if os.getppid() != parent_pid:
+            logger.warning("parent process is gone; engine core exits")
+            return
+        if not engine.has_unfinished_requests():
+            wait_s: float | None = IDLE_POLL_S
+        else:
+            wait_s = None if progressed else PENDING_POLL_S  # nothing moved last step (e.g. a grammar compiling)
+        cmds = _drain(commands, wait_s)
+        if any(c[0] == "shutdown" for c in cmds):
+            return
+        events: list[tuple[Any, ...]] = [ev for cmd in cmds for ev in _apply(engine, tracker, cmd)]
+        progressed = False
+        if engine.has_unfinished_requests():
+            outs = engine.step()
+            progressed = bool(outs)
+            events.extend(("out", tracker.delta(o)) for o in outs)
+        if events or cmds:
+            results.send(("step", events, engine.get_stats()))
+
+
+def _drain(commands: Any, block_s: float | None) -> list[tuple[Any, ...]]:
+    """All queued commands; first waits up to `block_s` for one when given (None: do not wait)."""
+    out: list[tuple[Any, ...]] = []
+    if block_s is not None:
+        try:
+            out.append(commands.get(timeout=block_s))
+        except queue.Empty:
+            return out
+    while True:
+        try:
+            out.append(commands.get_nowait())
+        except queue.Empty:
+            return out
+
+
+def _apply(engine: Any, tracker: _DeltaTracker, cmd: tuple[Any, ...]) -> list[tuple[Any, ...]]:
+    """Run one add / abort command on the engine; the error events of refused requests."""
+    if cmd[0] == "abort":
+        for rid in cmd[1]:
+            engine.abort_request(rid)
+            tracker.forget(rid)
+        return []
+    _, rid, spec, params = cmd
+    try:
+        prompt = spec["prompt"] if "prompt" in spec else engine.tokenizer.apply_chat_template(
+            spec["messages"], add_generation_prompt=spec.get("add_generation_prompt", True))
+        engine.add_request(rid, prompt, params)
+    except _BAD_REQUEST_ERRORS as e:  # ParamError and ConfigError are ValueErrors
+        return [("error", rid, 400, str(e))]
+    except Exception as e:  # noqa: BLE001 - e.g. a Jinja template error: this request alone fails
+        if type(e).__module__.startswith("jinja2"):
+            return [("error", rid, 400, f"chat template failed: {e}")]
+        logger.exception("add_request %s failed", rid)
+        return [("error", rid, 500, f"{type(e).__name__}: {e}")]
+    return []
+
+
+# ------------------------------------------------------------------------------------------------------ client
+class EngineDeadError(RuntimeError):
+    """The engine-core process is gone; the message says why."""
+
+
+class RequestRefused(Exception):
+    """The engine refused a request (`status` 400 for invalid input)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    max_model_len: int
+    vocab_size: int
+    has_chat_template: bool
+    core_pid: int
+
+
+class RequestStream:
+    """Deltas of one request, in order; `next()` raises RequestRefused / EngineDeadError instead of hanging."""
+
+    def __init__(self, client: EngineClient, request_id: str) -> None:
+        self.request_id = request_id
+        self.finished = False
+        self._client = client
+        self._queue: asyncio.Queue[RequestDelta | BaseException] = asyncio.Queue()
+
+    def _put(self, item: RequestDelta | BaseException) -> None:
+        self._queue.put_nowait(item)
+
+    async def next(self) -> RequestDelta:
+        """The next delta; the last one has `finished` set."""
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+    def abort(self) -> None:
+        """Stop the request in the engine (frees its KV blocks) unless it already finished."""
+        if not self.finished:
+            self.finished = True
+            self._client.abort(self.request_id)
+
+
+class EngineClient:
+    """Owns the engine-core process; asyncio side of the boundary. Use from one event loop."""
+
+    def __init__(self, model: str | None, engine_kwargs: Mapping[str, Any] | None = None) -> None:
+        self.model = model
+        self.engine_kwargs = dict(engine_kwargs or {})
+        self.stats: dict[str, Any] = {}
+        self.info: ModelInfo | None = None
+        self.dead_reason: str | None = None
+        self.accepting = True
+        self._streams: dict[str, RequestStream] = {}
+        self._proc: Any = None
+        self._commands: Any = None
+        self._results: Connection | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ready: asyncio.Future[ModelInfo] | None = None
+
+    # ---- lifecycle ----------------------------------------------------------------------------------------------
+    async def start(self, timeout_s: float = 900.0) -> ModelInfo:
+        """Spawn the engine core and wait until its engine is built; raises EngineDeadError if it fails to start."""
+        ctx = mp.get_context("spawn")
+        self._loop = asyncio.get_running_loop()
+        self._commands = ctx.Queue()
+        reader, writer = ctx.Pipe(duplex=False)
+        self._proc = ctx.Process(
+            target=run_engine_core,
+            args=(self.model, self.engine_kwargs, self._commands, writer, os.getpid()),
+            name="tandem-engine-core",
+            daemon=True,
+        )
+        self._proc.start()
+        writer.close()  # only the child writes: its death then reads as EOF here
+        self._results = reader
+        self._ready = self._loop.create_future()
+        self._loop.add_reader(reader.fileno(), self._on_readable)
+        self._loop.add_reader(self._proc.sentinel, self._on_exit)
+        try:
+            self.info = await asyncio.wait_for(asyncio.shield(self._ready), timeout_s)
+        except asyncio.TimeoutError:
+            self._mark_dead(f"engine core did not start within {timeout_s:.0f} s")
+            self._kill()
+            raise EngineDeadError(self.dead_reason) from None
+        return self.info
+
+    @property
+    def core_pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def alive(self) -> bool:
+        return self.dead_reason is None and self.info is not None
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    async def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Abort everything in flight, ask the core to exit, and wait for it (killing it after `timeout_s`)."""
+        self.accepting = False
+        self.abort_all("the server is shutting down")
+        if self._proc is None:
+            return
+        if self.dead_reason is None:
+            with contextlib.suppress(Exception):
+                self._commands.put(("shutdown",))
+        deadline = time.monotonic() + timeout_s
+        while self._proc.is_alive() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        self._kill()
+        self._mark_dead("the server shut down")
+        self._detach()
+        with contextlib.suppress(Exception):
+            self._commands.close()
+            self._commands.cancel_join_thread()
+
+    def _kill(self) -> None:
+        if self._proc is not None and self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(5)
+
+    def _detach(self) -> None:
+        if self._loop is None:
+            return
+        for fd in (self._results, self._proc.sentinel if self._proc is not None else None):
+            if fd is not None:
+                with contextlib.suppress(Exception):
+                    self._loop.remove_reader(fd)
+        if self._results is not None:
+            with contextlib.suppress(Exception):
+                self._results.close()
+            self._results = None
+
+    # ---- requests -----------------------------------------------------------------------------------------------
+    def add(self, request_id: str, prompt_spec: Mapping[str, Any], params: SamplingParams) -> RequestStream:
+        """Send a request to the engine; its deltas arrive on the returned stream. Raises EngineDeadError."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        if not self.accepting:
+            raise EngineDeadError("the server is shutting down")
+        stream = RequestStream(self, request_id)
+        self._streams[request_id] = stream
+        self._commands.put(("add", request_id, dict(prompt_spec), params))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Abort one request (no more deltas arrive for it)."""
+        if self._streams.pop(request_id, None) is not None and self.dead_reason is None:
+            with contextlib.suppress(Exception):
+                self._commands.put(("abort", [request_id]))
+
+    def abort_all(self, reason: str) -> None:
+        """Abort every in-flight request; each stream raises EngineDeadError(reason)."""
+        streams, self._streams = self._streams, {}
+        if streams and self.dead_reason is None:
+            with contextlib.suppress(Exception):
+                self._commands.put(("abort", list(streams)))
+        for s in streams.values():
+            s._put(EngineDeadError(reason))
+
+    # ---- reader callbacks -----------------------------------------------------------------------------------------
+    def _on_readable(self) -> None:
+        conn = self._results
+        if conn is None:
+            return
+        try:
+            while conn.poll():
+                self._dispatch(conn.recv())
+        except (EOFError, OSError):
+            self._on_exit()
+
+    def _dispatch(self, msg: tuple[Any, ...]) -> None:
+        kind = msg[0]
+        if kind == "step":
+            for ev in msg[1]:
+                self._dispatch_event(ev)
+            self.stats = msg[2]
+        elif kind == "ready":
+            info = msg[1]
+            if self._ready is not None and not self._ready.done():
+                self._ready.set_result(ModelInfo(info["max_model_len"], info["vocab_size"], info["has_chat_template"], info["pid"]))
+        elif kind in ("failed", "fatal"):
+            self._mark_dead(f"engine core {'failed to start' if kind == 'failed' else 'failed'}: {msg[1]}")
+
+    def _dispatch_event(self, ev: tuple[Any, ...]) -> None:
+        if ev[0] == "out":
+            delta: RequestDelta = ev[1]
+            stream = self._streams.get(delta.request_id)
+            if stream is not None:
+                if delta.finished:
+                    del self._streams[delta.request_id]
+                stream._put(delta)
+        elif ev[0] == "error":
+            _, rid, status, message = ev
+            stream = self._streams.pop(rid, None)
+            if stream is not None:
+                stream._put(RequestRefused(status, message))
+
+    def _on_exit(self) -> None:
+        """The core's sentinel fired (or its pipe closed): it is gone."""
+        self._on_readable_final()  # a 'fatal' message sent before dying names the real reason
+        code = None
+        if self._proc is not None:
+            self._proc.join(0.5)
+            code = self._proc.exitcode
+        reason = f"engine core process exited (code {code})"
+        if code is not None and code < 0:
+            with contextlib.suppress(ValueError):
+                reason = f"engine core process was killed by {signal.Signals(-code).name}"
+        self._mark_dead(reason)
+        self._detach()
+
+    def _on_readable_final(self) -> None:
+        """Read what the core sent before dying (e.g. its 'fatal' reason)."""
+        conn = self._results
+        if conn is None:
+            return
+        with contextlib.suppress(EOFError, OSError):
+            while conn.poll():
+                self._dispatch(conn.recv())
+
+    def _mark_dead(self, reason: str) -> None:
+        if self.dead_reason is None:
+            self.dead_reason = reason
+            logger.error("%s", reason)
+        if self._ready is not None and not self._ready.done():
+            self._ready.set_exception(EngineDeadError(self.dead_reason))
+        streams, self._streams = self._streams, {}
+        for s in streams.values():
+            s._put(EngineDeadError(self.dead_reason))
+
+
+def format_exception(e: BaseException) -> str:
+    return "".join(traceback.format_exception_only(type(e), e)).strip()

