@@ -48,6 +48,11 @@ class Scheduler:
 
     # ----------------------------------------------------------------------------------------------- queries
     @property
+    def running(self) -> tuple[Request, ...]:
+        """The running requests in admission order (read-only view for drafting)."""
+        return tuple(self._running)
+
+    @property
     def num_running(self) -> int:
         return len(self._running)
 

@@ -33,7 +33,9 @@ from tandem.request import (
     RequestOutput,
     RequestStatus,
 )
+from tandem.engine.speculation import SpeculativeDecoder
 from tandem.runner.runner import ModelRunner
+from tandem.sampling.rejection import DraftRows, rejection_sample
 from tandem.sampling.sampler import RowLogprobs, Sampler, SamplingRow, prompt_logprobs
 from tandem.tokenizer import Tokenizer
 
@@ -79,13 +81,20 @@ class EngineStats:
     num_preemptions: int = 0
     forward_s: float = 0.0
     cpu_overlap_s: float = 0.0  # CPU work done while the forward ran
+    draft_s: float = 0.0  # drafting before the step (the device waits for it)
     sample_s: float = 0.0
 
 
 class LLMEngine:
     """Continuous-batching engine over one model runner. Not thread-safe: one caller drives `step()`."""
 
-    def __init__(self, config: EngineConfig, runner: ModelRunner, tokenizer: Tokenizer) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        runner: ModelRunner,
+        tokenizer: Tokenizer,
+        speculation: SpeculativeDecoder | None = None,
+    ) -> None:
         self.config = config
         self.runner = runner
         self.tokenizer = tokenizer
@@ -101,7 +110,7 @@ class LLMEngine:
         self._seqs: dict[str, _Sequence] = {}
         self._finished_errors: list[RequestOutput] = []
         self._step_id = itertools.count()
-        self._seed_rng = torch.Generator().manual_seed(config.seed)
+        self.spec = speculation
 
     # ---------------------------------------------------------------------------------------------- requests
     def add_request(
@@ -191,14 +200,19 @@ class LLMEngine:
     # -------------------------------------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return the outputs of the requests that progressed (cumulative, vLLM-style)."""
+        t_draft = time.perf_counter()
+        if self.spec is not None:
+            self.spec.draft(self.scheduler.running, self._max_drafts)
+        t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         if plan.is_empty():
             return self._drain_errors()
-        t0 = time.perf_counter()
         handle = self.runner.launch(plan)
         t1 = time.perf_counter()
-        # CPU work overlapped with the forward goes here (grammar bitmasks, next step's drafts).
+        # CPU work overlapped with the forward: grammar bitmasks for this step, drafts for the next one.
         bitmask = None
+        if self.spec is not None:
+            self.spec.start_lookahead([self._seqs[sr.request_id].req for sr in plan.requests if sr.num_draft_tokens])
         t2 = time.perf_counter()
         logits = self.runner.collect(handle)  # [R, V]
         t3 = time.perf_counter()
@@ -207,17 +221,29 @@ class LLMEngine:
         outputs = self._advance(plan, new_tokens)
         s = self.stats
         s.num_steps += 1
-        s.forward_s += t3 - t0 - (t2 - t1)
+        s.draft_s += t0 - t_draft
+        s.forward_s += t3 - t1 + (t1 - t0)
         s.cpu_overlap_s += t2 - t1
         s.sample_s += t4 - t3
         s.num_preemptions += len(plan.preempted_ids)
+        if self.spec is not None:
+            self.spec.observe_step(plan.num_tokens, t3 - t0, t0 - t_draft)
         return outputs + self._drain_errors()
 
+    def _max_drafts(self, req: Request) -> int:
+        """Drafts this request may take: every emitted token must fit max_tokens and max_model_len."""
+        seq = self._seqs.get(req.request_id)
+        if seq is None:
+            return 0
+        limit = self.max_model_len - req.num_tokens
+        if req.params.max_tokens is not None:
+            limit = min(limit, req.params.max_tokens - req.num_output_tokens)
+        return max(0, limit - 1)
+
     def _sample(self, plan: StepPlan, logits: torch.Tensor, bitmask: torch.Tensor | None) -> dict[str, list[int]]:
-        """Sample one token per request that reached the end of its known tokens; record logprobs."""
-        rows: list[SamplingRow] = []
-        row_idx: list[int] = []
-        owners: list[_Sequence] = []
+        """Tokens per request that reached the end of its known tokens: sampled, or drafts verified; logprobs."""
+        plain: list[tuple[_Sequence, int]] = []  # (sequence, logits row)
+        spec: list[tuple[_Sequence, int, list[int]]] = []  # (sequence, first row, drafts)
         offset = 0
         for sr in plan.requests:
             seq = self._seqs[sr.request_id]
@@ -225,22 +251,51 @@ class LLMEngine:
             if sr.all_logits:
                 self._record_prompt_logprobs(seq, sr, logits[offset : offset + n])
             if sr.needs_logits:
-                req = seq.req
-                rows.append(SamplingRow(req.params, req.prompt_token_ids, req.output_token_ids, seq.generator))
-                row_idx.append(offset + n - 1)
-                owners.append(seq)
+                k = sr.num_draft_tokens
+                if k:
+                    spec.append((seq, offset + n - 1 - k, sr.input_ids[-k:]))
+                else:
+                    plain.append((seq, offset + n - 1))
             offset += n
-        if not rows:
-            return {}
-        idx = torch.tensor(row_idx, device=logits.device)
-        out = self.sampler.sample(logits.index_select(0, idx), rows, bitmask)
         tokens: dict[str, list[int]] = {}
-        for seq, tok, lp in zip(owners, out.token_ids, out.logprobs):
-            tokens[seq.req.request_id] = [tok]
-            if lp is not None and seq.logprobs is not None:
-                seq.logprobs.append(self._logprob_dict(lp))
-                seq.cumulative_logprob += lp.logprob
+        if plain:
+            rows = [self._row(seq, ()) for seq, _ in plain]
+            idx = torch.tensor([r for _, r in plain], device=logits.device)
+            out = self.sampler.sample(logits.index_select(0, idx), rows, bitmask)
+            for (seq, _), tok, lp in zip(plain, out.token_ids, out.logprobs):
+                tokens[seq.req.request_id] = [tok]
+                self._add_logprobs(seq, [lp] if lp is not None else [])
+        if spec:
+            tokens.update(self._verify(spec, logits))
         return tokens
+
+    def _row(self, seq: _Sequence, drafts: Sequence[int]) -> SamplingRow:
+        req = seq.req
+        out = req.output_token_ids
+        return SamplingRow(req.params, req.prompt_token_ids, out + list(drafts) if drafts else out, seq.generator)
+
+    def _verify(self, spec: list[tuple[_Sequence, int, list[int]]], logits: torch.Tensor) -> dict[str, list[int]]:
+        """Rejection-sample every speculative request's drafts in one call (row j sees drafts[:j] as its history)."""
+        row_idx = [first + j for _, first, d in spec for j in range(len(d) + 1)]
+        rows = [self._row(seq, d[:j]) for seq, _, d in spec for j in range(len(d) + 1)]
+        target = logits.index_select(0, torch.tensor(row_idx, device=logits.device))  # [sum(k + 1), V]
+        emitted = rejection_sample(self.sampler, target, rows, [DraftRows(d, None) for _, _, d in spec])
+        tokens: dict[str, list[int]] = {}
+        pos = 0
+        for (seq, _, drafts), toks in zip(spec, emitted):
+            tokens[seq.req.request_id] = toks
+            if seq.logprobs is not None:
+                n = seq.req.params.logprobs or 0
+                self._add_logprobs(seq, prompt_logprobs(target[pos : pos + len(toks)], toks, n))
+            pos += len(drafts) + 1
+        return tokens
+
+    def _add_logprobs(self, seq: _Sequence, lps: Sequence[RowLogprobs]) -> None:
+        if seq.logprobs is None:
+            return
+        for lp in lps:
+            seq.logprobs.append(self._logprob_dict(lp))
+            seq.cumulative_logprob += lp.logprob
 
     def _record_prompt_logprobs(self, seq: _Sequence, sr: ScheduledRequest, logits: torch.Tensor) -> None:
         """Row i predicts the token at position start + i + 1; record those inside the prompt (first sequence only).
@@ -282,7 +337,14 @@ class LLMEngine:
                 finished.append((rid, RequestStatus.FINISHED_ERROR))
                 touched[seq.group.request_id] = seq.group
                 continue
-            new_tokens[rid] = toks[: decision.num_tokens_kept]
+            kept = toks[: decision.num_tokens_kept]
+            new_tokens[rid] = kept
+            if self.spec is not None:
+                drafts = seq.req.draft_token_ids
+                seq.group.metrics.num_draft_tokens += len(drafts)
+                seq.group.metrics.num_accepted_tokens += self.spec.observe(seq.req, drafts, toks)
+            if seq.logprobs is not None and len(kept) < len(toks):
+                del seq.logprobs[len(seq.logprobs) - (len(toks) - len(kept)) :]
             if decision.finished:
                 status = RequestStatus.FINISHED_STOPPED if decision.reason == "stop" else RequestStatus.FINISHED_LENGTH
                 finished.append((rid, status))
@@ -332,6 +394,8 @@ class LLMEngine:
         self._groups.pop(group.request_id, None)
         for s in group.seqs:
             self._seqs.pop(s.req.request_id, None)
+            if self.spec is not None:
+                self.spec.release(s.req.request_id)
 
     def _drain_errors(self) -> list[RequestOutput]:
         out, self._finished_errors = self._finished_errors, []
@@ -348,4 +412,5 @@ class LLMEngine:
             "prefix_cache_queries": bm.stats.queries,
             "prefix_cache_hits": bm.stats.hits,
             **self.stats.__dict__,
+            **(self.spec.stats.as_dict() if self.spec is not None else {}),
         }

@@ -15,10 +15,12 @@ from tqdm.auto import tqdm
 
 from tandem.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
 from tandem.engine.engine import LLMEngine
+from tandem.engine.speculation import SpeculativeDecoder
 from tandem.models.loader import Checkpoint, load_checkpoint, resolve_dtype
 from tandem.params import ParamError, SamplingParams
 from tandem.request import RequestOutput
 from tandem.runner.runner import ModelRunner
+from tandem.spec.config import SpeculativeConfig, build_proposer
 from tandem.tokenizer import Tokenizer
 
 logger = logging.getLogger("tandem")
@@ -45,6 +47,7 @@ def build_engine(
     seed: int = 0,
     num_threads: int | None = None,
     chat_template: str | None = None,
+    speculative_config: Mapping[str, Any] | SpeculativeConfig | None = None,
     progress: bool = True,
 ) -> LLMEngine:
     """Load a checkpoint (the built-in demo model when `model` is None) and build an engine around it."""
@@ -84,7 +87,12 @@ def build_engine(
         tok.set_chat_template(ckpt.chat_template)
     runner = ModelRunner(cfg, ckpt.weights, torch_dtype, device, cache, sched, num_threads=num_threads)
     del ckpt
-    engine = LLMEngine(config, runner, tok)
+    spec = None
+    if speculative_config is not None:
+        sc = SpeculativeConfig.from_dict(speculative_config)
+        spec = SpeculativeDecoder(sc, build_proposer(sc, cfg.vocab_size, tok), max_len)
+        logger.info("speculative decoding: %s, K=%d, adaptive=%s", sc.method, sc.num_speculative_tokens, sc.adaptive)
+    engine = LLMEngine(config, runner, tok, speculation=spec)
     gc.collect()
     gc.freeze()  # the long-lived objects of torch and the model never need scanning again: no GC pauses in the loop
     return engine

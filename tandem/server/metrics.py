@@ -32,6 +32,9 @@ _KNOWN_STATS: dict[str, tuple[str, str]] = {
 }
 
 
+_ENDPOINTS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models"})
+
+
 def _metric_suffix(key: str) -> str:
     return re.sub(r"[^a-zA-Z0-9_]", "_", key).strip("_").lower()
 
@@ -65,9 +68,7 @@ def _flatten(stats: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, 
     """Numeric leaves of a (possibly nested) stats dict, keys joined with '_'."""
     for k, v in stats.items():
         key = f"{prefix}{k}"
-        if isinstance(v, bool):
-            yield key, float(v)
-        elif isinstance(v, (int, float)):
+        if isinstance(v, (bool, int, float)):
             yield key, float(v)
         elif isinstance(v, Mapping):
             yield from _flatten(v, f"{key}_")
@@ -105,6 +106,12 @@ class ServerMetrics:
         self.rejected = Counter("tandem_requests_rejected", "Requests refused before reaching the engine", ["reason"], registry=r)
         if engine_stats is not None:
             r.register(engine_stats)
+
+    def count_response(self, path: str, status: int) -> None:
+        """Count one answered /v1/* request by endpoint and HTTP status."""
+        if path.startswith("/v1/"):
+            endpoint = path if path in _ENDPOINTS else "other"  # bounded label values, whatever clients send
+            self.requests.labels(endpoint, str(status)).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -160,7 +160,7 @@ class _SamplingRequest(_Lenient):
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             seed=self.seed,
-            stop=self.stop or (),
+            stop=(self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ()),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
             max_tokens=self._max_tokens(),
@@ -174,7 +174,7 @@ class _SamplingRequest(_Lenient):
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         """response_format, structured_outputs and guided_* -> one StructuredOutputsParams (at most one source)."""
-        sources: list[tuple[str, dict[str, Any]]] = []
+        sources: list[tuple[str, dict[str, Any]]] = []  # (request field, StructuredOutputsParams keywords)
         rf = self.response_format
         if rf is not None and rf.type == "json_object":
             sources.append(("response_format", {"json_object": True}))
@@ -184,7 +184,7 @@ class _SamplingRequest(_Lenient):
             sources.append(("response_format", {"json": rf.json_schema.json_schema}))
         so = self.structured_outputs
         if so is not None:
-            kw = {
+            kw: dict[str, Any] = {
                 k: v
                 for k, v in (
                     ("json", so.json_),

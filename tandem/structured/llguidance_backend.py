@@ -11,7 +11,10 @@ Choices made here:
 - llguidance has no memory-size API; `memory_bytes` is an estimate (see `_estimate_bytes`).
 - `LLMatcher` never raises on bad input: a bad grammar shows up as `is_error()` on the prototype, which we turn
   into a GrammarError; tokens are validated before they are consumed, so a request's matcher never enters the
-  error state.
+  error state. EOS is judged with `is_accepting()` and kept out of llguidance's history (see LLGuidanceMatcher).
+- GBNF is converted to Lark, where rules made only of terminals become greedy lexemes: llama.cpp's
+  arithmetic.gbnf (`num ::= [0-9]+ ws`, `ws ::= [ \t\n]*`, then a literal "\n") can never end, because the
+  final newline is swallowed by the NUM lexeme. xgrammar (a pure CFG) accepts it.
 """
 
 from __future__ import annotations
@@ -55,31 +58,48 @@ class LLGuidanceCompiled:
 
 
 class LLGuidanceMatcher:
-    """One request's `LLMatcher` plus the position of an accepted EOS (llguidance does not report one itself)."""
+    """One request's `LLMatcher`; EOS is handled here, never passed to llguidance.
+
+    Why: in llguidance 1.9, once the parser is stopped (nothing can follow, e.g. after a full choice) an EOS is
+    refused by `validate_tokens` but taken by `consume_token` without entering the token history, so a later
+    `rollback(n)` would undo one real token too many. Here EOS is accepted iff `is_accepting()`, recorded as
+    `_terminated`, and is always the last accepted token; rolling back starts by dropping it.
+    """
 
     def __init__(self, compiled: LLGuidanceCompiled, eos_token_ids: Sequence[int]) -> None:
         self._matcher = compiled.prototype.deep_copy()
         self._eos = list(eos_token_ids)
         self._eos_set = frozenset(self._eos)
-        self._num_tokens = 0  # tokens accepted so far (EOS included)
-        self._eos_at: int | None = None  # index of the accepted EOS in the stream; None while not terminated
+        self._terminated = False  # EOS accepted (it is not in llguidance's history)
 
     def accept(self, tokens: Sequence[int]) -> int:
         """Validate first, then consume the valid prefix, so a bad token never puts the matcher in error state."""
-        tokens = [int(t) for t in tokens]
-        n = self._matcher.validate_tokens(tokens) if tokens else 0
-        if n == 0:
+        if self._terminated:
             return 0
-        if not self._matcher.consume_tokens(tokens[:n]):
+        body, eos_next = self._split_at_eos(tokens)
+        n = self._valid_prefix(body)
+        if n and not self._matcher.consume_tokens(body[:n]):
             raise GrammarError("llguidance", f"consume failed after validation: {self._matcher.get_error()}")
-        for i, token in enumerate(tokens[:n]):
-            if token in self._eos_set and self._eos_at is None:
-                self._eos_at = self._num_tokens + i
-        self._num_tokens += n
+        if n == len(body) and eos_next and self._matcher.is_accepting():
+            self._terminated = True
+            n += 1
+        return n
+
+    def validate(self, tokens: Sequence[int]) -> int:
+        if self._terminated:
+            return 0
+        body, eos_next = self._split_at_eos(tokens)
+        n = self._valid_prefix(body)
+        if n == len(body) and eos_next:  # is EOS allowed after the body? look, then undo
+            if n:
+                self._matcher.consume_tokens(body)
+            n += int(self._matcher.is_accepting())
+            if body:
+                self._matcher.rollback(len(body))
         return n
 
     def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
-        if self._eos_at is not None:
+        if self._terminated:
             fill_only(bitmask, row, self._eos)
             return
         target = bitmask[row]  # [W] int32, a C-contiguous view of one row
@@ -88,24 +108,31 @@ class LLGuidanceMatcher:
     def rollback(self, n: int) -> None:
         if n <= 0:
             return
-        if n > self._num_tokens or not self._matcher.rollback(n):
-            raise GrammarError("llguidance", f"cannot roll back {n} of {self._num_tokens} tokens")
-        self._num_tokens -= n
-        if self._eos_at is not None and self._eos_at >= self._num_tokens:
-            self._eos_at = None
+        if self._terminated:
+            self._terminated = False
+            n -= 1
+        if n and not self._matcher.rollback(n):
+            raise GrammarError("llguidance", f"cannot roll back {n} tokens: {self._matcher.get_error()}")
 
     def is_terminated(self) -> bool:
-        return self._eos_at is not None
+        return self._terminated
 
     def forced_tokens(self) -> list[int]:
-        if self._eos_at is not None:
+        if self._terminated:
             return []
         return [int(t) for t in self._matcher.compute_ff_tokens()]
 
-    def validate(self, tokens: Sequence[int]) -> int:
-        if not tokens:
-            return 0
-        return int(self._matcher.validate_tokens([int(t) for t in tokens]))
+    def _split_at_eos(self, tokens: Sequence[int]) -> tuple[list[int], bool]:
+        """(the tokens before the first EOS, whether an EOS follows them)."""
+        body: list[int] = []
+        for token in tokens:
+            if int(token) in self._eos_set:
+                return body, True
+            body.append(int(token))
+        return body, False
+
+    def _valid_prefix(self, tokens: list[int]) -> int:
+        return int(self._matcher.validate_tokens(tokens)) if tokens else 0
 
 
 class LLGuidanceBackend:

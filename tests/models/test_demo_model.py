@@ -52,7 +52,6 @@ def test_find_demo_gguf() -> None:
     assert DEMO is not None and DEMO.name == DEMO_GGUF_NAME and DEMO.stat().st_size > 50_000_000
 
 
-@pytest.mark.demo
 def test_missing_wheel_names_the_install_command(monkeypatch: pytest.MonkeyPatch) -> None:
     def no_distribution(name: str) -> None:
         raise importlib.metadata.PackageNotFoundError(name)

@@ -210,7 +210,7 @@ def test_factory_accepts_vllm_model_alias(target_dir: Path) -> None:
 
 
 def worker(target_dir: Path, **kw: object) -> DraftModelProposer:
-    return make(target_dir, target_dir, in_process=False, cpu_cores=[0], startup_timeout_s=120.0, **kw)
+    return make(target_dir, target_dir, in_process=False, startup_timeout_s=120.0, **kw)
 
 
 def test_worker_process_starts_matches_in_process_and_stops(target_dir: Path, target_greedy: Reference) -> None:

@@ -321,7 +321,9 @@ def test_lark_only_on_llguidance(backend: Any, vocab: Vocab) -> None:
 
 @pytest.mark.parametrize("name", ["arithmetic.gbnf", "list.gbnf", "json.gbnf"])
 def test_llama_cpp_gbnf_files(backend: Any, vocab: Vocab, name: str) -> None:
-    """llama.cpp's own grammars: both accept arithmetic/list; xgrammar rejects json.gbnf (empty alternative)."""
+    """llama.cpp's own grammars. Known differences (docs/structured_conformance.md): xgrammar rejects json.gbnf
+    (an empty alternative, `ws ::= | " "`); llguidance compiles arithmetic.gbnf but its greedy lexer puts the
+    final newline into the NUM lexeme (`num ::= [0-9]+ ws`), so no output can end."""
     text = (SHARED / "grammars/llama.cpp" / name).read_text()
     spec = GrammarSpec("grammar", text)
     if backend.name == "xgrammar" and name == "json.gbnf":
@@ -330,4 +332,8 @@ def test_llama_cpp_gbnf_files(backend: Any, vocab: Vocab, name: str) -> None:
         return
     sample = {"arithmetic.gbnf": "(1+2)*3= 9\n", "list.gbnf": "- milk\n- eggs\n", "json.gbnf": '{"a": [1, 2]}'}[name]
     tokens = [*vocab.encode(sample), vocab.eos]
-    assert backend.matcher(backend.compile(spec)).validate(tokens) == len(tokens)
+    accepted = backend.matcher(backend.compile(spec)).validate(tokens)
+    if backend.name == "llguidance" and name == "arithmetic.gbnf":
+        assert accepted == len(tokens) - 1  # every character, but never EOS
+    else:
+        assert accepted == len(tokens)

@@ -1,0 +1,200 @@
+"""Speculative decoding inside the engine: draft before the step, verify after it, learn, and look ahead.
+
+Per step, for every running request in steady decode:
+  1. drafts: from the look-ahead started during the previous step when its guess came true, else proposed now
+     (this is time the device waits for the CPU, and is measured as such);
+  2. the scheduler runs 1 + K positions; the sampler verifies them by rejection sampling (lossless);
+  3. the proposer and the adaptive K controller learn the outcome;
+  4. look-ahead (proposers with `propose_async`, i.e. the draft-model worker): while the device verifies step t,
+     the proposer already drafts step t + 1 from the optimistic outcome "every draft accepted and the bonus token
+     equals the proposer's own next guess". If verification agrees, those drafts are used as they are; otherwise
+     they are dropped and step t + 1 drafts anew.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from tandem.request import Request
+from tandem.spec.adaptive import AdaptiveK
+from tandem.spec.config import SpeculativeConfig
+from tandem.spec.proposer import DraftRequest, Drafts, Proposer
+
+
+@dataclass
+class SpecStats:
+    """Speculation counters (cumulative)."""
+
+    num_steps: int = 0
+    num_drafted: int = 0
+    num_accepted: int = 0
+    num_verify_rows: int = 0  # requests verified with at least one draft
+    accepted_per_position: list[int] = field(default_factory=list)
+    drafted_per_position: list[int] = field(default_factory=list)
+    draft_wait_s: float = 0.0  # drafting the device waited for (before launch)
+    lookahead_s: float = 0.0  # drafting hidden behind the forward
+    lookahead_hits: int = 0
+    lookahead_misses: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted / self.num_drafted if self.num_drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per verified request-step: accepted drafts + the one the target adds."""
+        return (self.num_accepted + self.num_verify_rows) / self.num_verify_rows if self.num_verify_rows else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        per_pos = [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+        return {
+            "spec_num_drafted": self.num_drafted,
+            "spec_num_accepted": self.num_accepted,
+            "spec_acceptance_rate": round(self.acceptance_rate, 4),
+            "spec_mean_accepted_length": round(self.mean_accepted_length, 3),
+            "spec_acceptance_per_position": [round(x, 3) for x in per_pos],
+            "spec_draft_wait_s": round(self.draft_wait_s, 4),
+            "spec_lookahead_s": round(self.lookahead_s, 4),
+            "spec_lookahead_hits": self.lookahead_hits,
+            "spec_lookahead_misses": self.lookahead_misses,
+        }
+
+
+@dataclass
+class _Ahead:
+    base_len: int  # len(token_ids) the look-ahead assumed: current tokens + drafts + guess
+    future: Future[dict[str, Drafts]] | None = None
+
+
+class SpeculativeDecoder:
+    """Owns the proposer, the K policy and the look-ahead state; CPU side only (no tensors)."""
+
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer, max_model_len: int) -> None:
+        self.config = config
+        self.proposer = proposer
+        self.max_model_len = max_model_len
+        self.k_max = config.num_speculative_tokens
+        self.adaptive = AdaptiveK(self.k_max) if config.adaptive else None
+        self.stats = SpecStats(accepted_per_position=[0] * self.k_max, drafted_per_position=[0] * self.k_max)
+        propose_async = getattr(proposer, "propose_async", None)
+        self._propose_async: Callable[[Sequence[DraftRequest]], Future[dict[str, Drafts]]] | None = (
+            propose_async if config.lookahead and callable(propose_async) else None
+        )
+        self._guess: dict[str, int] = {}  # request -> the proposer's guess of the token after its drafts
+        self._ahead: dict[str, _Ahead] = {}
+        self._disabled: set[str] = set()  # requests that must not speculate (e.g. grammar-bound: see engine)
+
+    # ------------------------------------------------------------------------------------------------ drafting
+    def draft(self, running: Sequence[Request], allowed: Callable[[Request], int]) -> None:
+        """Set `draft_token_ids` of every running request in steady decode. `allowed(req)` caps K for that request."""
+        t0 = time.perf_counter()
+        decoding = [r for r in running if r.num_computed_tokens == r.num_tokens - 1 and not r.is_finished]
+        batch: list[DraftRequest] = []
+        ks: dict[str, int] = {}
+        for req in decoding:
+            rid = req.request_id
+            k = min(self._choose_k(rid, len(decoding)), allowed(req))
+            ks[rid] = k
+            ahead = self._ahead.pop(rid, None)
+            if k <= 0:
+                req.draft_token_ids = []
+                continue
+            if ahead is not None and ahead.base_len == req.num_tokens and ahead.future is not None:
+                drafts = ahead.future.result().get(rid)
+                if drafts is not None and drafts.token_ids:
+                    self.stats.lookahead_hits += 1
+                    self._set(req, drafts.token_ids, k)
+                    continue
+            if ahead is not None:
+                self.stats.lookahead_misses += 1
+            batch.append(DraftRequest(rid, req.token_ids, req.num_prompt_tokens, k + 1))
+        if batch:
+            proposals = self.proposer.propose(batch)
+            by_id = {r.request_id: r for r in decoding}
+            for dr in batch:
+                self._set(by_id[dr.request_id], proposals.get(dr.request_id, Drafts([])).token_ids, ks[dr.request_id])
+        self.stats.draft_wait_s += time.perf_counter() - t0
+
+    def _choose_k(self, rid: str, batch_size: int) -> int:
+        if rid in self._disabled:
+            return 0
+        return self.adaptive.choose(rid, batch_size) if self.adaptive is not None else self.k_max
+
+    def _set(self, req: Request, tokens: list[int], k: int) -> None:
+        """Schedule the first k proposed tokens; keep the next one as the guess of the bonus token."""
+        req.draft_token_ids = list(tokens[:k])
+        if len(tokens) > k and req.draft_token_ids:
+            self._guess[req.request_id] = tokens[k]
+        else:
+            self._guess.pop(req.request_id, None)
+
+    def start_lookahead(self, scheduled: Sequence[Request]) -> None:
+        """While the device verifies: draft the next step of each request from its optimistic outcome."""
+        if self._propose_async is None:
+            return
+        t0 = time.perf_counter()
+        batch: list[DraftRequest] = []
+        for req in scheduled:
+            guess = self._guess.get(req.request_id)
+            if not req.draft_token_ids or guess is None:
+                continue
+            optimistic = req.token_ids + req.draft_token_ids + [guess]
+            if len(optimistic) + self.k_max + 1 >= self.max_model_len:
+                continue
+            batch.append(DraftRequest(req.request_id, optimistic, req.num_prompt_tokens, self.k_max + 1))
+            self._ahead[req.request_id] = _Ahead(base_len=len(optimistic))
+        if batch:
+            fut = self._propose_async(batch)
+            for dr in batch:
+                self._ahead[dr.request_id].future = fut
+        self.stats.lookahead_s += time.perf_counter() - t0
+
+    # ------------------------------------------------------------------------------------------------ learning
+    def observe(self, req: Request, drafts: Sequence[int], emitted: Sequence[int]) -> int:
+        """Learn one verification; returns how many drafts were accepted."""
+        k = len(drafts)
+        accepted = 0
+        while accepted < min(k, len(emitted) - 1) and emitted[accepted] == drafts[accepted]:
+            accepted += 1
+        if k:
+            s = self.stats
+            s.num_drafted += k
+            s.num_accepted += accepted
+            s.num_verify_rows += 1
+            for i in range(k):
+                s.drafted_per_position[i] += 1
+                if i < accepted:
+                    s.accepted_per_position[i] += 1
+            if self.adaptive is not None:
+                self.adaptive.observe_acceptance(req.request_id, k, accepted)
+        self.proposer.on_verified(req.request_id, list(drafts[:accepted]), k)
+        ahead = self._ahead.get(req.request_id)
+        guess = self._guess.pop(req.request_id, None)
+        if ahead is not None and not (accepted == k and len(emitted) == k + 1 and emitted[-1] == guess):
+            ahead.base_len = -1  # the optimistic outcome did not happen: drop the look-ahead at the next draft()
+        return accepted
+
+    def observe_step(self, num_tokens: int, seconds: float, draft_seconds: float) -> None:
+        self.stats.num_steps += 1
+        if self.adaptive is not None:
+            self.adaptive.observe_step(num_tokens, seconds, draft_seconds)
+
+    def disable(self, request_id: str) -> None:
+        self._disabled.add(request_id)
+
+    def release(self, request_id: str) -> None:
+        self.proposer.release(request_id)
+        if self.adaptive is not None:
+            self.adaptive.release(request_id)
+        self._guess.pop(request_id, None)
+        self._ahead.pop(request_id, None)
+        self._disabled.discard(request_id)
+
+    def close(self) -> None:
+        close = getattr(self.proposer, "close", None)
+        if callable(close):
+            close()

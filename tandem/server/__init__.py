@@ -1,0 +1,8 @@
+"""tandem's OpenAI-compatible HTTP server: `tandem serve`.
+
+api.py (FastAPI app, never runs the model), engine_client.py (the engine-core process and the asyncio client),
+protocol.py (request / response bodies), metrics.py (Prometheus), cli.py (argparse subcommands).
+Nothing heavy is imported here: `tandem.server.cli` must stay cheap to import.
+"""
+
+from __future__ import annotations

@@ -1,0 +1,697 @@
+"""The OpenAI-compatible HTTP API (FastAPI). It never runs the model: requests go to the engine core through
+`EngineClient`, and deltas come back as JSON bodies or SSE events.
+
+Request life: auth and body-size checks (ASGI middleware) -> pydantic body -> SamplingParams (ParamError -> 400)
+-> model name (404) -> admission (429 when the bounded queue is full, 503 when the engine is dead or the server is
+shutting down) -> engine. The first delta of a request is awaited before any response starts, so a prompt the engine
+refuses, or a grammar that fails to compile, still gets a plain 400. Afterwards a client disconnect, a timeout (504)
+or the engine's death ends the request and aborts it in the engine (its KV blocks are freed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import uvicorn
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from tandem.params import ParamError, SamplingParams
+from tandem.server.engine_client import (
+    CompletionDelta,
+    EngineClient,
+    EngineDeadError,
+    RequestDelta,
+    RequestRefused,
+    RequestStream,
+)
+from tandem.server.metrics import CONTENT_TYPE, EngineStatsCollector, ServerMetrics
+from tandem.server.protocol import (
+    APIError,
+    ChatCompletionChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamChoice,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    TopLogprob,
+    UsageInfo,
+    random_id,
+)
+
+logger = logging.getLogger("tandem.server")
+
+DEFAULT_MAX_BODY_BYTES = 1 << 20
+T = TypeVar("T")
+
+
+@dataclass
+class ServerConfig:
+    """Settings of the HTTP side (the engine's own settings travel to the core as `engine_kwargs`)."""
+
+    served_model_names: Sequence[str] = ("tandem-demo",)
+    api_key: str | None = None
+    max_queue: int = 256  # sequences allowed to wait beyond the engine's max_num_seqs before 429
+    max_num_seqs: int = 64
+    request_timeout_s: float | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    engine_start_timeout_s: float = 900.0
+
+
+@dataclass
+class ServerState:
+    client: EngineClient
+    config: ServerConfig
+    metrics: ServerMetrics
+    admitted_seqs: int = 0
+    shutting_down: bool = False
+    loop: asyncio.AbstractEventLoop | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def model_name(self) -> str:
+        return self.config.served_model_names[0]
+
+    def begin_shutdown(self) -> None:
+        """Stop accepting and fail everything in flight (safe to call from a signal handler)."""
+        self.shutting_down = True
+        self.client.accepting = False
+        if self.loop is not None and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self.client.abort_all, "the server is shutting down")
+
+
+# ------------------------------------------------------------------------------------------------------- errors
+def error_response(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status_code)
+
+
+def _engine_error(e: EngineDeadError, in_flight: bool) -> APIError:
+    if in_flight:
+        return APIError(f"the request failed: {e}", 500 if "shutting down" not in str(e) else 503, type="server_error", code="engine_dead")
+    return APIError(f"the engine is unavailable: {e}", 503, type="server_error", code="engine_unavailable")
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errs = exc.errors()
+    if not errs:
+        return "invalid request body", None
+    first = errs[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    msg = first.get("msg", "invalid value")
+    more = f" (and {len(errs) - 1} more errors)" if len(errs) > 1 else ""
+    return (f"{param}: {msg}{more}" if param else f"{msg}{more}"), param
+
+
+# --------------------------------------------------------------------------------------------- ASGI middleware
+class GuardMiddleware:
+    """API key (Bearer, constant-time compare) on /v1/*, a request body size bound (413), and response counting."""
+
+    def __init__(
+        self, app: ASGIApp, api_key: str | None, max_body_bytes: int, on_response: Callable[[str, int], None] | None = None
+    ) -> None:
+        self.app = app
+        self.api_key = api_key.encode() if api_key else None
+        self.max_body_bytes = max_body_bytes
+        self.on_response = on_response
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = str(scope.get("path", ""))
+        if self.on_response is not None:
+            send = self._counting(path, send)
+        headers = dict(scope.get("headers") or [])
+        if self.api_key is not None and path.startswith("/v1") and not self._authorized(headers):
+            err = APIError("invalid or missing API key", 401, type="authentication_error", code="invalid_api_key")
+            await _send_json(send, err.status_code, err.body(), extra_headers=[(b"www-authenticate", b"Bearer")])
+            return
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            await _send_json(send, 413, self._too_large().body())
+            return
+        received = 0
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            msg = await receive()
+            if msg["type"] == "http.request":
+                received += len(msg.get("body", b""))
+                if received > self.max_body_bytes:
+                    raise HTTPException(413, self._too_large().message)
+            return msg
+
+        await self.app(scope, limited_receive, send)
+
+    def _counting(self, path: str, send: Send) -> Send:
+        on_response = self.on_response
+        assert on_response is not None
+
+        async def counting_send(msg: Message) -> None:
+            if msg["type"] == "http.response.start":
+                on_response(path, int(msg["status"]))
+            await send(msg)
+
+        return counting_send
+
+    def _authorized(self, headers: dict[bytes, bytes]) -> bool:
+        assert self.api_key is not None
+        auth = headers.get(b"authorization", b"")
+        scheme, _, token = auth.partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key)
+
+    def _too_large(self) -> APIError:
+        return APIError(f"request body exceeds {self.max_body_bytes} bytes", 413, code="request_too_large")
+
+
+async def _send_json(send: Send, status: int, body: Any, extra_headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
+    data = json.dumps(body).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()), *extra_headers]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": data})
+
+
+# -------------------------------------------------------------------------------------------- one generation
+class Generation:
+    """One engine request seen from the API: deltas with the deadline applied, errors mapped, metrics recorded."""
+
+    def __init__(self, state: ServerState, stream: RequestStream, t0: float, deadline: float | None) -> None:
+        self.state = state
+        self.stream = stream
+        self.t0 = t0
+        self.deadline = deadline
+        self.num_prompt_tokens = 0
+        self.num_generated = 0
+        self._first_token_at: float | None = None
+        self._last_token_at: dict[int, float] = {}
+        self._seen_first = False
+
+    async def next(self) -> RequestDelta:
+        """The next delta; raises APIError (400 refused / 500-503 engine gone / 504 timeout)."""
+        timeout = None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+        try:
+            delta = await asyncio.wait_for(self.stream.next(), timeout)
+        except asyncio.TimeoutError:
+            self.stream.abort()
+            raise APIError("the request timed out", 504, type="timeout_error", code="request_timeout") from None
+        except RequestRefused as e:
+            raise APIError(e.message, e.status, type="invalid_request_error" if e.status < 500 else "server_error") from None
+        except EngineDeadError as e:
+            raise _engine_error(e, in_flight=True) from None
+        self._record(delta)
+        if delta.error is not None:
+            if self.num_generated == 0:
+                raise APIError(delta.error, 400)
+            raise APIError(f"generation failed: {delta.error}", 500, type="server_error")
+        return delta
+
+    def _record(self, delta: RequestDelta) -> None:
+        m = self.state.metrics
+        now = time.monotonic()
+        if not self._seen_first:
+            self._seen_first = True
+            self.num_prompt_tokens = delta.num_prompt_tokens
+            m.prompt_tokens.inc(delta.num_prompt_tokens)
+            m.cached_prompt_tokens.inc(delta.num_cached_tokens)
+        for c in delta.outputs:
+            if c.token_ids:
+                self.num_generated += len(c.token_ids)
+                m.generation_tokens.inc(len(c.token_ids))
+                if self._first_token_at is None:
+                    self._first_token_at = now
+                    m.ttft.observe(now - self.t0)
+                last = self._last_token_at.get(c.index)
+                if last is not None:
+                    m.itl.observe(now - last)
+                self._last_token_at[c.index] = now
+            if c.finish_reason is not None:
+                m.finish_reasons.labels(c.finish_reason).inc()
+        if delta.finished:
+            m.e2e.observe(now - self.t0)
+
+    def abort(self) -> None:
+        self.stream.abort()
+
+
+async def _merged(gens: Sequence[Generation], firsts: Sequence[RequestDelta]) -> AsyncIterator[tuple[int, RequestDelta]]:
+    """(generation index, delta) of several generations as they arrive, starting with their first deltas."""
+    pending: dict[asyncio.Future[RequestDelta], int] = {}
+    for i, first in enumerate(firsts):
+        yield i, first
+        if not first.finished:
+            pending[asyncio.ensure_future(gens[i].next())] = i
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for fut in done:
+                i = pending.pop(fut)
+                delta = fut.result()
+                yield i, delta
+                if not delta.finished:
+                    pending[asyncio.ensure_future(gens[i].next())] = i
+    finally:
+        for fut in pending:
+            fut.cancel()
+
+
+async def _until_disconnect(request: Request) -> None:
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
+    """`work`'s result, or None when the client disconnects first (work is then cancelled)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(BaseException):
+        await task
+    return None
+
+
+# ------------------------------------------------------------------------------------------------ conversions
+def _chat_logprobs(positions: list[list[tuple[int, float, int | None, str | None]]], k: int) -> list[ChatTokenLogprob]:
+    out = []
+    for pos in positions:
+        _, lp, _, text = pos[0]
+        token = text or ""
+        top = sorted((e for e in pos if e[2] is not None and e[2] <= k), key=lambda e: e[2] or 0)[:k]
+        out.append(ChatTokenLogprob(
+            token=token, logprob=max(lp, -9999.0), bytes=list(token.encode()),
+            top_logprobs=[TopLogprob(token=t or "", logprob=max(v, -9999.0), bytes=list((t or "").encode())) for _, v, _, t in top],
+        ))
+    return out
+
+
+def _completion_logprobs(
+    positions: list[list[tuple[int, float, int | None, str | None]]], k: int, offset: int
+) -> CompletionLogprobs:
+    lp = CompletionLogprobs()
+    for pos in positions:
+        _, v, _, text = pos[0]
+        token = text or ""
+        lp.tokens.append(token)
+        lp.token_logprobs.append(max(v, -9999.0))
+        lp.text_offset.append(offset)
+        offset += len(token)
+        top = sorted((e for e in pos if e[2] is not None and e[2] <= k), key=lambda e: e[2] or 0)[:k]
+        d = {t or "": max(x, -9999.0) for _, x, _, t in top}
+        d.setdefault(token, max(v, -9999.0))
+        lp.top_logprobs.append(d)
+    return lp
+
+
+@dataclass
+class _Choice:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[list[tuple[int, float, int | None, str | None]]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def add(self, c: CompletionDelta) -> None:
+        self.text += c.text
+        self.token_ids += c.token_ids
+        if c.logprobs:
+            self.logprobs += c.logprobs
+        if c.finish_reason is not None:
+            self.finish_reason, self.stop_reason = c.finish_reason, c.stop_reason
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def _chunk_dict(chunk: ChatCompletionChunk | CompletionResponse) -> dict[str, Any]:
+    d = chunk.model_dump()
+    if d.get("usage") is None:
+        d.pop("usage", None)
+    return d
+
+
+# ------------------------------------------------------------------------------------------------------ the app
+def create_app(client: EngineClient, config: ServerConfig) -> FastAPI:
+    """The FastAPI app over `client`; its lifespan starts the engine core and shuts it down."""
+    metrics = ServerMetrics(EngineStatsCollector(lambda: client.stats, lambda: client.alive, lambda: client.core_pid))
+    state = ServerState(client=client, config=config, metrics=metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state.loop = asyncio.get_running_loop()
+        info = await client.start(config.engine_start_timeout_s)
+        logger.info("engine core ready (pid %s, max_model_len %d); serving %s", info.core_pid, info.max_model_len, state.model_name)
+        try:
+            yield
+        finally:
+            state.shutting_down = True
+            await client.shutdown()
+
+    app = FastAPI(title="tandem OpenAI-compatible server", version="0.1.0", lifespan=lifespan)
+    app.state.tandem = state
+    app.add_middleware(GuardMiddleware, api_key=config.api_key, max_body_bytes=config.max_body_bytes,
+                       on_response=metrics.count_response)
+    _install_error_handlers(app)
+    _install_routes(app, state)
+    return app
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return error_response(APIError(message, 400, param=param))
+
+    @app.exception_handler(ParamError)
+    async def on_param_error(request: Request, exc: ParamError) -> JSONResponse:
+        return error_response(APIError(str(exc), 400))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        typ = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code)
+        return error_response(APIError(str(exc.detail), exc.status_code, type=typ, code=code))
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s", request.url.path)
+        return error_response(APIError(f"internal error: {type(exc).__name__}", 500, type="server_error"))
+
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 500, 503, 504)
+}
+
+
+def _install_routes(app: FastAPI, state: ServerState) -> None:
+    client, config, metrics = state.client, state.config, state.metrics
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if client.dead_reason is not None:
+            return error_response(APIError(f"engine core is down: {client.dead_reason}", 503, type="server_error", code="engine_dead"))
+        if state.shutting_down:
+            return error_response(APIError("the server is shutting down", 503, type="server_error", code="shutting_down"))
+        return JSONResponse({"status": "ok", "engine_core_pid": client.core_pid, "in_flight": client.num_in_flight})
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models", responses=_ERRORS)
+    async def list_models() -> ModelList:
+        max_len = client.info.max_model_len if client.info else None
+        return ModelList(data=[ModelCard(id=n, created=state.created, root=client.model or n, max_model_len=max_len) for n in config.served_model_names])
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        params = _prepare(state, body.model, body.sampling_params)
+        spec = {"messages": body.conversation(), "add_generation_prompt": body.add_generation_prompt}
+        rid = random_id("chatcmpl")
+        return await _serve(state, request, rid, [spec], params, body.stream, _ChatFormat(state, body, rid))
+
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        params = _prepare(state, body.model, body.sampling_params)
+        specs = [{"prompt": p} for p in body.prompts()]
+        rid = random_id("cmpl")
+        return await _serve(state, request, rid, specs, params, body.stream, _CompletionFormat(state, body, rid))
+
+
+def _prepare(state: ServerState, model: str | None, make_params: Callable[[], SamplingParams]) -> SamplingParams:
+    """Check the model name and build the sampling params (APIError on failure)."""
+    if model is not None and model not in state.config.served_model_names:
+        raise APIError(f"the model {model!r} does not exist; this server serves {list(state.config.served_model_names)}",
+                       404, param="model", code="model_not_found")
+    try:
+        return make_params()
+    except ParamError as e:
+        raise APIError(str(e), 400) from e
+
+
+async def _serve(
+    state: ServerState,
+    request: Request,
+    rid: str,
+    specs: list[dict[str, Any]],
+    params: SamplingParams,
+    stream: bool,
+    fmt: _Format,
+) -> Response:
+    """Admit, submit each prompt, wait for the first deltas, then answer as JSON or as an SSE stream."""
+    client, config = state.client, state.config
+    if client.dead_reason is not None:
+        raise _engine_error(EngineDeadError(client.dead_reason), in_flight=False)
+    if state.shutting_down or not client.accepting:
+        raise APIError("the server is shutting down", 503, type="server_error", code="shutting_down")
+    num_seqs = params.n * len(specs)
+    limit = config.max_num_seqs + config.max_queue
+    if state.admitted_seqs > 0 and state.admitted_seqs + num_seqs > limit:
+        state.metrics.rejected.labels("queue_full").inc()
+        raise APIError(f"the request queue is full ({state.admitted_seqs} sequences admitted, limit {limit}); retry later",
+                       429, type="rate_limit_error", code="queue_full")
+    t0 = time.monotonic()
+    deadline = t0 + config.request_timeout_s if config.request_timeout_s else None
+    state.admitted_seqs += num_seqs
+    gens: list[Generation] = []
+    handed_off = False
+    try:
+        for i, spec in enumerate(specs):
+            sub_id = rid if len(specs) == 1 else f"{rid}-{i}"
+            try:
+                gens.append(Generation(state, client.add(sub_id, spec, params), t0, deadline))
+            except EngineDeadError as e:
+                raise _engine_error(e, in_flight=False) from None
+        firsts = await _unless_disconnected(request, _first_deltas(gens))
+        if firsts is None:
+            return Response(status_code=499)
+        if stream:
+            handed_off = True
+            return StreamingResponse(
+                _stream_events(state, gens, firsts, fmt, num_seqs),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        result = await _unless_disconnected(request, _collect(gens, firsts, fmt))
+        if result is None:
+            return Response(status_code=499)
+        return JSONResponse(result)
+    finally:
+        if not handed_off:
+            for g in gens:
+                g.abort()
+            state.admitted_seqs -= num_seqs
+
+
+async def _first_deltas(gens: Sequence[Generation]) -> list[RequestDelta]:
+    """The first delta of each generation (the first error wins; the other waits are cancelled)."""
+    tasks = [asyncio.ensure_future(g.next()) for g in gens]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def _collect(gens: Sequence[Generation], firsts: Sequence[RequestDelta], fmt: _Format) -> dict[str, Any]:
+    n = fmt.n
+    choices = [_Choice() for _ in range(n * len(gens))]
+    async for i, delta in _merged(gens, firsts):
+        for c in delta.outputs:
+            choices[i * n + c.index].add(c)
+    usage = _usage(gens)
+    return fmt.full_response(choices, usage)
+
+
+def _usage(gens: Sequence[Generation]) -> UsageInfo:
+    prompt = sum(g.num_prompt_tokens for g in gens)
+    gen = sum(g.num_generated for g in gens)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=gen, total_tokens=prompt + gen)
+
+
+async def _stream_events(
+    state: ServerState, gens: Sequence[Generation], firsts: Sequence[RequestDelta], fmt: _Format, num_seqs: int
+) -> AsyncIterator[str]:
+    """SSE events: deltas as chunks, an optional usage chunk, then `data: [DONE]`; errors become an error event.
+
+    The `finally` also runs when the client disconnects (the response task is cancelled): the requests are aborted.
+    """
+    try:
+        try:
+            for chunk in fmt.stream_start(len(gens)):
+                yield _sse(chunk)
+            async for i, delta in _merged(gens, firsts):
+                for chunk in fmt.stream_chunks(i, delta):
+                    yield _sse(chunk)
+            if fmt.include_usage:
+                yield _sse(fmt.usage_chunk(_usage(gens)))
+        except APIError as e:
+            yield _sse(e.body())
+        yield "data: [DONE]\n\n"
+    finally:
+        for g in gens:
+            g.abort()
+        state.admitted_seqs -= num_seqs
+
+
+class _Format:
+    """How deltas become one endpoint's response bodies and stream chunks."""
+
+    n: int
+    include_usage: bool
+
+    def full_response(self, choices: list[_Choice], usage: UsageInfo) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def stream_start(self, num_prompts: int) -> list[dict[str, Any]]:
+        raise NotImplementedError
+
+    def stream_chunks(self, prompt_index: int, delta: RequestDelta) -> list[dict[str, Any]]:
+        raise NotImplementedError
+
+    def usage_chunk(self, usage: UsageInfo) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class _ChatFormat(_Format):
+    def __init__(self, state: ServerState, body: ChatCompletionRequest, rid: str) -> None:
+        self.model = state.model_name if body.model is None else body.model
+        self.rid = rid
+        self.n = body.n
+        self.k = (body.top_logprobs or 0) if body.logprobs else -1
+        self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        self.created = int(time.time())
+
+    def _logprobs(self, positions: list[list[tuple[int, float, int | None, str | None]]] | None) -> ChatLogprobs | None:
+        if self.k < 0:
+            return None
+        return ChatLogprobs(content=_chat_logprobs(positions or [], self.k))
+
+    def full_response(self, choices: list[_Choice], usage: UsageInfo) -> dict[str, Any]:
+        return ChatCompletionResponse(
+            id=self.rid, created=self.created, model=self.model, usage=usage,
+            choices=[
+                ChatCompletionChoice(index=i, message=ChatResponseMessage(content=c.text), logprobs=self._logprobs(c.logprobs),
+                                     finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                for i, c in enumerate(choices)
+            ],
+        ).model_dump()
+
+    def _chunk(self, choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None) -> dict[str, Any]:
+        return _chunk_dict(ChatCompletionChunk(id=self.rid, created=self.created, model=self.model, choices=choices, usage=usage))
+
+    def stream_start(self, num_prompts: int) -> list[dict[str, Any]]:
+        return [self._chunk([ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+                for i in range(self.n * num_prompts)]
+
+    def stream_chunks(self, prompt_index: int, delta: RequestDelta) -> list[dict[str, Any]]:
+        out = []
+        for c in delta.outputs:
+            if not c.text and c.finish_reason is None and not c.logprobs:
+                continue
+            choice = ChatCompletionStreamChoice(
+                index=prompt_index * self.n + c.index, delta=DeltaMessage(content=c.text),
+                logprobs=self._logprobs(c.logprobs) if c.logprobs else None,
+                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+            )
+            out.append(self._chunk([choice]))
+        return out
+
+    def usage_chunk(self, usage: UsageInfo) -> dict[str, Any]:
+        return self._chunk([], usage)
+
+
+class _CompletionFormat(_Format):
+    def __init__(self, state: ServerState, body: CompletionRequest, rid: str) -> None:
+        self.model = state.model_name if body.model is None else body.model
+        self.rid = rid
+        self.n = body.n
+        self.k = -1 if body.logprobs is None else body.logprobs
+        self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        self.created = int(time.time())
+        self._offsets: dict[int, int] = {}
+
+    def _logprobs(self, index: int, positions: list[list[tuple[int, float, int | None, str | None]]] | None) -> CompletionLogprobs | None:
+        if self.k < 0:
+            return None
+        lp = _completion_logprobs(positions or [], self.k, self._offsets.get(index, 0))
+        if lp.text_offset:
+            self._offsets[index] = lp.text_offset[-1] + len(lp.tokens[-1])
+        return lp
+
+    def full_response(self, choices: list[_Choice], usage: UsageInfo) -> dict[str, Any]:
+        return CompletionResponse(
+            id=self.rid, created=self.created, model=self.model, usage=usage,
+            choices=[CompletionChoice(index=i, text=c.text, logprobs=self._logprobs(i, c.logprobs), finish_reason=c.finish_reason,
+                                      stop_reason=c.stop_reason) for i, c in enumerate(choices)],
+        ).model_dump()
+
+    def stream_start(self, num_prompts: int) -> list[dict[str, Any]]:
+        return []
+
+    def stream_chunks(self, prompt_index: int, delta: RequestDelta) -> list[dict[str, Any]]:
+        out = []
+        for c in delta.outputs:
+            if not c.text and c.finish_reason is None and not c.logprobs:
+                continue
+            index = prompt_index * self.n + c.index
+            choice = CompletionChoice(index=index, text=c.text, logprobs=self._logprobs(index, c.logprobs) if c.logprobs else None,
+                                      finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+            out.append(_chunk_dict(CompletionResponse(id=self.rid, created=self.created, model=self.model, choices=[choice])))
+        return out
+
+    def usage_chunk(self, usage: UsageInfo) -> dict[str, Any]:
+        return _chunk_dict(CompletionResponse(id=self.rid, created=self.created, model=self.model, choices=[], usage=usage))
+
+
+class GracefulServer(uvicorn.Server):
+    """On SIGTERM / SIGINT: refuse new requests and fail those in flight at once, then uvicorn's own shutdown
+    (stop listening, wait up to timeout_graceful_shutdown for connections, lifespan shutdown: the core exits)."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.tandem_state = state
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        self.tandem_state.begin_shutdown()
+        super().handle_exit(sig, frame)
+
+
+def run_server(app: FastAPI, host: str, port: int, log_level: str = "info", graceful_timeout_s: int = 5) -> None:
+    """Serve `app` (made by create_app) with uvicorn until a signal; blocks."""
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=graceful_timeout_s)
+    GracefulServer(config, app.state.tandem).run()

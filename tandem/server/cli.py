@@ -1,0 +1,143 @@
+"""`tandem serve` and `tandem bench serve`: argparse subcommands (the lead wires them into tandem/cli.py).
+
+Each `add_*_parser(subparsers)` adds its subcommand and sets `func`, a callable taking the argparse namespace and
+returning an exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+               "g": 10**9, "gb": 10**9, "gib": 2**30}
+
+
+def parse_size(text: str) -> int:
+    """'1048576', '512MiB', '2G', '1.5GB' -> bytes."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    if m is None or m.group(2).lower() not in _SIZE_UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 1048576, 512MiB, 2GiB)")
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+
+
+def _engine_arg(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.isidentifier():
+        raise argparse.ArgumentTypeError(f"--engine-arg wants KEY=VALUE (VALUE as JSON, else a string), got {text!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """The engine flags `build_engine` takes (shared by `serve` and `bench serve --launch`)."""
+    g = p.add_argument_group("engine")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="cpu")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--kv-cache-memory", type=parse_size, default=None, help="KV cache budget (bytes, or e.g. 512MiB)")
+    g.add_argument("--memory-fraction", type=float, default=0.5)
+    g.add_argument("--num-kv-blocks", type=int, default=None)
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--num-threads", type=int, default=None)
+    g.add_argument("--tokenizer", default=None)
+    g.add_argument("--chat-template", default=None, help="Jinja text or a file holding it")
+    g.add_argument("--engine-arg", type=_engine_arg, action="append", default=[], metavar="KEY=VALUE",
+                   help="any other build_engine keyword (VALUE parsed as JSON); repeatable")
+
+
+def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """build_engine keywords from the parsed engine flags."""
+    kw: dict[str, Any] = {
+        "dtype": args.dtype,
+        "device": args.device,
+        "max_model_len": args.max_model_len,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "block_size": args.block_size,
+        "kv_cache_memory": args.kv_cache_memory,
+        "memory_fraction": args.memory_fraction,
+        "num_kv_blocks": args.num_kv_blocks,
+        "enable_prefix_caching": not args.no_prefix_caching,
+        "seed": args.seed,
+        "num_threads": args.num_threads,
+        "tokenizer": args.tokenizer,
+        "chat_template": args.chat_template,
+        "progress": False,
+    }
+    kw.update(dict(args.engine_arg))
+    return kw
+
+
+def served_model_names(model: str | None, names: list[str] | None) -> list[str]:
+    """--served-model-name, else the model path's basename, else 'tandem-demo' for the built-in model."""
+    if names:
+        return list(names)
+    if model is None:
+        return ["tandem-demo"]
+    return [Path(model.rstrip("/")).name or model]
+
+
+def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """`tandem serve [MODEL] ...`: the OpenAI-compatible HTTP server."""
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "serve", help="OpenAI-compatible HTTP server", description="Serve a model over an OpenAI-compatible HTTP API."
+    )
+    p.add_argument("model", nargs="?", default=None, help="checkpoint path (default: the built-in demo model)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", nargs="+", default=None)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 (default: $TANDEM_API_KEY)")
+    p.add_argument("--max-queue", type=int, default=256, help="sequences that may wait beyond --max-num-seqs before 429")
+    p.add_argument("--request-timeout", type=float, default=None, help="seconds before a request is aborted (504)")
+    p.add_argument("--max-body-size", type=parse_size, default=1 << 20, help="request body limit (default 1MiB)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_engine_arguments(p)
+    p.set_defaults(func=run_serve)
+    return p
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Build the app, start uvicorn, serve until SIGINT / SIGTERM."""
+    from tandem.server.api import ServerConfig, create_app, run_server
+    from tandem.server.engine_client import EngineClient
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    api_key = args.api_key if args.api_key is not None else os.environ.get("TANDEM_API_KEY") or None
+    if args.max_queue < 0:
+        raise SystemExit("--max-queue must be >= 0")
+    config = ServerConfig(
+        served_model_names=served_model_names(args.model, args.served_model_name),
+        api_key=api_key,
+        max_queue=args.max_queue,
+        max_num_seqs=args.max_num_seqs,
+        request_timeout_s=args.request_timeout,
+        max_body_bytes=args.max_body_size,
+    )
+    client = EngineClient(args.model, engine_kwargs_from_args(args))
+    app = create_app(client, config)
+    run_server(app, args.host, args.port, args.log_level)
+    return 0 if client.info is not None else 1
+
+
+def add_bench_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """`tandem bench serve ...`: the load generator (see tandem/bench/serve.py)."""
+    from tandem.bench.serve import add_arguments, run_bench_serve
+
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "serve", help="load-test an OpenAI-compatible server", description="Load generator for `tandem serve`."
+    )
+    add_arguments(p)
+    p.set_defaults(func=run_bench_serve)
+    return p

@@ -1,0 +1,92 @@
+"""`speculative_config`: vLLM-shaped dict -> validated `SpeculativeConfig` -> a `Proposer`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from tandem.config import ConfigError
+
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """How to speculate: which proposer, how many drafts (K) and where the draft model runs."""
+
+    method: str = "ngram"  # "ngram" | "suffix" | "draft_model"
+    num_speculative_tokens: int = 4
+    model: str | None = None  # draft checkpoint (draft_model)
+    draft_device: str = "cpu"
+    draft_dtype: str = "bfloat16"
+    draft_threads: int | None = None
+    draft_cores: tuple[int, ...] | None = None
+    draft_in_process: bool = False
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    adaptive: bool = True
+    lookahead: bool = True  # draft step t+1 optimistically while the device verifies step t (draft_model)
+    suffix_max_depth: int = 64
+    suffix_max_cached_requests: int = 1000
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        from tandem.spec.proposer import PROPOSERS
+
+        known = sorted(set(PROPOSERS) | {"draft_model"})
+        if self.method not in known:
+            raise ConfigError(f"speculative method {self.method!r} is unknown; known: {known}")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ConfigError(f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+        if self.method == "draft_model" and not self.model:
+            raise ConfigError("speculative method 'draft_model' needs 'model': the path of a draft checkpoint")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ConfigError(
+                f"need 1 <= prompt_lookup_min ({self.prompt_lookup_min}) <= prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | SpeculativeConfig) -> SpeculativeConfig:
+        if isinstance(d, SpeculativeConfig):
+            return d
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ConfigError(f"unknown speculative_config keys {unknown}; allowed: {sorted(names - {'extra'})}")
+        kw = dict(d)
+        if kw.get("draft_cores") is not None:
+            kw["draft_cores"] = tuple(int(c) for c in kw["draft_cores"])
+        return cls(**kw)
+
+    def proposer_options(self, target_vocab_size: int, tokenizer: Any) -> dict[str, Any]:
+        """Keyword options of the registered proposer factory for `method`."""
+        if self.method == "ngram":
+            return {"prompt_lookup_min": self.prompt_lookup_min, "prompt_lookup_max": self.prompt_lookup_max}
+        if self.method == "suffix":
+            return {"max_tree_depth": self.suffix_max_depth, "max_cached_requests": self.suffix_max_cached_requests}
+        return {
+            "model_path": self.model,
+            "num_speculative_tokens": self.num_speculative_tokens + 1,  # +1: the guess of the bonus token
+            "target_vocab_size": target_vocab_size,
+            "target_tokenizer": tokenizer,
+            "draft_device": self.draft_device,
+            "draft_dtype": self.draft_dtype,
+            "draft_threads": self.draft_threads,
+            "cpu_cores": self.draft_cores,
+            "in_process": self.draft_in_process,
+            **dict(self.extra),
+        }
+
+
+def build_proposer(config: SpeculativeConfig, target_vocab_size: int, tokenizer: Any):  # type: ignore[no-untyped-def]
+    """The proposer `config.method` names, from the registry (the draft model registers itself lazily)."""
+    from tandem.spec.proposer import PROPOSERS, make_proposer
+
+    if config.method == "draft_model" and "draft_model" not in PROPOSERS:
+        from tandem.spec.draft_model import make_draft_model_proposer
+        from tandem.spec.proposer import register_proposer
+
+        register_proposer("draft_model", make_draft_model_proposer)
+    return make_proposer(config.method, **config.proposer_options(target_vocab_size, tokenizer))

@@ -1,0 +1,415 @@
+"""StructuredOutputManager: async compiles, the byte-bounded cache, timeouts, 'auto' fallback, parallel fills."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from transformers import GPT2Tokenizer
+
+from tandem.params import StructuredOutputsParams
+from tandem.structured import (
+    GrammarCache,
+    GrammarError,
+    GrammarSpec,
+    StructuredOutputConfig,
+    StructuredOutputManager,
+    allocate_bitmask,
+    allowed_tokens,
+    load_tiktoken,
+    measure_mask_fill,
+)
+from tandem.structured.llguidance_backend import LLGuidanceBackend
+from tandem.structured.xgrammar_backend import XGrammarBackend
+
+SHARED = Path(__file__).resolve().parents[2] / "../shared/data"
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    return GPT2Tokenizer.from_pretrained(SHARED / "tokenizers/gpt2")
+
+
+@pytest.fixture(scope="module")
+def backends(tokenizer: Any) -> dict[str, Any]:
+    """Built once for the module and shared by the managers below (backends are stateless between compiles)."""
+    v = len(tokenizer)
+    return {
+        "xgrammar": XGrammarBackend(tokenizer, v, [tokenizer.eos_token_id]),
+        "llguidance": LLGuidanceBackend(tokenizer, v, [tokenizer.eos_token_id]),
+    }
+
+
+def make_manager(tokenizer: Any, backends: dict[str, Any], **config: Any) -> StructuredOutputManager:
+    factories = {name: (lambda b=b: b) for name, b in backends.items()}
+    return StructuredOutputManager(
+        tokenizer, len(tokenizer), [tokenizer.eos_token_id], StructuredOutputConfig(**config), backend_factories=factories
+    )
+
+
+@pytest.fixture
+def manager(tokenizer: Any, backends: dict[str, Any]) -> Any:
+    m = make_manager(tokenizer, backends)
+    yield m
+    m.shutdown()
+
+
+def wait(manager: StructuredOutputManager, rid: str, timeout_s: float = 20.0) -> str:
+    deadline = time.monotonic() + timeout_s
+    while (state := manager.poll(rid)) == "pending" and time.monotonic() < deadline:
+        time.sleep(0.002)
+    return state
+
+
+def encode(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer.encode(text))
+
+
+def test_params_pickle() -> None:
+    for params in [
+        StructuredOutputsParams(json=PERSON, whitespace="flexible", backend="llguidance"),
+        StructuredOutputsParams(json_object=True),
+        StructuredOutputsParams(regex=r"\d+"),
+        StructuredOutputsParams(choice=["a", "b"]),
+        StructuredOutputsParams(grammar='root ::= "x"', backend="auto"),
+    ]:
+        clone = pickle.loads(pickle.dumps(params))
+        assert clone == params and GrammarSpec.from_params(clone) == GrammarSpec.from_params(params)
+
+
+def test_lifecycle(manager: StructuredOutputManager, tokenizer: Any) -> None:
+    manager.submit("r1", StructuredOutputsParams(json=PERSON))
+    assert manager.poll("r1") in ("pending", "ready")  # never blocks
+    assert wait(manager, "r1") == "ready"
+    assert manager.backend_of("r1") == "xgrammar" and manager.error("r1") is None  # auto -> xgrammar first
+    tokens = encode(tokenizer, '{"name":"Bo","age":7}')
+    eos = tokenizer.eos_token_id
+    assert eos not in manager.allowed_tokens("r1")
+    assert manager.validate_draft("r1", [*tokens, eos]) == len(tokens) + 1
+    assert manager.accept("r1", tokens[:3]) == 3
+    manager.rollback("r1", 1)
+    assert manager.accept("r1", [*tokens[2:], eos, eos]) == len(tokens) - 2 + 1
+    assert manager.is_terminated("r1")
+    manager.release("r1")
+    assert not manager.has_request("r1")
+    with pytest.raises(KeyError):
+        manager.poll("r1")
+    manager.release("r1")  # idempotent
+
+
+def test_cache_hit_is_ready_at_submit(manager: StructuredOutputManager) -> None:
+    params = StructuredOutputsParams(regex=r"[A-Z]{2}\d{4}")
+    manager.submit("a", params)
+    assert wait(manager, "a") == "ready"
+    stats = manager.stats()
+    assert (stats["cache_hits"], stats["cache_misses"], stats["compiles"]) == (0, 1, 1)
+    manager.submit("b", params)
+    assert manager.poll("b") == "ready"  # no compile, no wait
+    stats = manager.stats()
+    assert (stats["cache_hits"], stats["cache_misses"], stats["compiles"]) == (1, 1, 1)
+    assert stats["cache_entries"] == 1 and 0 < stats["cache_bytes"] <= stats["cache_capacity_bytes"]
+    # whitespace does not split the cache for non-JSON kinds; it does for JSON
+    manager.submit("c", StructuredOutputsParams(regex=r"[A-Z]{2}\d{4}", whitespace="flexible"))
+    assert manager.poll("c") == "ready"
+    manager.submit("d", StructuredOutputsParams(json=PERSON, whitespace="flexible"))
+    manager.submit("e", StructuredOutputsParams(json=PERSON))
+    assert wait(manager, "d") == wait(manager, "e") == "ready"
+    assert manager.stats()["cache_entries"] == 3
+
+
+def test_concurrent_submits_share_one_compile(manager: StructuredOutputManager) -> None:
+    params = StructuredOutputsParams(json={"type": "array", "items": {"type": "integer"}, "maxItems": 7})
+    for i in range(5):
+        manager.submit(f"r{i}", params)
+    assert all(wait(manager, f"r{i}") == "ready" for i in range(5))
+    stats = manager.stats()
+    assert stats["compiles"] == 1 and stats["cache_misses"] == 1 and stats["coalesced"] + stats["cache_hits"] == 4
+
+
+def test_size_limit(tokenizer: Any, backends: dict[str, Any]) -> None:
+    manager = make_manager(tokenizer, backends, max_spec_bytes=100)
+    big = StructuredOutputsParams(choice=[f"option-{i}" for i in range(20)])
+    with pytest.raises(GrammarError, match="over the limit of 100"):
+        manager.submit("big", big)
+    assert not manager.has_request("big")
+    manager.submit("small", StructuredOutputsParams(choice=["a", "b"]))
+    assert wait(manager, "small") == "ready"
+    manager.shutdown()
+
+
+def test_bad_specs_fail_with_reason(manager: StructuredOutputManager) -> None:
+    manager.submit("x", StructuredOutputsParams(regex="a(b", backend="xgrammar"))
+    assert wait(manager, "x") == "failed"
+    assert manager.error("x") is not None and manager.error("x").startswith("xgrammar: ")  # type: ignore[union-attr]
+    assert manager.backend_of("x") is None
+    with pytest.raises(RuntimeError, match="failed"):
+        manager.accept("x", [1])
+    # both backends reject: the message carries both reasons, and the second try fails at once (negative cache)
+    manager.submit("y", StructuredOutputsParams(json={"type": "frobnicate"}))
+    assert wait(manager, "y") == "failed"
+    error = manager.error("y") or ""
+    assert error.startswith("auto: xgrammar: ") and "llguidance: " in error and "frobnicate" in error
+    compiles = manager.stats()["compiles"]
+    manager.submit("z", StructuredOutputsParams(json={"type": "frobnicate"}))
+    assert manager.poll("z") == "failed" and manager.error("z") == error
+    assert manager.stats()["compiles"] == compiles
+
+
+@pytest.mark.parametrize(
+    "params, text",
+    [
+        (StructuredOutputsParams(regex=r"\p{Lu}+-\d+"), "ÄBC-12"),  # xgrammar: no Unicode classes
+        (StructuredOutputsParams(regex=r"(?i)hello"), "HeLLo"),  # xgrammar: no inline flags
+        (StructuredOutputsParams(grammar='start: "(" NUM ("+" NUM)* ")"\nNUM: /[0-9]+/'), "(1+2)"),  # Lark
+        (StructuredOutputsParams(json={"type": "string", "pattern": "^\\p{L}+$"}), '"héllo"'),  # schema pattern
+    ],
+)
+def test_auto_falls_back_to_llguidance(manager: StructuredOutputManager, tokenizer: Any, params: Any, text: str) -> None:
+    manager.submit("r", params)
+    assert wait(manager, "r") == "ready", manager.error("r")
+    assert manager.backend_of("r") == "llguidance"
+    tokens = [*encode(tokenizer, text), tokenizer.eos_token_id]
+    assert manager.accept("r", tokens) == len(tokens) and manager.is_terminated("r")
+    # xgrammar alone refuses the same spec
+    manager.submit("x", StructuredOutputsParams(**{**_fields(params), "backend": "xgrammar"}))
+    assert wait(manager, "x") == "failed" and (manager.error("x") or "").startswith("xgrammar: ")
+    # the rejection is remembered: 'auto' is served from the cache, without compiling again
+    compiles = manager.stats()["compiles"]
+    manager.submit("again", params)
+    assert manager.poll("again") == "ready" and manager.backend_of("again") == "llguidance"
+    assert manager.stats()["compiles"] == compiles
+
+
+def _fields(params: StructuredOutputsParams) -> dict[str, Any]:
+    return {k: getattr(params, k) for k in ("json", "regex", "choice", "grammar", "whitespace")} | {"json_object": params.json_object}
+
+
+def test_llama_cpp_json_gbnf_falls_back(manager: StructuredOutputManager, tokenizer: Any) -> None:
+    manager.submit("g", StructuredOutputsParams(grammar=(SHARED / "grammars/llama.cpp/json.gbnf").read_text()))
+    assert wait(manager, "g") == "ready" and manager.backend_of("g") == "llguidance"
+
+
+def test_explicit_backend_choice(manager: StructuredOutputManager) -> None:
+    manager.submit("l", StructuredOutputsParams(choice=["x", "y"], backend="llguidance"))
+    manager.submit("x", StructuredOutputsParams(choice=["x", "y"], backend="xgrammar"))
+    assert wait(manager, "l") == wait(manager, "x") == "ready"
+    assert (manager.backend_of("l"), manager.backend_of("x")) == ("llguidance", "xgrammar")
+
+
+def test_real_compile_timeout_fails_only_that_request(tokenizer: Any, backends: dict[str, Any]) -> None:
+    """A tiny timeout and a big schema: that request fails; a ready one and a cached one are unaffected."""
+    manager = make_manager(tokenizer, backends, backend="xgrammar")
+    manager.submit("ok", StructuredOutputsParams(choice=["a", "b"]))
+    assert wait(manager, "ok") == "ready"
+    manager.config.compile_timeout_s = 0.001
+    big = {"type": "object", "properties": {f"field_{i}": {"type": "string", "maxLength": 20} for i in range(120)}}
+    manager.submit("big", StructuredOutputsParams(json=big))
+    manager.submit("ok2", StructuredOutputsParams(choice=["a", "b"]))
+    time.sleep(0.01)
+    assert manager.poll("big") == "failed" and "timed out" in (manager.error("big") or "")
+    assert manager.poll("ok") == manager.poll("ok2") == "ready"
+    assert manager.accept("ok", encode(tokenizer, "a")) == 1
+    assert manager.stats()["timeouts"] == 1
+    with pytest.raises(RuntimeError, match="timed out"):
+        manager.fill_bitmask(["big"], allocate_bitmask(1, len(tokenizer)), [0])
+    manager.shutdown()
+
+
+@dataclass(frozen=True)
+class _FakeGrammar:
+    memory_bytes: int
+    backend: str = "xgrammar"
+
+
+class _GatedBackend:
+    """Stands in for xgrammar: compiles wait on a gate (outliving the timeout), then return a grammar of a given size."""
+
+    name = "xgrammar"
+
+    def __init__(self, vocab_size: int, size: int) -> None:
+        self.vocab_size = vocab_size
+        self.size = size
+        self.gate = threading.Event()
+        self.finished = threading.Event()
+
+    def compile(self, spec: GrammarSpec) -> _FakeGrammar:
+        self.gate.wait(10)
+        self.finished.set()
+        return _FakeGrammar(self.size)
+
+    def matcher(self, grammar: Any) -> Any:
+        return object()
+
+
+def test_late_compile_result_is_bounded_and_ignored_by_its_request(tokenizer: Any) -> None:
+    """The worker cannot be killed: its late grammar goes into the cache within the byte bound, the timed-out
+    request stays failed (no half-built matcher), and a new request for the same spec is served from the cache."""
+    fake = _GatedBackend(len(tokenizer), size=600)
+    manager = StructuredOutputManager(
+        tokenizer,
+        len(tokenizer),
+        [tokenizer.eos_token_id],
+        StructuredOutputConfig(backend="xgrammar", compile_timeout_s=0.05, cache_bytes=1000),
+        backend_factories={"xgrammar": lambda: fake},  # type: ignore[dict-item,return-value]
+    )
+    manager.submit("slow", StructuredOutputsParams(regex="a+"))
+    time.sleep(0.1)
+    assert manager.poll("slow") == "failed"
+    fake.gate.set()
+    assert fake.finished.wait(5)
+    deadline = time.monotonic() + 5
+    while manager.stats()["cache_entries"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert manager.poll("slow") == "failed" and "timed out" in (manager.error("slow") or "")
+    stats = manager.stats()
+    assert stats["cache_entries"] == 1 and stats["cache_bytes"] == 600 <= stats["cache_capacity_bytes"]
+    manager.submit("retry", StructuredOutputsParams(regex="a+"))
+    assert manager.poll("retry") == "ready"
+    # a second spec evicts the first (600 + 600 > 1000)
+    manager.submit("other", StructuredOutputsParams(regex="b+"))
+    assert wait(manager, "other") == "ready"
+    stats = manager.stats()
+    assert stats["cache_entries"] == 1 and stats["cache_evictions"] == 1 and stats["cache_bytes"] <= 1000
+    manager.shutdown()
+
+
+def test_cache_byte_bound_with_real_grammars(tokenizer: Any, backends: dict[str, Any]) -> None:
+    sizes = [backends["xgrammar"].compile(GrammarSpec("regex", f"[a-z]{{{i}}}")).memory_bytes for i in range(1, 7)]
+    capacity = sum(sizes[:3])
+    manager = make_manager(tokenizer, backends, backend="xgrammar", cache_bytes=capacity)
+    for i in range(1, 7):
+        manager.submit(f"r{i}", StructuredOutputsParams(regex=f"[a-z]{{{i}}}"))
+        assert wait(manager, f"r{i}") == "ready"
+        assert manager.stats()["cache_bytes"] <= capacity
+    stats = manager.stats()
+    assert stats["cache_evictions"] >= 3 and stats["cache_misses"] == 6
+    manager.submit("again-first", StructuredOutputsParams(regex="[a-z]{1}"))  # evicted: compiles again
+    assert wait(manager, "again-first") == "ready" and manager.stats()["cache_misses"] == 7
+    manager.submit("again-last", StructuredOutputsParams(regex="[a-z]{6}"))  # most recent: still cached
+    assert manager.poll("again-last") == "ready" and manager.stats()["cache_hits"] == 1
+    manager.shutdown()
+
+
+def test_grammar_cache_lru() -> None:
+    cache = GrammarCache(100)
+    cache.put(("b", "k", "1", "c"), _FakeGrammar(40))
+    cache.put(("b", "k", "2", "c"), _FakeGrammar(40))
+    assert cache.get(("b", "k", "1", "c")) is not None  # 1 is now most recent
+    cache.put(("b", "k", "3", "c"), _FakeGrammar(40))  # evicts 2
+    assert cache.get(("b", "k", "2", "c")) is None and cache.get(("b", "k", "1", "c")) is not None
+    assert cache.bytes_used == 80 and cache.evictions == 1
+    cache.put(("b", "k", "huge", "c"), _FakeGrammar(101))  # larger than the whole cache: not stored
+    assert cache.get(("b", "k", "huge", "c")) is None and cache.bytes_used == 80
+    cache.put(("b", "k", "1", "c"), _FakeGrammar(60))  # replacing an entry re-counts its bytes
+    assert cache.bytes_used == 100 and len(cache) == 2
+
+
+def test_fill_bitmask_parallel_matches_serial(tokenizer: Any, backends: dict[str, Any]) -> None:
+    """40 requests in chunks on the pool == each request's own mask; rows of unguided requests untouched."""
+    manager = make_manager(tokenizer, backends, num_threads=2, min_rows_per_chunk=4)
+    specs = [
+        StructuredOutputsParams(json=PERSON),
+        StructuredOutputsParams(regex=r"\d{2,5}", backend="llguidance"),
+        StructuredOutputsParams(choice=["north", "south"]),
+        StructuredOutputsParams(json_object=True, backend="llguidance"),
+    ]
+    prefixes = ['{"name":"', "1", "so", "{"]
+    ids = [f"r{i}" for i in range(40)]
+    for i, rid in enumerate(ids):
+        manager.submit(rid, specs[i % 4])
+    for i, rid in enumerate(ids):
+        assert wait(manager, rid) == "ready"
+        if i % 8 < 4:  # half of them advance a little
+            prefix = encode(tokenizer, prefixes[i % 4])
+            assert manager.accept(rid, prefix) == len(prefix)
+    rows = list(range(1, 81, 2))  # guided rows are odd; even rows are unguided
+    bitmask = allocate_bitmask(81, len(tokenizer))
+    bitmask[0::2] = 0x5A5A5A5A
+    manager.fill_bitmask(ids, bitmask, rows)
+    assert (bitmask[0::2] == 0x5A5A5A5A).all()
+    for rid, row in zip(ids, rows, strict=True):
+        np.testing.assert_array_equal(allowed_tokens(bitmask, row, len(tokenizer)), manager.allowed_tokens(rid))
+    stats = manager.stats()
+    assert stats["rows_filled"] == 40 and stats["mask_fill_us_per_row_p99"] >= stats["mask_fill_us_per_row_p50"] > 0
+    with pytest.raises(ValueError, match="int32"):
+        manager.fill_bitmask(ids[:1], np.zeros((2, 3), np.int64), [0])
+    with pytest.raises(ValueError, match="distinct"):
+        manager.fill_bitmask(ids[:2], bitmask, [1, 1])
+    manager.shutdown()
+
+
+def test_forced_tokens_and_stats(manager: StructuredOutputManager, tokenizer: Any) -> None:
+    manager.submit("one", StructuredOutputsParams(choice=["The answer is 42"]))
+    assert wait(manager, "one") == "ready"
+    forced = manager.forced_tokens("one")
+    assert forced and "The answer is 42".startswith(tokenizer.decode(forced))
+    assert manager.validate_draft("one", forced) == len(forced)
+    stats = manager.stats()
+    assert stats["forced_tokens"] == len(forced)
+    assert stats["compile_ms_p99"] >= stats["compile_ms_p50"] > 0
+    assert len(manager.compile_durations_s()) == stats["compiles"] == 1
+    assert all(isinstance(v, float) for v in stats.values())
+
+
+def test_duplicate_request_id(manager: StructuredOutputManager) -> None:
+    manager.submit("dup", StructuredOutputsParams(regex="a"))
+    with pytest.raises(ValueError, match="already"):
+        manager.submit("dup", StructuredOutputsParams(regex="a"))
+
+
+def test_lazy_backends_from_hf_tokenizer(tokenizer: Any) -> None:
+    """Without factories the manager builds its backends from the tokenizer, padding the vocabulary to V."""
+    v = len(tokenizer) + 31
+    manager = StructuredOutputManager(tokenizer, v, [tokenizer.eos_token_id], StructuredOutputConfig(backend="llguidance"))
+    manager.warm_up()
+    manager.submit("r", StructuredOutputsParams(regex="[0-9]"))
+    assert wait(manager, "r") == "ready"
+    allowed = manager.allowed_tokens("r")
+    assert len(allowed) >= 10 and allowed.max() < len(tokenizer)
+    manager.shutdown()
+
+
+def test_measure_mask_fill_demo_shape(backends: dict[str, Any], tokenizer: Any) -> None:
+    spec = GrammarSpec.from_params(StructuredOutputsParams(json=PERSON))
+    for backend in backends.values():
+        timing = measure_mask_fill(backend, spec, tokens=encode(tokenizer, '{"name":"Al","age":3}'))
+        assert timing["rows"] == len(encode(tokenizer, '{"name":"Al","age":3}'))
+        assert timing["fill_us_p99"] >= timing["fill_us_p50"] > 0
+        walk = measure_mask_fill(backend, spec, steps=16)
+        assert walk["rows"] == 16
+
+
+@pytest.mark.slow
+def test_mask_fill_timing_large_vocabularies(backends: dict[str, Any], tokenizer: Any) -> None:
+    """p50 / p99 mask fill per row on GPT-2 (50k) and o200k (200k), both backends; printed for the record."""
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}}, "n": {"type": "integer"}},
+        "required": ["name", "tags", "n"],
+    }
+    instance = json.dumps({"name": "Ada Lovelace", "tags": ["math", "engines"], "n": 1843}, separators=(",", ":"))
+    spec = GrammarSpec.from_params(StructuredOutputsParams(json=schema))
+    vocab = load_tiktoken(SHARED / "tokenizers/tiktoken/o200k_base.tiktoken")
+    o200k = {"xgrammar": XGrammarBackend.from_tiktoken(vocab), "llguidance": LLGuidanceBackend.from_tiktoken(vocab)}
+    for name in ("xgrammar", "llguidance"):
+        for label, backend, tokens in [
+            ("gpt2", backends[name], encode(tokenizer, instance)),
+            ("o200k", o200k[name], vocab.encode_greedy(instance)),
+        ]:
+            timing = measure_mask_fill(backend, spec, tokens=tokens)
+            print(f"{name:10s} {label:6s} V={backend.vocab_size} rows={timing['rows']:.0f} "
+                  f"compile={timing['compile_ms']:.1f}ms p50={timing['fill_us_p50']:.1f}us p99={timing['fill_us_p99']:.1f}us")
+            assert timing["fill_us_p50"] > 0
