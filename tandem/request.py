@@ -55,6 +55,7 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # hashes of the full blocks of token_ids, in order
     draft_token_ids: list[int] = field(default_factory=list)
+    hold_sampling: bool = False  # e.g. its grammar is still compiling: prefill all but the last token, sample nothing
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     num_preemptions: int = 0

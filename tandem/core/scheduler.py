@@ -123,8 +123,8 @@ class Scheduler:
         i = 0
         while i < len(self._running) and budget > 0:
             req = self._running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if num_new <= 0:  # nothing to compute until the engine appends a token
+            num_new = min(req.num_tokens - req.num_computed_tokens - req.hold_sampling, budget)
+            if num_new <= 0:  # nothing to compute until the engine appends a token (or lifts the hold)
                 i += 1
                 continue
             num_drafts = self._num_schedulable_drafts(req, num_new, budget)
@@ -160,9 +160,10 @@ class Scheduler:
             self._waiting.popleft()
             req.status = RequestStatus.RUNNING
             self._running.append(req)
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            plan.requests.append(self._scheduled(req, num_new, 0))
-            budget -= num_new
+            num_new = min(req.num_tokens - req.num_computed_tokens - req.hold_sampling, budget)
+            if num_new > 0:
+                plan.requests.append(self._scheduled(req, num_new, 0))
+                budget -= num_new
 
     def _num_schedulable_drafts(self, req: Request, num_new: int, budget: int) -> int:
         """Drafts ride along only at steady decode (exactly one non-draft token left), cut to budget and length."""

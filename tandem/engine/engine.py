@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from tandem.config import EngineConfig
@@ -33,7 +34,9 @@ from tandem.request import (
     RequestOutput,
     RequestStatus,
 )
+from tandem.engine.guidance import StepMasks, make_guidance
 from tandem.engine.speculation import SpeculativeDecoder
+from tandem.structured.manager import StructuredOutputConfig
 from tandem.runner.runner import ModelRunner
 from tandem.sampling.rejection import DraftRows, rejection_sample
 from tandem.sampling.sampler import RowLogprobs, Sampler, SamplingRow, prompt_logprobs
@@ -94,6 +97,8 @@ class LLMEngine:
         runner: ModelRunner,
         tokenizer: Tokenizer,
         speculation: SpeculativeDecoder | None = None,
+        structured_config: StructuredOutputConfig | None = None,
+        mask_mode: str | None = None,
     ) -> None:
         self.config = config
         self.runner = runner
@@ -111,6 +116,11 @@ class LLMEngine:
         self._finished_errors: list[RequestOutput] = []
         self._step_id = itertools.count()
         self.spec = speculation
+        self.guidance = make_guidance(tokenizer.hf, self.vocab_size, eos, structured_config or StructuredOutputConfig())
+        # (a) "device": bitmask copied to the device and applied there; (b) "cpu": logits brought to the host
+        self.mask_mode = mask_mode or ("cpu" if runner.device.type == "cpu" else "device")
+        if self.mask_mode not in ("cpu", "device"):
+            raise ParamError(f"mask_mode must be 'cpu' or 'device', got {self.mask_mode!r}")
 
     # ---------------------------------------------------------------------------------------------- requests
     def add_request(
@@ -144,6 +154,16 @@ class LLMEngine:
             )
             group.seqs.append(seq)
             self._seqs[seq_id] = seq
+        so = params.structured_outputs
+        if so is not None:
+            try:
+                for seq in group.seqs:
+                    self.guidance.submit(seq.req, so)
+            except ParamError:
+                for seq in group.seqs:
+                    self.guidance.release(seq.req.request_id)
+                    self._seqs.pop(seq.req.request_id, None)
+                raise
         self._groups[request_id] = group
         for seq in group.seqs:
             self.scheduler.add(seq.req)
@@ -200,23 +220,31 @@ class LLMEngine:
     # -------------------------------------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return the outputs of the requests that progressed (cumulative, vLLM-style)."""
+        if self.guidance.has_pending:
+            self._poll_grammars()
         t_draft = time.perf_counter()
+        running = self.scheduler.running
         if self.spec is not None:
-            self.spec.draft(self.scheduler.running, self._max_drafts)
+            self.spec.draft(running, self._max_drafts)
+        self.guidance.constrain_drafts(running, self._max_drafts)
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         if plan.is_empty():
+            if self.guidance.has_pending:
+                time.sleep(0.002)  # only grammar compiles are outstanding: let them run
             return self._drain_errors()
         handle = self.runner.launch(plan)
         t1 = time.perf_counter()
         # CPU work overlapped with the forward: grammar bitmasks for this step, drafts for the next one.
-        bitmask = None
+        masks = self.guidance.fill(plan)
         if self.spec is not None:
             self.spec.start_lookahead([self._seqs[sr.request_id].req for sr in plan.requests if sr.num_draft_tokens])
         t2 = time.perf_counter()
         logits = self.runner.collect(handle)  # [R, V]
         t3 = time.perf_counter()
-        new_tokens = self._sample(plan, logits, bitmask)
+        if masks.plain is not None or masks.spec is not None:
+            self.guidance.stats.exposed_s += max(0.0, t2 - handle.finished_at)
+        new_tokens = self._sample(plan, logits, masks)
         t4 = time.perf_counter()
         outputs = self._advance(plan, new_tokens)
         s = self.stats
@@ -240,8 +268,34 @@ class LLMEngine:
             limit = min(limit, req.params.max_tokens - req.num_output_tokens)
         return max(0, limit - 1)
 
-    def _sample(self, plan: StepPlan, logits: torch.Tensor, bitmask: torch.Tensor | None) -> dict[str, list[int]]:
+    def _poll_grammars(self) -> None:
+        ready, failed = self.guidance.poll()
+        for rid, backend in ready:
+            seq = self._seqs.get(rid)
+            if seq is not None:
+                seq.req.hold_sampling = False
+                seq.group.metrics.grammar_backend = backend
+        for rid, reason in failed:
+            seq = self._seqs.get(rid)
+            if seq is not None:
+                self._fail(seq, reason)
+
+    def _fail(self, seq: _Sequence, reason: str) -> None:
+        """End one sequence with an error (its group reports it); the rest of the batch is untouched."""
+        self.scheduler.abort(seq.req.request_id)
+        seq.req.status = RequestStatus.FINISHED_ERROR
+        seq.group.error = reason
+        if seq.group.finished:
+            self._finished_errors.append(self._output(seq.group))
+            self._release(seq.group)
+
+    def _bitmask(self, mask: np.ndarray | None, device: torch.device) -> torch.Tensor | None:
+        return None if mask is None else torch.from_numpy(mask).to(device, non_blocking=True)
+
+    def _sample(self, plan: StepPlan, logits: torch.Tensor, masks: StepMasks) -> dict[str, list[int]]:
         """Tokens per request that reached the end of its known tokens: sampled, or drafts verified; logprobs."""
+        if self.mask_mode == "cpu" and logits.device.type != "cpu" and (masks.plain is not None or masks.spec is not None):
+            logits = logits.cpu()  # mode (b): all logits processing and sampling on the host
         plain: list[tuple[_Sequence, int]] = []  # (sequence, logits row)
         spec: list[tuple[_Sequence, int, list[int]]] = []  # (sequence, first row, drafts)
         offset = 0
@@ -261,12 +315,12 @@ class LLMEngine:
         if plain:
             rows = [self._row(seq, ()) for seq, _ in plain]
             idx = torch.tensor([r for _, r in plain], device=logits.device)
-            out = self.sampler.sample(logits.index_select(0, idx), rows, bitmask)
+            out = self.sampler.sample(logits.index_select(0, idx), rows, self._bitmask(masks.plain, logits.device))
             for (seq, _), tok, lp in zip(plain, out.token_ids, out.logprobs):
                 tokens[seq.req.request_id] = [tok]
                 self._add_logprobs(seq, [lp] if lp is not None else [])
         if spec:
-            tokens.update(self._verify(spec, logits))
+            tokens.update(self._verify(spec, logits, self._bitmask(masks.spec, logits.device)))
         return tokens
 
     def _row(self, seq: _Sequence, drafts: Sequence[int]) -> SamplingRow:
@@ -274,12 +328,14 @@ class LLMEngine:
         out = req.output_token_ids
         return SamplingRow(req.params, req.prompt_token_ids, out + list(drafts) if drafts else out, seq.generator)
 
-    def _verify(self, spec: list[tuple[_Sequence, int, list[int]]], logits: torch.Tensor) -> dict[str, list[int]]:
+    def _verify(
+        self, spec: list[tuple[_Sequence, int, list[int]]], logits: torch.Tensor, bitmask: torch.Tensor | None
+    ) -> dict[str, list[int]]:
         """Rejection-sample every speculative request's drafts in one call (row j sees drafts[:j] as its history)."""
         row_idx = [first + j for _, first, d in spec for j in range(len(d) + 1)]
         rows = [self._row(seq, d[:j]) for seq, _, d in spec for j in range(len(d) + 1)]
         target = logits.index_select(0, torch.tensor(row_idx, device=logits.device))  # [sum(k + 1), V]
-        emitted = rejection_sample(self.sampler, target, rows, [DraftRows(d, None) for _, _, d in spec])
+        emitted = rejection_sample(self.sampler, target, rows, [DraftRows(d, None) for _, _, d in spec], bitmask)
         tokens: dict[str, list[int]] = {}
         pos = 0
         for (seq, _, drafts), toks in zip(spec, emitted):
@@ -345,6 +401,12 @@ class LLMEngine:
                 seq.group.metrics.num_accepted_tokens += self.spec.observe(seq.req, drafts, toks)
             if seq.logprobs is not None and len(kept) < len(toks):
                 del seq.logprobs[len(seq.logprobs) - (len(toks) - len(kept)) :]
+            terminated, grammar_error = self.guidance.accept(seq.req, kept, len(seq.req.draft_token_ids))
+            if grammar_error is not None:
+                seq.group.error = grammar_error
+                finished.append((rid, RequestStatus.FINISHED_ERROR))
+            elif terminated and not decision.finished:
+                finished.append((rid, RequestStatus.FINISHED_STOPPED))
             if decision.finished:
                 status = RequestStatus.FINISHED_STOPPED if decision.reason == "stop" else RequestStatus.FINISHED_LENGTH
                 finished.append((rid, status))
@@ -396,6 +458,7 @@ class LLMEngine:
             self._seqs.pop(s.req.request_id, None)
             if self.spec is not None:
                 self.spec.release(s.req.request_id)
+            self.guidance.release(s.req.request_id)
 
     def _drain_errors(self) -> list[RequestOutput]:
         out, self._finished_errors = self._finished_errors, []
@@ -413,4 +476,6 @@ class LLMEngine:
             "prefix_cache_hits": bm.stats.hits,
             **self.stats.__dict__,
             **(self.spec.stats.as_dict() if self.spec is not None else {}),
+            **self.guidance.stats.as_dict(),
+            **({"grammar_" + k: v for k, v in self.guidance.manager.stats().items()} if self.guidance._manager else {}),
         }

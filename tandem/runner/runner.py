@@ -8,6 +8,7 @@ on an accelerator the kernels queue asynchronously), so the caller's CPU work (g
 from __future__ import annotations
 
 import os
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -16,15 +17,16 @@ import torch
 from tandem.config import CacheConfig, ConfigError, ModelConfig, SchedulerConfig
 from tandem.core.plan import StepPlan
 from tandem.models.llama import LlamaModel
-from tandem.runner.attention import build_metadata
+from tandem.runner.attention import AttentionMetadata, build_metadata
 
 
 @dataclass
 class ForwardHandle:
     """A launched forward; `collect` turns it into logits."""
 
-    future: Future[torch.Tensor]
+    future: Future[tuple[torch.Tensor, float]]
     num_rows: int
+    finished_at: float = 0.0  # perf_counter() when the forward finished (set by collect)
 
 
 def available_memory(device: torch.device) -> int:
@@ -105,18 +107,19 @@ class ModelRunner:
 
     def collect(self, handle: ForwardHandle) -> torch.Tensor:
         """Wait for the forward; logits [R, V] float32 on the device, R = plan.num_logits_rows, in plan order."""
-        return handle.future.result()
+        logits, handle.finished_at = handle.future.result()
+        return logits
 
     def execute(self, plan: StepPlan) -> torch.Tensor:
         return self.collect(self.launch(plan))
 
     @torch.inference_mode()
-    def _forward(self, input_ids: torch.Tensor, meta, rows: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    def _forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, rows: torch.Tensor) -> tuple[torch.Tensor, float]:
         hidden = self.model.forward(input_ids, meta, self.kv_caches)  # [T, hidden]
         logits = self.model.logits(hidden[rows])  # [R, V]
         if self.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
-        return logits
+        return logits, time.perf_counter()
 
     def _to_device(self, values: list[int]) -> torch.Tensor:
         t = torch.tensor(values, dtype=torch.int64)

@@ -141,3 +141,18 @@ def add_bench_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     add_arguments(p)
     p.set_defaults(func=run_bench_serve)
     return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m tandem.server.cli serve ...` / `... bench-serve ...` (until tandem/cli.py wires the subcommands)."""
+    parser = argparse.ArgumentParser(prog="python -m tandem.server.cli")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_serve_parser(sub)
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
+    add_bench_serve_parser(bench)
+    args = parser.parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

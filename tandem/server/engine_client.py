@@ -24,6 +24,7 @@ import multiprocessing as mp
 import os
 import queue
 import signal
+import threading
 import time
 import traceback
 from collections.abc import Mapping
@@ -37,6 +38,7 @@ from tandem.request import RequestOutput
 logger = logging.getLogger("tandem.server")
 
 IDLE_POLL_S = 1.0  # idle core: how often it checks that its parent is still alive
+_MAX_MESSAGES_PER_WAKEUP = 64
 PENDING_POLL_S = 0.002  # unfinished requests but nothing scheduled (e.g. a grammar compiling): wait this long for commands
 
 # Exceptions from add_request / chat templating that mean "this request is invalid" (400), not "the server broke".
@@ -95,7 +97,7 @@ class _DeltaTracker:
 
 # ------------------------------------------------------------------------------------------------ engine core
 def run_engine_core(
-    model: str | None, engine_kwargs: Mapping[str, Any], commands: Any, results: Connection, parent_pid: int
+    model: str | None, engine_kwargs: Mapping[str, Any], commands: Connection, results: Connection, parent_pid: int
 ) -> None:
     """Entry point of the engine-core process: build the engine, report ready, run the busy loop until shutdown."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine-core %(levelname)s %(message)s")
@@ -118,7 +120,7 @@ def run_engine_core(
         raise SystemExit(1) from e
 
 
-def _core_loop(engine: Any, commands: Any, results: Connection, parent_pid: int) -> None:
+def _core_loop(engine: Any, commands: Connection, results: Connection, parent_pid: int) -> None:
     tracker = _DeltaTracker()
     progressed = True
     while True:
@@ -142,19 +144,20 @@ def _core_loop(engine: Any, commands: Any, results: Connection, parent_pid: int)
             results.send(("step", events, engine.get_stats()))
 
 
-def _drain(commands: Any, block_s: float | None) -> list[tuple[Any, ...]]:
-    """All queued commands; first waits up to `block_s` for one when given (None: do not wait)."""
+def _drain(commands: Connection, block_s: float | None) -> list[tuple[Any, ...]]:
+    """All commands already sent; first waits up to `block_s` for one when given (None: do not wait).
+
+    The parent closing its end (it died) reads as a shutdown command.
+    """
     out: list[tuple[Any, ...]] = []
-    if block_s is not None:
-        try:
-            out.append(commands.get(timeout=block_s))
-        except queue.Empty:
+    try:
+        if block_s is not None and not commands.poll(block_s):
             return out
-    while True:
-        try:
-            out.append(commands.get_nowait())
-        except queue.Empty:
-            return out
+        while commands.poll():
+            out.append(commands.recv())
+    except (EOFError, OSError):
+        out.append(("shutdown",))
+    return out
 
 
 def _apply(engine: Any, tracker: _DeltaTracker, cmd: tuple[Any, ...]) -> list[tuple[Any, ...]]:
@@ -180,6 +183,37 @@ def _apply(engine: Any, tracker: _DeltaTracker, cmd: tuple[Any, ...]) -> list[tu
 
 
 # ------------------------------------------------------------------------------------------------------ client
+class _CommandSender:
+    """Parent side of the command pipe: `send` never blocks the event loop (a writer thread does the pipe writes,
+    which may wait while the core is inside a step and the pipe buffer is full)."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        self._queue: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="tandem-engine-commands", daemon=True)
+        self._thread.start()
+
+    def send(self, cmd: tuple[Any, ...]) -> None:
+        self._queue.put(cmd)
+
+    def _run(self) -> None:
+        while True:
+            cmd = self._queue.get()
+            if cmd is None:
+                break
+            try:
+                self._conn.send(cmd)
+            except (OSError, ValueError):  # the core is gone; its death is handled by the reader side
+                break
+        with contextlib.suppress(OSError):
+            self._conn.close()
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Send what is queued, then close the pipe."""
+        self._queue.put(None)
+        self._thread.join(timeout_s)
+
+
 class EngineDeadError(RuntimeError):
     """The engine-core process is gone; the message says why."""
 
@@ -242,7 +276,8 @@ class EngineClient:
         self.accepting = True
         self._streams: dict[str, RequestStream] = {}
         self._proc: Any = None
-        self._commands: Any = None
+        self._commands: _CommandSender | None = None
+        self._closing = False
         self._results: Connection | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready: asyncio.Future[ModelInfo] | None = None
@@ -252,16 +287,18 @@ class EngineClient:
         """Spawn the engine core and wait until its engine is built; raises EngineDeadError if it fails to start."""
         ctx = mp.get_context("spawn")
         self._loop = asyncio.get_running_loop()
-        self._commands = ctx.Queue()
+        cmd_reader, cmd_writer = ctx.Pipe(duplex=False)
         reader, writer = ctx.Pipe(duplex=False)
         self._proc = ctx.Process(
             target=run_engine_core,
-            args=(self.model, self.engine_kwargs, self._commands, writer, os.getpid()),
+            args=(self.model, self.engine_kwargs, cmd_reader, writer, os.getpid()),
             name="tandem-engine-core",
             daemon=True,
         )
         self._proc.start()
         writer.close()  # only the child writes: its death then reads as EOF here
+        cmd_reader.close()
+        self._commands = _CommandSender(cmd_writer)
         self._results = reader
         self._ready = self._loop.create_future()
         self._loop.add_reader(reader.fileno(), self._on_readable)
@@ -289,21 +326,20 @@ class EngineClient:
     async def shutdown(self, timeout_s: float = 10.0) -> None:
         """Abort everything in flight, ask the core to exit, and wait for it (killing it after `timeout_s`)."""
         self.accepting = False
+        self._closing = True
         self.abort_all("the server is shutting down")
         if self._proc is None:
             return
         if self.dead_reason is None:
-            with contextlib.suppress(Exception):
-                self._commands.put(("shutdown",))
+            self._send(("shutdown",))
         deadline = time.monotonic() + timeout_s
         while self._proc.is_alive() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         self._kill()
         self._mark_dead("the server shut down")
         self._detach()
-        with contextlib.suppress(Exception):
+        if self._commands is not None:
             self._commands.close()
-            self._commands.cancel_join_thread()
 
     def _kill(self) -> None:
         if self._proc is not None and self._proc.is_alive():
@@ -331,21 +367,23 @@ class EngineClient:
             raise EngineDeadError("the server is shutting down")
         stream = RequestStream(self, request_id)
         self._streams[request_id] = stream
-        self._commands.put(("add", request_id, dict(prompt_spec), params))
+        self._send(("add", request_id, dict(prompt_spec), params))
         return stream
+
+    def _send(self, cmd: tuple[Any, ...]) -> None:
+        if self._commands is not None:
+            self._commands.send(cmd)
 
     def abort(self, request_id: str) -> None:
         """Abort one request (no more deltas arrive for it)."""
         if self._streams.pop(request_id, None) is not None and self.dead_reason is None:
-            with contextlib.suppress(Exception):
-                self._commands.put(("abort", [request_id]))
+            self._send(("abort", [request_id]))
 
     def abort_all(self, reason: str) -> None:
         """Abort every in-flight request; each stream raises EngineDeadError(reason)."""
         streams, self._streams = self._streams, {}
         if streams and self.dead_reason is None:
-            with contextlib.suppress(Exception):
-                self._commands.put(("abort", list(streams)))
+            self._send(("abort", list(streams)))
         for s in streams.values():
             s._put(EngineDeadError(reason))
 
@@ -355,7 +393,9 @@ class EngineClient:
         if conn is None:
             return
         try:
-            while conn.poll():
+            for _ in range(_MAX_MESSAGES_PER_WAKEUP):  # then yield to the loop; the reader fires again
+                if not conn.poll():
+                    break
                 self._dispatch(conn.recv())
         except (EOFError, OSError):
             self._on_exit()
@@ -413,7 +453,7 @@ class EngineClient:
     def _mark_dead(self, reason: str) -> None:
         if self.dead_reason is None:
             self.dead_reason = reason
-            logger.error("%s", reason)
+            logger.log(logging.INFO if self._closing else logging.ERROR, "%s", reason)
         if self._ready is not None and not self._ready.done():
             self._ready.set_exception(EngineDeadError(self.dead_reason))
         streams, self._streams = self._streams, {}

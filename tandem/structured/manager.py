@@ -23,7 +23,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -138,7 +138,7 @@ class StructuredOutputManager:
         eos_token_ids: Sequence[int],
         config: StructuredOutputConfig | None = None,
         *,
-        backend_factories: dict[str, Callable[[], GrammarBackend]] | None = None,
+        backend_factories: Mapping[str, Callable[[], GrammarBackend]] | None = None,
     ) -> None:
         """Backends are built lazily from `hf_tokenizer` on first use (~0.3 s each); `backend_factories` overrides
         how (e.g. a backend over a raw vocabulary)."""

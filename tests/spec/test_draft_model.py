@@ -39,14 +39,21 @@ def target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def hf_greedy(folder: Path) -> Reference:
-    """tokens, n -> the model's next n greedy tokens, each from a full forward over the whole context."""
+    """tokens, n -> the model's next n greedy tokens, each from a full forward over the whole context (memoised)."""
     model = LlamaForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    memo: dict[tuple[int, ...], int] = {}
+
+    def next_token(context: list[int]) -> int:
+        key = tuple(context)
+        if key not in memo:
+            with torch.no_grad():
+                memo[key] = int(model(torch.tensor([context])).logits[0, -1].argmax())
+        return memo[key]
 
     def greedy(tokens: list[int], n: int) -> list[int]:
         out = list(tokens)
-        with torch.no_grad():
-            for _ in range(n):
-                out.append(int(model(torch.tensor([out])).logits[0, -1].argmax()))
+        for _ in range(n):
+            out.append(next_token(out))
         return out[len(tokens) :]
 
     return greedy
@@ -216,9 +223,10 @@ def worker(target_dir: Path, **kw: object) -> DraftModelProposer:
 def test_worker_process_starts_matches_in_process_and_stops(target_dir: Path, target_greedy: Reference) -> None:
     with make(target_dir, target_dir) as local:
         expected = simulate(local, target_greedy, steps=5)
-    p = worker(target_dir)
+    p = worker(target_dir, cpu_cores=[0], draft_threads=1)
     process = p.backend.process  # type: ignore[attr-defined]
     assert process.is_alive() and p.info.pid == process.pid != os.getpid()
+    assert os.sched_getaffinity(process.pid) == {0}  # pinned to its own core
     assert simulate(p, target_greedy, steps=5) == expected
     p.close()
     assert not process.is_alive() and process.exitcode == 0

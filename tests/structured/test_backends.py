@@ -21,7 +21,16 @@ import pytest
 from transformers import AutoTokenizer, GPT2Tokenizer
 
 from tandem.params import StructuredOutputsParams
-from tandem.structured import GrammarError, GrammarSpec, allocate_bitmask, allowed_tokens, is_allowed
+from tandem.structured import (
+    GrammarError,
+    GrammarSpec,
+    TiktokenVocab,
+    allocate_bitmask,
+    allowed_tokens,
+    is_allowed,
+    load_tiktoken,
+    measure_mask_fill,
+)
 from tandem.structured.llguidance_backend import LLGuidanceBackend
 from tandem.structured.xgrammar_backend import XGrammarBackend
 
@@ -276,7 +285,7 @@ def test_random_walk_regex(backend: Any, vocab: Vocab) -> None:
     rng = np.random.default_rng(7)
     bitmask = allocate_bitmask(1, vocab.vocab_size)
     for _ in range(4):
-        matcher, tokens = backend.matcher(grammar), []
+        matcher, tokens = backend.matcher(grammar), list[int]()
         while not matcher.is_terminated() and len(tokens) < 100:
             matcher.fill_bitmask(bitmask, 0)
             token = int(rng.choice(allowed_tokens(bitmask, 0, vocab.vocab_size)))
@@ -337,3 +346,41 @@ def test_llama_cpp_gbnf_files(backend: Any, vocab: Vocab, name: str) -> None:
         assert accepted == len(tokens) - 1  # every character, but never EOS
     else:
         assert accepted == len(tokens)
+
+
+TIMING_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "tags": {"type": "array", "items": {"type": "string"}},
+        "n": {"type": "integer"},
+    },
+    "required": ["name", "tags", "n"],
+}
+TIMING_INSTANCE = json.dumps({"name": "Ada Lovelace", "tags": ["math", "engines"], "n": 1843}, separators=(",", ":"))
+
+
+@pytest.mark.slow
+def test_mask_fill_timing(backend: Any, vocab: Vocab) -> None:
+    """p50 / p99 mask fill per row along a real output (demo 49k and GPT-2 50k vocabularies); printed."""
+    spec = GrammarSpec.from_params(StructuredOutputsParams(json=TIMING_SCHEMA))
+    timing = measure_mask_fill(backend, spec, tokens=vocab.encode(TIMING_INSTANCE))
+    print(f"\n{backend.name} {vocab.name} V={backend.vocab_size} {timing}")
+    assert timing["fill_us_p99"] >= timing["fill_us_p50"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["xgrammar", "llguidance"])
+def test_mask_fill_timing_o200k(name: str) -> None:
+    """The same on the 200k-token o200k_base vocabulary, built from the raw .tiktoken ranks."""
+    vocab = load_tiktoken(SHARED / "tokenizers/tiktoken/o200k_base.tiktoken")
+    builders: dict[str, Callable[[TiktokenVocab], Any]] = {
+        "xgrammar": XGrammarBackend.from_tiktoken,
+        "llguidance": LLGuidanceBackend.from_tiktoken,
+    }
+    backend = builders[name](vocab)
+    assert backend.vocab_size == 200019
+    spec = GrammarSpec.from_params(StructuredOutputsParams(json=TIMING_SCHEMA))
+    timing = measure_mask_fill(backend, spec, tokens=vocab.encode_greedy(TIMING_INSTANCE))
+    print(f"\n{name} o200k V={backend.vocab_size} {timing}")
+    assert timing["fill_us_p99"] >= timing["fill_us_p50"] > 0

@@ -1,0 +1,373 @@
+"""`tandem bench serve`: an asyncio load generator for an OpenAI-compatible server (streaming chat completions).
+
+Workload: MT-Bench questions and HumanEval prompts from ../shared/data/prompts; a `--json-share` of requests asks
+for a JSON-schema answer (response_format json_schema), a `--copy-share` asks to copy / lightly edit a given code
+prompt (speculative-friendly: the answer repeats the input). Arrivals are Poisson at `--request-rate` (inf: all at
+once) or a closed loop of `--concurrency` workers. Reports req/s, output tok/s, TTFT / TPOT / ITL p50 / p99 and
+errors. `--duration` runs a soak instead of a fixed request count and samples the server's RSS (process tree of
+`--server-pid` from /proc, else the /metrics resident-memory gauges) to report growth after the warm-up.
+`--launch` starts `tandem serve` itself on a free loopback port.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import gzip
+import json
+import math
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+try:  # the openai client's HTTP library; plain httpx exposes the same API
+    import httpx2 as httpx
+except ImportError:  # pragma: no cover
+    import httpx  # type: ignore[no-redef]
+
+DEFAULT_DATA = Path(__file__).resolve().parents[2] / "../shared/data/prompts"
+
+JSON_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string"},
+        "rating": {"type": "integer", "minimum": 1, "maximum": 10},
+        "keywords": {"type": "array", "items": {"type": "string"}, "maxItems": 5},
+    },
+    "required": ["title", "rating", "keywords"],
+    "additionalProperties": False,
+}
+
+
+# ------------------------------------------------------------------------------------------------------ workload
+@dataclass(frozen=True)
+class BenchRequest:
+    kind: str  # "plain" | "json" | "copy"
+    body: dict[str, Any]
+
+
+def load_prompts(data_dir: Path) -> tuple[list[str], list[str]]:
+    """(MT-Bench first turns, HumanEval prompts); either list may be empty when its file is missing."""
+    questions: list[str] = []
+    mt = data_dir / "mt_bench_question.jsonl"
+    if mt.is_file():
+        questions = [json.loads(line)["turns"][0] for line in mt.read_text().splitlines() if line.strip()]
+    code: list[str] = []
+    he = data_dir / "HumanEval.jsonl.gz"
+    if he.is_file():
+        with gzip.open(he, "rt") as f:
+            code = [json.loads(line)["prompt"] for line in f if line.strip()]
+    return questions, code
+
+
+def make_workload(
+    questions: Sequence[str], code: Sequence[str], count: int, json_share: float, copy_share: float,
+    max_tokens: int, model: str | None, seed: int,
+) -> list[BenchRequest]:
+    """`count` chat requests: a json_share of JSON-schema ones, a copy_share of copy/edit ones, the rest plain."""
+    if not questions and not code:
+        raise SystemExit("no prompts found: pass --data-dir (../shared/data/prompts)")
+    rng = random.Random(seed)
+    plain_pool = list(questions) + [f"Explain what this function should do:\n{c}" for c in code]
+    copy_pool = list(code) or list(questions)
+    out = []
+    for _ in range(count):
+        u = rng.random()
+        base: dict[str, Any] = {"max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True}}
+        if model:
+            base["model"] = model
+        if u < json_share:
+            q = rng.choice(plain_pool)
+            msg = f"Summarize the following request as JSON with a title, a rating from 1 to 10 and keywords:\n{q}"
+            body = {**base, "messages": [{"role": "user", "content": msg}],
+                    "response_format": {"type": "json_schema", "json_schema": {"name": "summary", "schema": JSON_SCHEMA, "strict": True}}}
+            out.append(BenchRequest("json", body))
+        elif u < json_share + copy_share:
+            src = rng.choice(copy_pool)
+            msg = f"Repeat the following code exactly, but rename every variable `numbers` to `values`:\n\n{src}"
+            out.append(BenchRequest("copy", {**base, "messages": [{"role": "user", "content": msg}], "temperature": 0.0}))
+        else:
+            out.append(BenchRequest("plain", {**base, "messages": [{"role": "user", "content": rng.choice(plain_pool)}]}))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------- client
+@dataclass
+class RequestResult:
+    kind: str
+    ok: bool
+    start: float
+    ttft: float | None = None
+    e2e: float | None = None
+    itl: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    error: str | None = None
+
+
+async def send_one(client: httpx.AsyncClient, url: str, req: BenchRequest, headers: dict[str, str]) -> RequestResult:
+    """Stream one chat completion; times every content delta."""
+    t0 = time.perf_counter()
+    res = RequestResult(req.kind, False, t0)
+    last: float | None = None
+    try:
+        async with client.stream("POST", url, json=req.body, headers=headers) as resp:
+            if resp.status_code != 200:
+                body = (await resp.aread()).decode(errors="replace")
+                res.error = f"HTTP {resp.status_code}: {body[:200]}"
+                return res
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    break
+                event = json.loads(data)
+                if "error" in event:
+                    res.error = str(event["error"].get("message"))
+                    return res
+                if event.get("usage"):
+                    res.output_tokens = int(event["usage"].get("completion_tokens", 0))
+                if any((c.get("delta") or {}).get("content") for c in event.get("choices", [])):
+                    now = time.perf_counter()
+                    if res.ttft is None:
+                        res.ttft = now - t0
+                    elif last is not None:
+                        res.itl.append(now - last)
+                    last = now
+        res.e2e = time.perf_counter() - t0
+        res.ok = True
+    except (httpx.HTTPError, json.JSONDecodeError, OSError) as e:
+        res.error = f"{type(e).__name__}: {e}"
+    return res
+
+
+# ------------------------------------------------------------------------------------------------------ RSS sampling
+def tree_rss_bytes(pid: int) -> int | None:
+    """VmRSS of `pid` plus its descendants (Linux /proc), or None when `pid` is gone."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(entry))
+    total, todo, found = 0, [pid], False
+    while todo:
+        p = todo.pop()
+        with contextlib.suppress(OSError, ValueError):
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) * 1024
+                    found = found or p == pid
+        todo.extend(children.get(p, []))
+    return total if found else None
+
+
+async def metrics_rss_bytes(client: httpx.AsyncClient, base_url: str) -> int | None:
+    """HTTP process + engine core resident memory from the server's /metrics."""
+    try:
+        text = (await client.get(f"{base_url}/metrics")).text
+    except httpx.HTTPError:
+        return None
+    total = 0.0
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in ("process_resident_memory_bytes", "tandem_engine_core_resident_memory_bytes"):
+            total += float(value)
+    return int(total) or None
+
+
+async def sample_rss(client: httpx.AsyncClient, base_url: str, pid: int | None, interval: float,
+                     samples: list[tuple[float, int]], stop: asyncio.Event) -> None:
+    t0 = time.perf_counter()
+    while not stop.is_set():
+        rss = tree_rss_bytes(pid) if pid is not None else await metrics_rss_bytes(client, base_url)
+        if rss is not None:
+            samples.append((time.perf_counter() - t0, rss))
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), interval)
+
+
+# ------------------------------------------------------------------------------------------------------- running
+def percentile(values: Sequence[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    k = (len(s) - 1) * q / 100.0
+    lo, hi = math.floor(k), math.ceil(k)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def summarize(results: Sequence[RequestResult], wall_s: float, rss: Sequence[tuple[float, int]], warmup_s: float) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    ttft = [r.ttft for r in ok if r.ttft is not None]
+    itl = [x for r in ok for x in r.itl]
+    tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.e2e and r.ttft is not None and r.output_tokens > 1]
+    report: dict[str, Any] = {
+        "requests": len(results),
+        "completed": len(ok),
+        "errors": len(results) - len(ok),
+        "error_samples": sorted({r.error or "" for r in results if not r.ok})[:5],
+        "by_kind": {k: sum(1 for r in ok if r.kind == k) for k in sorted({r.kind for r in results})},
+        "duration_s": wall_s,
+        "request_throughput": len(ok) / wall_s if wall_s > 0 else 0.0,
+        "output_token_throughput": out_tokens / wall_s if wall_s > 0 else 0.0,
+        "output_tokens": out_tokens,
+    }
+    for name, vals in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2e", [r.e2e for r in ok if r.e2e is not None])):
+        for q in (50, 99):
+            v = percentile(vals, q)
+            report[f"{name}_p{q}_ms"] = None if v is None else v * 1000.0
+    if rss:
+        after = [b for t, b in rss if t >= warmup_s] or [rss[-1][1]]
+        span_min = max((rss[-1][0] - max(warmup_s, rss[0][0])) / 60.0, 1e-9)
+        report["rss_start_mb"] = rss[0][1] / 2**20
+        report["rss_after_warmup_mb"] = after[0] / 2**20
+        report["rss_end_mb"] = rss[-1][1] / 2**20
+        report["rss_peak_mb"] = max(b for _, b in rss) / 2**20
+        report["rss_growth_after_warmup_mb"] = (rss[-1][1] - after[0]) / 2**20
+        report["rss_growth_mb_per_min"] = report["rss_growth_after_warmup_mb"] / span_min
+    return report
+
+
+async def run_load(args: argparse.Namespace, base_url: str, server_pid: int | None) -> dict[str, Any]:
+    questions, code = load_prompts(Path(args.data_dir))
+    count = args.num_requests if args.duration is None else max(args.num_requests, 100_000)
+    workload = make_workload(questions, code, count, args.json_share, args.copy_share, args.max_tokens, args.model, args.seed)
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    url = f"{base_url}/v1/chat/completions"
+    limits = httpx.Limits(max_connections=max(args.concurrency or 0, 256), max_keepalive_connections=64)
+    results: list[RequestResult] = []
+    rss: list[tuple[float, int]] = []
+    stop = asyncio.Event()
+    deadline = None if args.duration is None else time.perf_counter() + args.duration
+    async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout), limits=limits) as client:
+        sampler = asyncio.create_task(sample_rss(client, base_url, server_pid, args.rss_interval, rss, stop)) \
+            if (args.duration is not None or server_pid is not None) else None
+        t0 = time.perf_counter()
+        if args.concurrency:
+            await _closed_loop(client, url, workload, headers, args.concurrency, deadline, results)
+        else:
+            await _open_loop(client, url, workload, headers, args.request_rate, deadline, results, args.seed)
+        wall = time.perf_counter() - t0
+        stop.set()
+        if sampler is not None:
+            await sampler
+    warmup = args.warmup if args.warmup is not None else (0.1 * args.duration if args.duration else 0.0)
+    return summarize(results, wall, rss, warmup)
+
+
+async def _closed_loop(client: httpx.AsyncClient, url: str, workload: Sequence[BenchRequest], headers: dict[str, str],
+                       concurrency: int, deadline: float | None, results: list[RequestResult]) -> None:
+    it = iter(workload)
+
+    async def worker() -> None:
+        for req in it:
+            if deadline is not None and time.perf_counter() >= deadline:
+                return
+            results.append(await send_one(client, url, req, headers))
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+
+
+async def _open_loop(client: httpx.AsyncClient, url: str, workload: Sequence[BenchRequest], headers: dict[str, str],
+                     rate: float, deadline: float | None, results: list[RequestResult], seed: int) -> None:
+    rng = random.Random(seed + 1)
+    tasks: list[asyncio.Task[None]] = []
+
+    async def one(req: BenchRequest) -> None:
+        results.append(await send_one(client, url, req, headers))
+
+    for req in workload:
+        if deadline is not None and time.perf_counter() >= deadline:
+            break
+        tasks.append(asyncio.create_task(one(req)))
+        if math.isfinite(rate) and rate > 0:
+            await asyncio.sleep(rng.expovariate(rate))
+        tasks = [t for t in tasks if not t.done()] if len(tasks) > 1024 else tasks
+    await asyncio.gather(*tasks)
+
+
+# ------------------------------------------------------------------------------------------------------- launching
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launch_server(model: str | None, serve_args: Sequence[str], port: int, startup_timeout_s: float) -> subprocess.Popen[bytes]:
+    """Start `tandem serve` on 127.0.0.1:`port`; return once /health answers 200 (raise if it exits first)."""
+    cmd = [sys.executable, "-m", "tandem.server.cli", "serve", *([model] if model else []),
+           "--host", "127.0.0.1", "--port", str(port), *serve_args]
+    proc = subprocess.Popen(cmd)
+    deadline = time.monotonic() + startup_timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited with code {proc.returncode} before it was ready")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2.0).status_code == 200:
+                return proc
+        time.sleep(0.5)
+    proc.terminate()
+    raise SystemExit(f"the server did not become ready within {startup_timeout_s:.0f} s")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server to load (ignored with --launch)")
+    p.add_argument("--launch", action="store_true", help="start `tandem serve` on a free loopback port first")
+    p.add_argument("--launch-model", default=None, help="model for --launch (default: the demo model)")
+    p.add_argument("--serve-arg", action="append", default=[], help="extra argument for the launched server; repeatable")
+    p.add_argument("--model", default=None, help="model name to send (default: the server's)")
+    p.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"))
+    p.add_argument("--num-requests", type=int, default=100)
+    load = p.add_mutually_exclusive_group()
+    load.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (default: all at once)")
+    load.add_argument("--concurrency", type=int, default=None, help="closed loop with this many clients")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--json-share", type=float, default=0.0, help="fraction of JSON-schema requests")
+    p.add_argument("--copy-share", type=float, default=0.0, help="fraction of copy/edit (speculative-friendly) requests")
+    p.add_argument("--duration", type=float, default=None, help="soak: run this many seconds and sample RSS")
+    p.add_argument("--warmup", type=float, default=None, help="seconds before RSS growth is measured (default 10%% of --duration)")
+    p.add_argument("--rss-interval", type=float, default=1.0)
+    p.add_argument("--server-pid", type=int, default=None, help="read the server's RSS (with children) from /proc")
+    p.add_argument("--data-dir", default=str(DEFAULT_DATA))
+    p.add_argument("--timeout", type=float, default=600.0, help="per-request client timeout (s)")
+    p.add_argument("--startup-timeout", type=float, default=900.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output-json", default=None)
+
+
+def run_bench_serve(args: argparse.Namespace) -> int:
+    """Run the load (launching the server first with --launch); print the report; exit 1 when every request failed."""
+    if not 0.0 <= args.json_share + args.copy_share <= 1.0:
+        raise SystemExit("--json-share + --copy-share must be within [0, 1]")
+    proc = None
+    base_url, pid = args.base_url.rstrip("/"), args.server_pid
+    if args.launch:
+        port = free_port()
+        proc = launch_server(args.launch_model, args.serve_arg, port, args.startup_timeout)
+        base_url, pid = f"http://127.0.0.1:{port}", pid or proc.pid
+    try:
+        report = asyncio.run(run_load(args, base_url, pid))
+    finally:
+        if proc is not None:
+            proc.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(30)
+            if proc.poll() is None:
+                proc.kill()
+    for k, v in report.items():
+        print(f"{k:32s} {v:.2f}" if isinstance(v, float) else f"{k:32s} {v}")
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps(report, indent=2))
+    return 0 if report["completed"] > 0 else 1

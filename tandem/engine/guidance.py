@@ -1,0 +1,199 @@
+"""Structured outputs inside the engine: compile on arrival, hold sampling until ready, fill masks during the
+forward, feed sampled tokens to the matchers, end requests when their grammar terminates.
+
+All grammar state lives in `StructuredOutputManager` (host CPU, plain data). This module only maps the step plan's
+logits rows to bitmask rows:
+  * a plain request samples one row: one bitmask row;
+  * a request verifying k drafts has k + 1 rows: row j is filled after the matcher has accepted drafts[:j],
+    then the matcher rolls those k drafts back (the real outcome is accepted after verification).
+Drafts of guided requests are cut at their first token the grammar rejects; tokens the grammar forces are
+proposed as drafts (free: the mask makes the target put all its mass on them, so they are always accepted).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from tandem.core.plan import StepPlan
+from tandem.params import ParamError, StructuredOutputsParams
+from tandem.request import Request
+from tandem.structured.backend import GrammarError, bitmask_words
+from tandem.structured.manager import StructuredOutputConfig, StructuredOutputManager
+
+
+@dataclass
+class StepMasks:
+    """Bitmasks for the rows sampled this step, in the engine's two row orders (None: no guided row there)."""
+
+    plain: np.ndarray | None  # [n_plain_rows, W] int32
+    spec: np.ndarray | None  # [n_spec_rows, W] int32
+    fill_s: float = 0.0
+
+
+@dataclass
+class GuidanceStats:
+    num_guided_tokens: int = 0
+    num_forced_tokens: int = 0  # emitted tokens that the grammar forced (proposed as free drafts)
+    mask_fill_s: float = 0.0
+    exposed_s: float = 0.0  # mask work the device had to wait for
+
+    def as_dict(self) -> dict[str, float]:
+        frac = self.num_forced_tokens / self.num_guided_tokens if self.num_guided_tokens else 0.0
+        return {
+            "guided_tokens": self.num_guided_tokens,
+            "guided_forced_tokens": self.num_forced_tokens,
+            "guided_forced_fraction": round(frac, 4),
+            "grammar_mask_fill_s": round(self.mask_fill_s, 4),
+            "grammar_exposed_s": round(self.exposed_s, 4),
+        }
+
+
+class Guidance:
+    """The engine's view of structured outputs; the manager is built on first use (tokenizer info once per engine)."""
+
+    def __init__(self, make_manager: Callable[[], StructuredOutputManager], vocab_size: int) -> None:
+        self._make_manager = make_manager
+        self._manager: StructuredOutputManager | None = None
+        self.vocab_size = vocab_size
+        self.words = bitmask_words(vocab_size)
+        self.stats = GuidanceStats()
+        self._pending: set[str] = set()
+        self._ready: set[str] = set()
+        self._forced: dict[str, int] = {}  # request -> number of its scheduled drafts that are grammar-forced
+
+    @property
+    def manager(self) -> StructuredOutputManager:
+        if self._manager is None:
+            self._manager = self._make_manager()
+        return self._manager
+
+    def guided(self, request_id: str) -> bool:
+        return request_id in self._ready or request_id in self._pending
+
+    def is_ready(self, request_id: str) -> bool:
+        return request_id in self._ready
+
+    # ---------------------------------------------------------------------------------------------- arrival
+    def submit(self, req: Request, params: StructuredOutputsParams) -> None:
+        """Start compiling for `req` and hold its sampling until ready. ParamError for this request alone."""
+        try:
+            self.manager.submit(req.request_id, params)
+        except GrammarError as e:
+            raise ParamError(str(e)) from e
+        req.hold_sampling = True
+        self._pending.add(req.request_id)
+
+    def poll(self) -> tuple[list[tuple[str, str | None]], list[tuple[str, str]]]:
+        """Lift the hold of requests whose grammar is ready; return (ready [(id, backend)], failed [(id, reason)])."""
+        ready: list[tuple[str, str | None]] = []
+        failed: list[tuple[str, str]] = []
+        for rid in list(self._pending):
+            state = self.manager.poll(rid)
+            if state == "ready":
+                self._pending.discard(rid)
+                self._ready.add(rid)
+                ready.append((rid, self.manager.backend_of(rid)))
+            elif state == "failed":
+                self._pending.discard(rid)
+                failed.append((rid, self.manager.error(rid) or "grammar compilation failed"))
+        return ready, failed
+
+    @property
+    def has_pending(self) -> bool:
+        return bool(self._pending)
+
+    # --------------------------------------------------------------------------------------------- drafting
+    def constrain_drafts(self, running: Sequence[Request], max_drafts: Callable[[Request], int]) -> None:
+        """Cut guided drafts at their first invalid token; without drafts, propose the grammar's forced tokens."""
+        self._forced.clear()
+        for req in running:
+            rid = req.request_id
+            if rid not in self._ready or req.num_computed_tokens != req.num_tokens - 1:
+                continue
+            m = self.manager
+            if req.draft_token_ids:
+                ok = m.validate_draft(rid, req.draft_token_ids)
+                req.draft_token_ids = req.draft_token_ids[:ok]
+            if not req.draft_token_ids:
+                forced = m.forced_tokens(rid)[: max_drafts(req)]
+                if forced:
+                    req.draft_token_ids = forced
+                    self._forced[rid] = len(forced)
+
+    # ------------------------------------------------------------------------------------------------ masks
+    def fill(self, plan: StepPlan) -> StepMasks:
+        """Bitmasks for this step's sampled rows (call while the forward runs). Unguided rows allow everything."""
+        t0 = time.perf_counter()
+        plain_ids, plain_rows, spec_jobs = [], [], []
+        n_plain = n_spec = 0
+        for sr in plan.requests:
+            if not sr.needs_logits:
+                continue
+            k = sr.num_draft_tokens
+            if k:
+                if sr.request_id in self._ready:
+                    spec_jobs.append((sr.request_id, n_spec, sr.input_ids[-k:]))
+                n_spec += k + 1
+            else:
+                if sr.request_id in self._ready:
+                    plain_ids.append(sr.request_id)
+                    plain_rows.append(n_plain)
+                n_plain += 1
+        plain = spec = None
+        if plain_ids:
+            plain = np.full((n_plain, self.words), -1, dtype=np.int32)
+            self.manager.fill_bitmask(plain_ids, plain, plain_rows)
+        if spec_jobs:
+            spec = np.full((n_spec, self.words), -1, dtype=np.int32)
+            for rid, row0, drafts in spec_jobs:
+                self._fill_draft_rows(rid, drafts, spec, row0)
+        dt = time.perf_counter() - t0
+        self.stats.mask_fill_s += dt
+        return StepMasks(plain, spec, dt)
+
+    def _fill_draft_rows(self, rid: str, drafts: list[int], out: np.ndarray, row0: int) -> None:
+        """Row j: the mask after drafts[:j]; the matcher walks the drafts and rolls back."""
+        m = self.manager
+        accepted = 0
+        for j in range(len(drafts) + 1):
+            m.fill_bitmask([rid], out, [row0 + j])
+            if j == len(drafts) or m.accept(rid, [drafts[j]]) != 1:
+                break
+            accepted += 1
+        if accepted:
+            m.rollback(rid, accepted)
+
+    # ---------------------------------------------------------------------------------------------- outcome
+    def accept(self, req: Request, tokens: Sequence[int], num_scheduled_drafts: int) -> tuple[bool, str | None]:
+        """Feed the emitted tokens to the matcher. Returns (terminated, error)."""
+        rid = req.request_id
+        if rid not in self._ready or not tokens:
+            return False, None
+        m = self.manager
+        n = m.accept(rid, tokens)
+        self.stats.num_guided_tokens += len(tokens)
+        forced = self._forced.pop(rid, 0)
+        if forced and num_scheduled_drafts:
+            self.stats.num_forced_tokens += min(forced, len(tokens) - 1)
+        if n != len(tokens):
+            return False, f"token {tokens[n]} was sampled but the grammar rejects it"
+        return m.is_terminated(rid), None
+
+    def release(self, request_id: str) -> None:
+        self._pending.discard(request_id)
+        self._ready.discard(request_id)
+        self._forced.pop(request_id, None)
+        if self._manager is not None:
+            self._manager.release(request_id)
+
+    def shutdown(self) -> None:
+        if self._manager is not None:
+            self._manager.shutdown()
+
+
+def make_guidance(hf_tokenizer: object, vocab_size: int, eos: Sequence[int], config: StructuredOutputConfig) -> Guidance:
+    return Guidance(lambda: StructuredOutputManager(hf_tokenizer, vocab_size, eos, config), vocab_size)
