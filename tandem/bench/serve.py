@@ -305,21 +305,28 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def launch_server(model: str | None, serve_args: Sequence[str], port: int, startup_timeout_s: float) -> subprocess.Popen[bytes]:
-    """Start `tandem serve` on 127.0.0.1:`port`; return once /health answers 200 (raise if it exits first)."""
+def launch_server(
+    model: str | None, serve_args: Sequence[str], port: int, startup_timeout_s: float,
+    log: Any = None, env: dict[str, str] | None = None,
+) -> subprocess.Popen[bytes]:
+    """Start `tandem serve` on 127.0.0.1:`port`; return once /health answers 200 (raise if it exits first).
+
+    `log`: a file object for the server's stdout and stderr (default: inherited); `env`: its environment.
+    """
     cmd = [sys.executable, "-m", "tandem.server.cli", "serve", *([model] if model else []),
            "--host", "127.0.0.1", "--port", str(port), *serve_args]
-    proc = subprocess.Popen(cmd)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT if log is not None else None, env=env)
     deadline = time.monotonic() + startup_timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"the server exited with code {proc.returncode} before it was ready")
+            raise RuntimeError(f"the server exited with code {proc.returncode} before it was ready")
         with contextlib.suppress(httpx.HTTPError):
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2.0).status_code == 200:
                 return proc
         time.sleep(0.5)
-    proc.terminate()
-    raise SystemExit(f"the server did not become ready within {startup_timeout_s:.0f} s")
+    proc.kill()
+    proc.wait()
+    raise RuntimeError(f"the server did not become ready within {startup_timeout_s:.0f} s")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -355,7 +362,10 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     base_url, pid = args.base_url.rstrip("/"), args.server_pid
     if args.launch:
         port = free_port()
-        proc = launch_server(args.launch_model, args.serve_arg, port, args.startup_timeout)
+        try:
+            proc = launch_server(args.launch_model, args.serve_arg, port, args.startup_timeout)
+        except RuntimeError as e:
+            raise SystemExit(str(e)) from e
         base_url, pid = f"http://127.0.0.1:{port}", pid or proc.pid
     try:
         report = asyncio.run(run_load(args, base_url, pid))

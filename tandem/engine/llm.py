@@ -21,6 +21,7 @@ from tandem.params import ParamError, SamplingParams
 from tandem.request import RequestOutput
 from tandem.runner.runner import ModelRunner
 from tandem.spec.config import SpeculativeConfig, build_proposer
+from tandem.structured.manager import StructuredOutputConfig
 from tandem.tokenizer import Tokenizer
 
 logger = logging.getLogger("tandem")
@@ -48,6 +49,8 @@ def build_engine(
     num_threads: int | None = None,
     chat_template: str | None = None,
     speculative_config: Mapping[str, Any] | SpeculativeConfig | None = None,
+    structured_outputs_config: Mapping[str, Any] | StructuredOutputConfig | None = None,
+    structured_mask_mode: str | None = None,
     progress: bool = True,
 ) -> LLMEngine:
     """Load a checkpoint (the built-in demo model when `model` is None) and build an engine around it."""
@@ -92,7 +95,13 @@ def build_engine(
         sc = SpeculativeConfig.from_dict(speculative_config)
         spec = SpeculativeDecoder(sc, build_proposer(sc, cfg.vocab_size, tok), max_len)
         logger.info("speculative decoding: %s, K=%d, adaptive=%s", sc.method, sc.num_speculative_tokens, sc.adaptive)
-    engine = LLMEngine(config, runner, tok, speculation=spec)
+    so_config = structured_outputs_config
+    if so_config is not None and not isinstance(so_config, StructuredOutputConfig):
+        try:
+            so_config = StructuredOutputConfig(**dict(so_config))
+        except TypeError as e:
+            raise ConfigError(f"structured_outputs_config: {e}") from e
+    engine = LLMEngine(config, runner, tok, speculation=spec, structured_config=so_config, mask_mode=structured_mask_mode)
     gc.collect()
     gc.freeze()  # the long-lived objects of torch and the model never need scanning again: no GC pauses in the loop
     return engine

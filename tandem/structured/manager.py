@@ -200,6 +200,8 @@ class StructuredOutputManager:
                 request.state = READY
             except GrammarError as e:
                 request.state, request.error = FAILED, str(e)
+            except Exception as e:  # a backend that could not be built, or a library bug: fail this request only
+                request.state, request.error = FAILED, f"{request.requested}: {type(e).__name__}: {e}"
             request.future = None
         if request.state == PENDING and time.monotonic() - request.submitted_at > self.config.compile_timeout_s:
             self._count("timeouts")
@@ -242,6 +244,31 @@ class StructuredOutputManager:
         with self._lock:
             self._fill_row_s.extend(durations)
             self._counts["rows_filled"] += len(durations)
+
+    def fill_draft_bitmasks(self, request_id: str, draft_tokens: Sequence[int], bitmask: np.ndarray, first_row: int) -> int:
+        """Speculative decoding: row first_row + j gets the mask after draft_tokens[:j], j = 0..len(drafts).
+
+        Stops after the row at the first draft token the grammar rejects (later rows are not touched, the target
+        cannot accept past it anyway). Returns the number of rows filled. The matcher ends where it started.
+        """
+        check_bitmask(bitmask, self.vocab_size)
+        if first_row < 0 or first_row + len(draft_tokens) >= bitmask.shape[0]:
+            raise ValueError(f"rows {first_row}..{first_row + len(draft_tokens)} do not fit a bitmask of {bitmask.shape[0]} rows")
+        matcher = self._matcher(request_id)
+        durations: list[float] = []
+        accepted = 0
+        for j in range(len(draft_tokens) + 1):
+            started = time.perf_counter()
+            matcher.fill_bitmask(bitmask, first_row + j)
+            durations.append(time.perf_counter() - started)
+            if j == len(draft_tokens) or matcher.accept([int(draft_tokens[j])]) != 1:
+                break
+            accepted += 1
+        matcher.rollback(accepted)
+        with self._lock:
+            self._fill_row_s.extend(durations)
+            self._counts["rows_filled"] += len(durations)
+        return len(durations)
 
     def accept(self, request_id: str, tokens: Sequence[int]) -> int:
         """Advance the request's matcher over `tokens`; returns how many were accepted (stops at the first invalid)."""

@@ -349,6 +349,27 @@ def test_fill_bitmask_parallel_matches_serial(tokenizer: Any, backends: dict[str
     manager.shutdown()
 
 
+def test_fill_draft_bitmasks(manager: StructuredOutputManager, tokenizer: Any) -> None:
+    """Row j is the mask after drafts[:j]; the walk stops at the first rejected draft; the matcher is unchanged."""
+    manager.submit("d", StructuredOutputsParams(json=PERSON))
+    assert wait(manager, "d") == "ready"
+    good = encode(tokenizer, '{"name":"Ann"')
+    bad = encode(tokenizer, "}")  # "age" is required
+    drafts = [*good, *bad, *good]
+    bitmask = allocate_bitmask(len(drafts) + 2, len(tokenizer))
+    bitmask[len(good) + 2 :] = 7
+    assert manager.fill_draft_bitmasks("d", drafts, bitmask, 1) == len(good) + 1
+    assert (bitmask[0] == -1).all() and (bitmask[len(good) + 2 :] == 7).all()  # rows outside the walk untouched
+    for j in range(len(good) + 1):
+        np.testing.assert_array_equal(allowed_tokens(bitmask, 1 + j, len(tokenizer)), manager.allowed_tokens("d"))
+        if j < len(good):
+            assert manager.accept("d", [good[j]]) == 1
+    manager.rollback("d", len(good))
+    assert manager.validate_draft("d", good) == len(good)  # back at the start
+    with pytest.raises(ValueError, match="do not fit"):
+        manager.fill_draft_bitmasks("d", good, bitmask, len(bitmask) - 1)
+
+
 def test_forced_tokens_and_stats(manager: StructuredOutputManager, tokenizer: Any) -> None:
     manager.submit("one", StructuredOutputsParams(choice=["The answer is 42"]))
     assert wait(manager, "one") == "ready"

