@@ -395,7 +395,7 @@ class LLMEngine:
                 continue
             kept = toks[: decision.num_tokens_kept]
             new_tokens[rid] = kept
-            if self.spec is not None:
+            if self.spec is not None and not self.guidance.drafts_were_forced(rid):
                 drafts = seq.req.draft_token_ids
                 seq.group.metrics.num_draft_tokens += len(drafts)
                 seq.group.metrics.num_accepted_tokens += self.spec.observe(seq.req, drafts, toks)

@@ -124,6 +124,10 @@ class Guidance:
                     req.draft_token_ids = forced
                     self._forced[rid] = len(forced)
 
+    def drafts_were_forced(self, request_id: str) -> bool:
+        """This step's drafts of the request came from the grammar, not from a proposer."""
+        return request_id in self._forced
+
     # ------------------------------------------------------------------------------------------------ masks
     def fill(self, plan: StepPlan) -> StepMasks:
         """Bitmasks for this step's sampled rows (call while the forward runs). Unguided rows allow everything."""

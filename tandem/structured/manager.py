@@ -5,6 +5,7 @@ Life of a guided request:
     submit(rid, params)   size check at once; cache hit -> ready at once, else a compile job on the compile pool
     poll(rid)             'pending' | 'ready' | 'failed'  (ready: a matcher has been made; failed: error(rid) says why)
     fill_bitmask(...)     each step, for the ready requests of the batch (parallel over chunks on the fill pool)
+    fill_draft_bitmasks   speculative steps: one row per draft position, the matcher walks the drafts and rolls back
     accept / rollback / validate_draft / forced_tokens / is_terminated
     release(rid)
 

