@@ -123,3 +123,55 @@ def llama_cpp_generate(
             res.tpot_s.append((end - first) / (n - 1))
     res.wall_s = time.perf_counter() - t0
     return res
+
+
+def hf_structured(engine, prompts: Sequence[list[int]], schema: dict | None, max_tokens: int) -> RunResult:  # type: ignore[no-untyped-def,type-arg]
+    """HF `generate` with xgrammar's logits processor (the usual way to guide transformers), batch 1, greedy."""
+    import json
+
+    import transformers
+    import xgrammar as xgr
+
+    model_dir = Path(engine.config.model or "")
+    dtype = getattr(torch, engine.config.dtype)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    hf_tok = engine.tokenizer.hf
+    compiled = None
+    if schema is not None:
+        info = xgr.TokenizerInfo.from_huggingface(hf_tok, vocab_size=model.config.vocab_size)
+        compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(schema), any_whitespace=False)
+    res = RunResult("hf", len(prompts), 0, 0.0)
+    t0 = time.perf_counter()
+    for p in prompts:
+        ids = torch.tensor([p])
+        kw: dict = dict(max_new_tokens=max_tokens, do_sample=False, pad_token_id=engine.tokenizer.eos_token_ids[0])  # type: ignore[type-arg]
+        if compiled is not None:
+            kw["logits_processor"] = [xgr.contrib.hf.LogitsProcessor(compiled)]
+        with torch.inference_mode():
+            out = model.generate(ids, **kw)[0, ids.shape[1]:]
+        res.output_tokens += int(out.shape[0])
+    res.wall_s = time.perf_counter() - t0
+    return res
+
+
+def llama_cpp_structured(prompts: Sequence[list[int]], schema: dict | None, max_tokens: int) -> RunResult:  # type: ignore[type-arg]
+    """llama.cpp (bf16 GGUF of the demo model) with its JSON-schema grammar, batch 1, greedy."""
+    import json
+
+    from llama_cpp import Llama, LlamaGrammar
+
+    from tandem.models.demo import find_demo_gguf
+    from tandem.models.loader import tandem_home
+
+    dst = tandem_home() / "models" / "SmolLM2-135M-Instruct.bf16.gguf"
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    path = write_bf16_gguf(find_demo_gguf(), dst)
+    llm = Llama(model_path=str(path), n_ctx=2048, n_threads=len(__import__("os").sched_getaffinity(0)), verbose=False)
+    grammar = LlamaGrammar.from_json_schema(json.dumps(schema), verbose=False) if schema is not None else None
+    res = RunResult("llama.cpp", len(prompts), 0, 0.0)
+    t0 = time.perf_counter()
+    for p in prompts:
+        out = llm.create_completion(prompt=p, max_tokens=max_tokens, temperature=0.0, grammar=grammar)
+        res.output_tokens += int(out["usage"]["completion_tokens"])  # type: ignore[index]
+    res.wall_s = time.perf_counter() - t0
+    return res

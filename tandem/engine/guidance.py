@@ -154,22 +154,10 @@ class Guidance:
         if spec_jobs:
             spec = np.full((n_spec, self.words), -1, dtype=np.int32)
             for rid, row0, drafts in spec_jobs:
-                self._fill_draft_rows(rid, drafts, spec, row0)
+                self.manager.fill_draft_bitmasks(rid, drafts, spec, row0)
         dt = time.perf_counter() - t0
         self.stats.mask_fill_s += dt
         return StepMasks(plain, spec, dt)
-
-    def _fill_draft_rows(self, rid: str, drafts: list[int], out: np.ndarray, row0: int) -> None:
-        """Row j: the mask after drafts[:j]; the matcher walks the drafts and rolls back."""
-        m = self.manager
-        accepted = 0
-        for j in range(len(drafts) + 1):
-            m.fill_bitmask([rid], out, [row0 + j])
-            if j == len(drafts) or m.accept(rid, [drafts[j]]) != 1:
-                break
-            accepted += 1
-        if accepted:
-            m.rollback(rid, accepted)
 
     # ---------------------------------------------------------------------------------------------- outcome
     def accept(self, req: Request, tokens: Sequence[int], num_scheduled_drafts: int) -> tuple[bool, str | None]:

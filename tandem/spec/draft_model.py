@@ -28,6 +28,7 @@ their next proposal) and only that call returns no drafts.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing as mp
 import multiprocessing.connection as mpc
@@ -206,11 +207,11 @@ class DraftModelCore:
             running.append((seq, list(new_tokens), k))
         while running:
             next_tokens = self._forward_greedy([(seq, feed) for seq, feed, _ in running])
-            for (seq, _, _), tok in zip(running, next_tokens):
+            for (seq, _, _), tok in zip(running, next_tokens, strict=True):
                 drafts[seq.request_id].append(tok)
             running = [
                 (seq, [tok], k)
-                for (seq, _, k), tok in zip(running, next_tokens)
+                for (seq, _, k), tok in zip(running, next_tokens, strict=True)
                 if len(drafts[seq.request_id]) < k
             ]
         return drafts, dropped
@@ -419,10 +420,8 @@ class WorkerProcessBackend:
     def close(self) -> None:
         """Ask the worker to stop, wait a little, then kill it."""
         if self.process.is_alive() and not self.conn.closed:
-            try:
+            with contextlib.suppress(OSError, ValueError):  # the worker may be gone already
                 self.conn.send(("close",))
-            except (OSError, ValueError):
-                pass
             self.process.join(timeout=5.0)
         self._kill()
 
@@ -531,9 +530,8 @@ class DraftModelProposer:
         self.enabled = True  # False once the worker died or hung: speculation off
         self._mirrors: dict[str, _Mirror] = {}
         self._pending_releases: list[str] = []
-        self._lock = (
-            threading.Lock()
-        )  # guards _mirrors and _pending_releases (engine thread vs drafting thread)
+        # guards _mirrors and _pending_releases (the engine's thread vs the drafting thread)
+        self._lock = threading.Lock()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-draft")
         self._inflight: Future[dict[str, Drafts]] | None = None
         self._closed = False
@@ -659,13 +657,13 @@ def check_vocabulary(
         target = (
             target_tokenizer
             if isinstance(target_tokenizer, Tokenizer)
-            else Tokenizer.from_path(target_tokenizer)
+            else Tokenizer.from_path(Path(target_tokenizer))
         )
         draft = Tokenizer.from_path(info.tokenizer_path)
         t_strings, d_strings = target.token_strings(), draft.token_strings()
         if t_strings != d_strings:
             first = next(
-                (i for i, (a, b) in enumerate(zip(t_strings, d_strings)) if a != b),
+                (i for i, (a, b) in enumerate(zip(t_strings, d_strings, strict=False)) if a != b),
                 min(len(t_strings), len(d_strings)),
             )
             shown = (

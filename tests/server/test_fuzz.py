@@ -61,7 +61,8 @@ def test_no_server_errors(fuzz_server: tuple[str, subprocess.Popen[bytes], Path]
     operations = [result.ok() for result in schema.get_all_operations()]
     assert {op.path for op in operations} >= {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health"}
     for op in operations:
-        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+        has_body = op.method.upper() == "POST"  # a GET without parameters has no invalid input
+        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE) if has_body else (GenerationMode.POSITIVE,):
 
             @given(case=op.as_strategy(generation_mode=mode))
             @settings(max_examples=MAX_EXAMPLES[mode.value], deadline=None, derandomize=True, database=None,
@@ -75,6 +76,7 @@ def test_no_server_errors(fuzz_server: tuple[str, subprocess.Popen[bytes], Path]
 
 def test_engine_still_healthy_after_fuzzing(fuzz_server: tuple[str, subprocess.Popen[bytes], Path]) -> None:
     url, proc, log = fuzz_server
+    print(httpx.get(f"{url}/metrics").text)
     r = httpx.get(f"{url}/health")
     assert r.status_code == 200, r.text
     r = httpx.post(f"{url}/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0})
@@ -99,7 +101,9 @@ def test_sigterm_aborts_streams_and_exits_cleanly(fuzz_server: tuple[str, subpro
     assert started.wait(30)
     proc.send_signal(signal.SIGTERM)
     t0 = time.monotonic()
-    assert proc.wait(20) == 0, log.read_text()[-3000:]
+    # uvicorn re-raises the captured SIGTERM after its orderly shutdown, so -SIGTERM is a clean exit too
+    assert proc.wait(20) in (0, -signal.SIGTERM), log.read_text()[-3000:]
+    assert "Traceback" not in log.read_text()
     t.join(10)
     assert not t.is_alive() and time.monotonic() - t0 < 20
     assert lines[-1] == "data: [DONE]"
