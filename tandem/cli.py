@@ -25,6 +25,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--threads", type=int, default=None, help="torch threads of the forward (default: all cores)")
     g.add_argument("--chat-template", default=None, help="Jinja chat template text or file")
+    s = p.add_argument_group("speculative decoding")
+    s.add_argument("--speculative-method", default=None, choices=["ngram", "suffix", "draft_model"])
+    s.add_argument("--num-speculative-tokens", type=int, default=4)
+    s.add_argument("--draft-model", default=None, help="draft checkpoint (method draft_model)")
+    s.add_argument("--draft-device", default="cpu")
+    s.add_argument("--draft-dtype", default="bfloat16")
+    s.add_argument("--draft-threads", type=int, default=None)
+    s.add_argument("--prompt-lookup-min", type=int, default=1)
+    s.add_argument("--prompt-lookup-max", type=int, default=4)
+    s.add_argument("--no-adaptive", action="store_true", help="always draft K tokens")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -40,7 +50,24 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         seed=args.seed,
         num_threads=args.threads,
         chat_template=args.chat_template,
+        speculative_config=speculative_from_args(args),
     )
+
+
+def speculative_from_args(args: argparse.Namespace) -> dict[str, Any] | None:
+    if not getattr(args, "speculative_method", None):
+        return None
+    return {
+        "method": args.speculative_method,
+        "num_speculative_tokens": args.num_speculative_tokens,
+        "model": args.draft_model,
+        "draft_device": args.draft_device,
+        "draft_dtype": args.draft_dtype,
+        "draft_threads": args.draft_threads,
+        "prompt_lookup_min": args.prompt_lookup_min,
+        "prompt_lookup_max": args.prompt_lookup_max,
+        "adaptive": not args.no_adaptive,
+    }
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

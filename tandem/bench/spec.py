@@ -26,8 +26,6 @@ def add_parser(bsub: Any, add_engine_args: Callable[[argparse.ArgumentParser], N
     p.add_argument("--batches", default="1,8,32")
     p.add_argument("--workloads", default="copy,mt_bench,humaneval")
     p.add_argument("--output-len", type=int, default=96)
-    p.add_argument("--draft-model", default=None, help="draft checkpoint (default: the distilled demo draft if built)")
-    p.add_argument("--draft-threads", type=int, default=None)
     p.add_argument("--peers", default="hf")
     p.add_argument("--plot", type=Path, default=Path("docs/spec_speedup.png"))
     p.add_argument("--json", type=Path, default=None)
@@ -76,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     ks = [k.strip() for k in args.ks.split(",")]
     kw = engine_kwargs(args)
+    kw["speculative_config"] = None  # this benchmark swaps speculation per run
     kw["max_num_seqs"] = max(max(batches), kw["max_num_seqs"])
     kw["max_model_len"] = kw["max_model_len"] or 2048
     engine = build_engine(args.model, **kw)

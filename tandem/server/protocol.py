@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -18,6 +18,13 @@ from tandem.params import ParamError, SamplingParams, StructuredOutputsParams
 MAX_N = 128  # completions per request
 MAX_LOGPROBS = 20  # the engine's bound on top logprobs
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+TokenId = Annotated[int, Field(ge=0)]
+TextPrompt = Annotated[str, Field(min_length=1)]
+TokenPrompt = Annotated[list[TokenId], Field(min_length=1)]
+PromptInput = Union[  # noqa: UP007 - a runtime alias
+    TextPrompt, TokenPrompt, Annotated[list[TextPrompt], Field(min_length=1)], Annotated[list[TokenPrompt], Field(min_length=1)]
+]
 
 
 class APIError(Exception):
@@ -85,7 +92,7 @@ class StructuredOutputsRequest(_Lenient):
     json_: dict[str, Any] | str | bool | None = Field(default=None, alias="json")
     json_object: bool | None = None
     regex: str | None = None
-    choice: list[str] | None = None
+    choice: Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)] | None = None
     grammar: str | None = None
     whitespace: Literal["compact", "flexible"] | None = None
     backend: Literal["auto", "xgrammar", "llguidance"] | None = None
@@ -132,13 +139,13 @@ class _SamplingRequest(_Lenient):
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
     min_tokens: int = Field(default=0, ge=0)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsRequest | None = None
     guided_json: dict[str, Any] | str | bool | None = None
     guided_regex: str | None = None
-    guided_choice: list[str] | None = None
+    guided_choice: Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)] | None = None
     guided_grammar: str | None = None
     guided_decoding_backend: Literal["auto", "xgrammar", "llguidance"] | None = None
 
@@ -248,7 +255,6 @@ class ChatCompletionRequest(_SamplingRequest):
         return [{"role": m.role, "content": m.text()} for m in self.messages]
 
 
-PromptInput = str | list[int] | list[str] | list[list[int]]
 
 
 class CompletionRequest(_SamplingRequest):
