@@ -133,4 +133,5 @@ class LlamaModel:
         return self.lm_head(hidden).float()
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        return (2, num_blocks, block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
+        """One layer: [2 (K, V), kv_heads, num_blocks, block_size, head_dim]."""
+        return (2, self.cfg.num_kv_heads, num_blocks, block_size, self.cfg.head_dim)

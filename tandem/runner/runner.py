@@ -85,10 +85,12 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = cache_config.block_size
         self.model = LlamaModel(model_config, weights, dtype, self.device)
-        self.num_blocks = plan_num_blocks(model_config, cache_config, scheduler_config, dtype, self.device)
+        # on the CPU the cache is float32: the attention math runs in float32 with no per-step conversions
+        self.kv_dtype = torch.float32 if self.device.type == "cpu" else dtype
+        self.num_blocks = plan_num_blocks(model_config, cache_config, scheduler_config, self.kv_dtype, self.device)
         shape = self.model.kv_cache_shape(self.num_blocks, self.block_size)
         # zero-filled: padded key slots are masked, but 0 * NaN from uninitialised memory would still poison the output
-        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(model_config.num_layers)]
+        self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(model_config.num_layers)]
         self.kv_cache_bytes = sum(t.numel() * t.element_size() for t in self.kv_caches)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-forward")
         self._pin = self.device.type == "cuda"

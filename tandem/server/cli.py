@@ -14,15 +14,14 @@ import re
 from pathlib import Path
 from typing import Any
 
-_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
-               "g": 10**9, "gb": 10**9, "gib": 2**30}
+_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20}
 
 
 def parse_size(text: str) -> int:
-    """'1048576', '512MiB', '2G', '1.5GB' -> bytes."""
+    """'1048576', '512KiB', '2M', '1.5MB' -> bytes."""
     m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
     if m is None or m.group(2).lower() not in _SIZE_UNITS:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 1048576, 512MiB, 2GiB)")
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 1048576, 512KiB, 2MiB)")
     return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
 
 
@@ -37,45 +36,35 @@ def _engine_arg(text: str) -> tuple[str, Any]:
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
-    """The engine flags `build_engine` takes (shared by `serve` and `bench serve --launch`)."""
-    g = p.add_argument_group("engine")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--device", default="cpu")
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--max-num-batched-tokens", type=int, default=None)
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--kv-cache-memory", type=parse_size, default=None, help="KV cache budget (bytes, or e.g. 512MiB)")
-    g.add_argument("--memory-fraction", type=float, default=0.5)
-    g.add_argument("--num-kv-blocks", type=int, default=None)
-    g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--num-threads", type=int, default=None)
-    g.add_argument("--tokenizer", default=None)
-    g.add_argument("--chat-template", default=None, help="Jinja text or a file holding it")
+    """The engine flags of every `tandem` command (tandem.cli.add_engine_args: model, cache, scheduler, speculative
+    decoding), plus the server's extras."""
+    from tandem.cli import add_engine_args
+
+    add_engine_args(p)
+    g = p.add_argument_group("engine (more)")
+    g.add_argument("--memory-fraction", type=float, default=0.5, help="KV budget as a fraction of free memory")
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (overrides the budget)")
+    g.add_argument("--tokenizer", default=None, help="tokenizer path (default: the checkpoint's)")
+    g.add_argument("--structured-outputs-config", type=json.loads, default=None,
+                   help='structured-output settings as JSON, e.g. {"backend": "llguidance"}')
+    g.add_argument("--structured-mask-mode", default=None, choices=["cpu", "device"])
     g.add_argument("--engine-arg", type=_engine_arg, action="append", default=[], metavar="KEY=VALUE",
                    help="any other build_engine keyword (VALUE parsed as JSON); repeatable")
 
 
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """build_engine keywords from the parsed engine flags."""
-    kw: dict[str, Any] = {
-        "dtype": args.dtype,
-        "device": args.device,
-        "max_model_len": args.max_model_len,
-        "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "block_size": args.block_size,
-        "kv_cache_memory": args.kv_cache_memory,
-        "memory_fraction": args.memory_fraction,
-        "num_kv_blocks": args.num_kv_blocks,
-        "enable_prefix_caching": not args.no_prefix_caching,
-        "seed": args.seed,
-        "num_threads": args.num_threads,
-        "tokenizer": args.tokenizer,
-        "chat_template": args.chat_template,
-        "progress": False,
-    }
+    from tandem.cli import engine_kwargs
+
+    kw = engine_kwargs(args)
+    kw.update(
+        memory_fraction=args.memory_fraction,
+        num_kv_blocks=args.num_kv_blocks,
+        tokenizer=args.tokenizer,
+        structured_outputs_config=args.structured_outputs_config,
+        structured_mask_mode=args.structured_mask_mode,
+        progress=False,
+    )
     kw.update(dict(args.engine_arg))
     return kw
 

