@@ -30,7 +30,7 @@ def hf_generate(
         width = max(len(p) for p in batch)
         ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
-        kw = dict(max_new_tokens=max_tokens, do_sample=False, pad_token_id=pad_id)
+        kw: dict[str, object] = dict(max_new_tokens=max_tokens, do_sample=False, pad_token_id=pad_id)
         if fixed_length:
             kw.update(min_new_tokens=max_tokens)
         else:

@@ -9,7 +9,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from tandem.bench.common import RunResult, drive, load_prompts, machine_line, percentile, print_table, shared_data_dir
+from tandem.bench.common import (
+    RunResult,
+    drive,
+    load_prompts,
+    machine_line,
+    percentile,
+    print_table,
+    shared_data_dir,
+)
 from tandem.engine.engine import LLMEngine
 from tandem.params import SamplingParams, StructuredOutputsParams
 

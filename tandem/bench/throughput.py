@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
         params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=fixed)
         for level, count in zip(levels, counts):
             prompts = fixed_prompts(tok, count, args.input_len) if fixed else dynamic_prompts(tok, count)
-            tres = drive(engine, prompts, params, level, f"tandem")
+            tres = drive(engine, prompts, params, level, "tandem")
             rows = [(tres, "tandem")]
             if "hf" in peers:
                 pad = tok.hf.pad_token_id if tok.hf.pad_token_id is not None else tok.eos_token_ids[0]

@@ -24,6 +24,8 @@ from tandem.config import EngineConfig
 from tandem.core.kv_blocks import BlockManager
 from tandem.core.plan import ScheduledRequest, StepPlan
 from tandem.core.scheduler import Scheduler
+from tandem.engine.guidance import StepMasks, make_guidance
+from tandem.engine.speculation import SpeculativeDecoder
 from tandem.engine.stop import StopChecker
 from tandem.params import ParamError, SamplingParams
 from tandem.request import (
@@ -34,12 +36,10 @@ from tandem.request import (
     RequestOutput,
     RequestStatus,
 )
-from tandem.engine.guidance import StepMasks, make_guidance
-from tandem.engine.speculation import SpeculativeDecoder
-from tandem.structured.manager import StructuredOutputConfig
 from tandem.runner.runner import ModelRunner
 from tandem.sampling.rejection import DraftRows, rejection_sample
 from tandem.sampling.sampler import RowLogprobs, Sampler, SamplingRow, prompt_logprobs
+from tandem.structured.manager import StructuredOutputConfig
 from tandem.tokenizer import Tokenizer
 
 logger = logging.getLogger("tandem")

@@ -8,7 +8,7 @@ import logging
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -27,7 +27,7 @@ from tandem.tokenizer import Tokenizer
 logger = logging.getLogger("tandem")
 
 # A prompt: text, token ids, or vLLM's dict forms {"prompt": ...} / {"prompt_token_ids": [...]}.
-PromptType = Union[str, Sequence[int], Mapping[str, Any]]
+PromptType = str | Sequence[int] | Mapping[str, Any]  # noqa: UP007 (a runtime alias on Python 3.10)
 ChatMessages = list[dict[str, str]]
 
 
@@ -210,7 +210,7 @@ def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptTy
         return [prompts]
     seq = list(prompts)
     if seq and all(isinstance(t, int) for t in seq):
-        return [seq]  # one prompt of token ids
+        return [[int(t) for t in seq]]  # type: ignore[arg-type]  # one prompt of token ids
     return seq  # type: ignore[return-value]
 
 

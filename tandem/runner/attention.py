@@ -93,7 +93,11 @@ def _decode_group(
     q_max = max(n for _, n, _, _ in decodes)
     b_max = max(len(b) for _, _, _, b in decodes)
     L = b_max * block_size
-    token_index, tables, limits, flat, out_rows = [], [], [], [], []
+    token_index: list[int] = []
+    tables: list[list[int]] = []
+    limits: list[list[int]] = []
+    flat: list[int] = []
+    out_rows: list[int] = []
     for i, (row0, n, start, blocks) in enumerate(decodes):
         token_index.extend(row0 + min(j, n - 1) for j in range(q_max))
         tables.append(blocks + [blocks[-1]] * (b_max - len(blocks)))
