@@ -24,6 +24,7 @@ from tandem.config import EngineConfig
 from tandem.core.kv_blocks import BlockManager
 from tandem.core.plan import ScheduledRequest, StepPlan
 from tandem.core.scheduler import Scheduler
+from tandem.cpu_budget import CpuBudget
 from tandem.engine.guidance import StepMasks, make_guidance
 from tandem.engine.speculation import SpeculativeDecoder
 from tandem.engine.stop import StopChecker
@@ -116,6 +117,7 @@ class LLMEngine:
         self._finished_errors: list[RequestOutput] = []
         self._step_id = itertools.count()
         self.spec = speculation
+        self.cpu_budget: CpuBudget | None = None  # set by build_engine; reported in get_stats
         self.guidance = make_guidance(tokenizer.hf, self.vocab_size, eos, structured_config or StructuredOutputConfig())
         # (a) "device": bitmask copied to the device and applied there; (b) "cpu": logits brought to the host
         self.mask_mode = mask_mode or ("cpu" if runner.device.type == "cpu" else "device")
@@ -477,5 +479,6 @@ class LLMEngine:
             **self.stats.__dict__,
             **(self.spec.stats.as_dict() if self.spec is not None else {}),
             **self.guidance.stats.as_dict(),
+            **(self.cpu_budget.as_dict() if self.cpu_budget is not None else {}),
             **({"grammar_" + k: v for k, v in self.guidance.manager.stats().items()} if self.guidance._manager else {}),
         }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import itertools
 import logging
@@ -14,6 +15,7 @@ import torch
 from tqdm.auto import tqdm
 
 from tandem.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
+from tandem.cpu_budget import pin_current_thread_pool, plan_cpu_budget
 from tandem.engine.engine import LLMEngine
 from tandem.engine.speculation import SpeculativeDecoder
 from tandem.models.loader import Checkpoint, load_checkpoint, resolve_dtype
@@ -88,23 +90,41 @@ def build_engine(
     tok = Tokenizer.from_path(Path(tokenizer) if tokenizer else ckpt.tokenizer_path, chat_template=chat_template)
     if chat_template is None and ckpt.chat_template and not tok.has_chat_template:
         tok.set_chat_template(ckpt.chat_template)
-    runner = ModelRunner(cfg, ckpt.weights, torch_dtype, device, cache, sched, num_threads=num_threads)
+    sc = SpeculativeConfig.from_dict(speculative_config) if speculative_config is not None else None
+    so_config = _structured_config(structured_outputs_config)
+    draft_on_cpu = sc is not None and sc.method == "draft_model" and sc.draft_device == "cpu" and not sc.draft_in_process
+    budget = plan_cpu_budget(
+        device=torch.device(device).type, draft_on_cpu=draft_on_cpu, forward_threads=num_threads,
+        grammar_threads=so_config.num_threads if structured_outputs_config is not None else None,
+        draft_threads=sc.draft_threads if sc else None, draft_cores=sc.draft_cores if sc else None,
+    )
+    so_config = dataclasses.replace(so_config, num_threads=budget.grammar_threads)
+    runner = ModelRunner(cfg, ckpt.weights, torch_dtype, device, cache, sched, num_threads=budget.forward_threads)
     del ckpt
     spec = None
-    if speculative_config is not None:
-        sc = SpeculativeConfig.from_dict(speculative_config)
+    if sc is not None:
+        if draft_on_cpu:
+            sc = dataclasses.replace(sc, draft_cores=budget.draft_cores, draft_threads=budget.draft_threads)
         spec = SpeculativeDecoder(sc, build_proposer(sc, cfg.vocab_size, tok), max_len)
         logger.info("speculative decoding: %s, K=%d, adaptive=%s", sc.method, sc.num_speculative_tokens, sc.adaptive)
-    so_config = structured_outputs_config
-    if so_config is not None and not isinstance(so_config, StructuredOutputConfig):
-        try:
-            so_config = StructuredOutputConfig(**dict(so_config))
-        except TypeError as e:
-            raise ConfigError(f"structured_outputs_config: {e}") from e
+        if draft_on_cpu and set(budget.forward_cores) != set(budget.cores):
+            pin_current_thread_pool(budget.forward_cores)  # the draft worker has its own cores now
     engine = LLMEngine(config, runner, tok, speculation=spec, structured_config=so_config, mask_mode=structured_mask_mode)
+    engine.cpu_budget = budget
     gc.collect()
     gc.freeze()  # the long-lived objects of torch and the model never need scanning again: no GC pauses in the loop
     return engine
+
+
+def _structured_config(value: Mapping[str, Any] | StructuredOutputConfig | None) -> StructuredOutputConfig:
+    if value is None:
+        return StructuredOutputConfig()
+    if isinstance(value, StructuredOutputConfig):
+        return value
+    try:
+        return StructuredOutputConfig(**dict(value))
+    except TypeError as e:
+        raise ConfigError(f"structured_outputs_config: {e}") from e
 
 
 def _load(path: Path, dtype: str, progress: bool) -> Checkpoint:

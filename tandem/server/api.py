@@ -350,13 +350,17 @@ class _Choice:
 
 
 def _sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
 def _chunk_dict(chunk: ChatCompletionChunk | CompletionResponse) -> dict[str, Any]:
     d = chunk.model_dump()
     if d.get("usage") is None:
         d.pop("usage", None)
+    for choice in d.get("choices", ()):  # OpenAI sends the role only in a choice's first delta
+        delta = choice.get("delta")
+        if delta is not None and delta.get("role") is None:
+            delta.pop("role", None)
     return d
 
 

@@ -98,3 +98,22 @@ def test_bfloat16_close_to_float32(tmp_path: Path) -> None:
                              SchedulerConfig(max_model_len=64))
         outs.append(runner.execute(StepPlan(0, [ScheduledRequest("a", ids, 0, list(range(5)))])))
     assert (outs[0] - outs[1]).abs().max() < 0.1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run scripts/device_check.sh there)")
+@pytest.mark.parametrize("arch", ["llama3", "qwen2", "qwen3"])
+def test_cuda_logits_match_cpu_reference(arch: str, tmp_path: Path) -> None:
+    """The same checks on the accelerator: pinned buffers, non-blocking copies, SDPA's fused kernels."""
+    ref = _tiny(arch)
+    ref.save_pretrained(tmp_path, safe_serialization=True)
+    ckpt = load_checkpoint(tmp_path, torch.float32, progress=False)
+    runner = ModelRunner(ckpt.config, ckpt.weights, torch.float32, "cuda", CacheConfig(block_size=4, num_blocks=16),
+                         SchedulerConfig(max_model_len=64))
+    ids = torch.randint(0, 128, (1, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = ref(ids).logits[0]
+    tok, table = ids[0].tolist(), list(range(8))
+    got = [runner.execute(StepPlan(0, [ScheduledRequest("a", tok[:12], 0, table, all_logits=True)])).cpu()]
+    for p in range(12, 20):
+        got.append(runner.execute(StepPlan(1, [ScheduledRequest("a", [tok[p]], p, table)])).cpu())
+    torch.testing.assert_close(torch.cat(got), expected, rtol=2e-3, atol=2e-3)
