@@ -466,6 +466,15 @@ class LLMEngine:
         out, self._finished_errors = self._finished_errors, []
         return out
 
+    def shutdown(self) -> None:
+        """Abort what runs, stop the draft worker, the grammar pools and the forward thread."""
+        for rid in list(self._groups):
+            self.abort_request(rid)
+        if self.spec is not None:
+            self.spec.close()
+        self.guidance.shutdown()
+        self.runner.shutdown()
+
     def get_stats(self) -> dict[str, Any]:
         bm = self.block_manager
         return {

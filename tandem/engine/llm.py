@@ -155,6 +155,10 @@ class LLM:
         self.llm_engine = build_engine(model, **kwargs)
         self._ids = itertools.count()
 
+    def shutdown(self) -> None:
+        """Release the engine's threads and worker processes (also done at interpreter exit)."""
+        self.llm_engine.shutdown()
+
     def get_tokenizer(self) -> Tokenizer:
         return self.llm_engine.tokenizer
 

@@ -69,7 +69,9 @@ def test_draft_model_lossless_in_process(stories_engine_factory, stories_dir: Pa
     got = run_all(spec, prompts, GREEDY)
     for rid in prompts:
         assert got[rid].outputs[0].token_ids == want[rid].outputs[0].token_ids
-    assert spec.get_stats()["spec_acceptance_rate"] > 0.95
+    stats = spec.get_stats()
+    assert stats["spec_acceptance_rate"] > 0.95
+    assert stats["spec_lookahead_hits"] > 0  # drafts for step t + 1 were made while step t was verified
 
 
 def test_sampling_options_behave_as_without_speculation(stories_engine_factory) -> None:  # type: ignore[no-untyped-def]
@@ -200,3 +202,20 @@ def test_sampled_distribution_is_preserved(tiny_vocab_dir: Path, cycle_method: s
     broken = _pair_counts(spec, n, seed=11)
     stat_b, dof_b = _chi2(broken, probs, n)
     assert stat_b > _chi2_threshold(dof_b), (stat_b, dof_b)
+
+
+def test_draft_model_worker_process_lossless(stories_engine_factory, stories_dir: Path) -> None:  # type: ignore[no-untyped-def]
+    """The draft runs in its own process (its own KV cache and cores); drafts for step t + 1 overlap step t."""
+    base = stories_engine_factory()
+    spec = stories_engine_factory(speculative_config={
+        "method": "draft_model", "model": str(stories_dir), "num_speculative_tokens": 4, "draft_dtype": "float32"})
+    try:
+        prompts = _story_prompts(base, 4)
+        want = run_all(base, prompts, GREEDY)
+        got = run_all(spec, prompts, GREEDY)
+        for rid in prompts:
+            assert got[rid].outputs[0].token_ids == want[rid].outputs[0].token_ids
+        stats = spec.get_stats()
+        assert stats["spec_num_accepted"] > 0 and stats["draft_threads"] >= 1
+    finally:
+        spec.shutdown()
