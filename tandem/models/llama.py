@@ -30,6 +30,10 @@ class _Layer:
     k_norm: torch.Tensor | None
 
 
+def _maybe(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    return None if t is None else t.to(dtype)
+
+
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     """Inverse frequencies [D / 2] of rotary embeddings, with Llama 3 / linear scaling applied."""
     d = cfg.head_dim
@@ -64,7 +68,8 @@ class LlamaModel:
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
-        w = {k: v.to(device=device, dtype=dtype) for k, v in weights.items()}
+        # matrices in the model dtype; 1-D norm weights in float32 (they scale the float32 residual stream)
+        w = {k: v.to(device=device, dtype=torch.float32 if k.endswith("norm.weight") else dtype) for k, v in weights.items()}
         self.embed = w["model.embed_tokens.weight"]  # [V, hidden]
         self.norm = w["model.norm.weight"]
         head = self.embed if cfg.tie_word_embeddings or "lm_head.weight" not in w else w["lm_head.weight"]
@@ -91,8 +96,8 @@ class LlamaModel:
             post_norm=w[p + "post_attention_layernorm.weight"],
             gate_up=make_linear(gate_up),
             down=make_linear(w[m + "down_proj.weight"]),
-            q_norm=w.get(a + "q_norm.weight"),
-            k_norm=w.get(a + "k_norm.weight"),
+            q_norm=_maybe(w.get(a + "q_norm.weight"), self.dtype),  # q / k stay in the model dtype
+            k_norm=_maybe(w.get(a + "k_norm.weight"), self.dtype),
         )
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
@@ -105,9 +110,11 @@ class LlamaModel:
         cos = self.cos[meta.positions].unsqueeze(1)  # [T, 1, D / 2]
         sin = self.sin[meta.positions].unsqueeze(1)
         norm_shape = (cfg.hidden_size,)
-        x = F.embedding(input_ids, self.embed)  # [T, hidden]
+        dt = self.dtype
+        # the residual stream stays float32 (norm weights too): RMSNorm then needs no dtype round trips inside
+        x = F.embedding(input_ids, self.embed).float()  # [T, hidden]
         for layer, kv_cache in zip(self.layers, kv_caches):
-            h = F.rms_norm(x, norm_shape, layer.input_norm, eps)
+            h = F.rms_norm(x, norm_shape, layer.input_norm, eps).to(dt)
             qkv = layer.qkv(h)  # [T, (H + 2 KVH) D]
             qk = qkv[:, : self.q_size + self.kv_size].view(T, H + KVH, D)
             v = qkv[:, self.q_size + self.kv_size :].view(T, KVH, D)
@@ -122,11 +129,11 @@ class LlamaModel:
             write_kv(kv_cache, k, v, meta.slot_mapping)
             attn = paged_attention(q, k, v, kv_cache, meta, self.scale)  # [T, H D]
             x = x + layer.o(attn)
-            h = F.rms_norm(x, norm_shape, layer.post_norm, eps)
+            h = F.rms_norm(x, norm_shape, layer.post_norm, eps).to(dt)
             gu = layer.gate_up(h)  # [T, 2 I]
             g, u = gu.chunk(2, dim=-1)
             x = x + layer.down(F.silu(g) * u)
-        return F.rms_norm(x, norm_shape, self.norm, eps)
+        return F.rms_norm(x, norm_shape, self.norm, eps).to(dt)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [R, hidden] -> logits [R, V] in float32."""
