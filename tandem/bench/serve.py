@@ -4,8 +4,11 @@ Workload: MT-Bench questions and HumanEval prompts from ../shared/data/prompts; 
 for a JSON-schema answer (response_format json_schema), a `--copy-share` asks to copy / lightly edit a given code
 prompt (speculative-friendly: the answer repeats the input). Arrivals are Poisson at `--request-rate` (inf: all at
 once) or a closed loop of `--concurrency` workers. Reports req/s, output tok/s, TTFT / TPOT / ITL p50 / p99 and
-errors. `--duration` runs a soak instead of a fixed request count and samples the server's RSS (process tree of
-`--server-pid` from /proc, else the /metrics resident-memory gauges) to report growth after the warm-up.
+errors. `--duration` runs a soak instead of a fixed request count and samples the server's RSS per process (the HTTP
+process `--server-pid` and its engine core from /proc, else the /metrics resident-memory gauges of both) to report
+growth after the warm-up. `--bomb-every N` makes every Nth request a "compile bomb": a JSON schema (unique per request,
+so neither the grammar cache nor compile coalescing can answer it) that takes a grammar backend far longer than the
+server's compile timeout; bombs are reported apart (they are expected to fail), every other figure covers the rest.
 `--launch` starts `tandem serve` itself on a free loopback port.
 """
 
@@ -47,6 +50,18 @@ JSON_SCHEMA: dict[str, Any] = {
 }
 
 
+def bomb_schema(nonce: int, repeat: int = 8) -> dict[str, Any]:
+    """A small JSON schema (~150 bytes) whose grammar takes xgrammar far longer than any sane compile timeout.
+
+    Its string pattern nests three counted repetitions, ((([a-z]{1,r}){1,r}){1,r}): the regex-to-grammar conversion
+    unrolls each count, so the grammar has ~r^3 rules, every one needing a token mask over the whole vocabulary.
+    `nonce` makes each schema unique, so neither the grammar cache nor compile coalescing can answer a bomb.
+    """
+    pattern = f"^((([a-z]{{1,{repeat}}}){{1,{repeat}}}){{1,{repeat}}})$"
+    return {"type": "object", "properties": {"id": {"type": "string", "pattern": pattern}}, "required": ["id"],
+            "additionalProperties": False, "description": f"bomb {nonce}"}
+
+
 # ------------------------------------------------------------------------------------------------------ workload
 @dataclass(frozen=True)
 class BenchRequest:
@@ -70,20 +85,26 @@ def load_prompts(data_dir: Path) -> tuple[list[str], list[str]]:
 
 def make_workload(
     questions: Sequence[str], code: Sequence[str], count: int, json_share: float, copy_share: float,
-    max_tokens: int, model: str | None, seed: int,
+    max_tokens: int, model: str | None, seed: int, bomb_every: int = 0,
 ) -> list[BenchRequest]:
-    """`count` chat requests: a json_share of JSON-schema ones, a copy_share of copy/edit ones, the rest plain."""
+    """`count` chat requests: a json_share of JSON-schema ones, a copy_share of copy/edit ones, the rest plain;
+    with `bomb_every` N > 0, requests N-1, 2N-1, ... are replaced by compile bombs (kind "bomb")."""
     if not questions and not code:
         raise SystemExit("no prompts found: pass --data-dir (../shared/data/prompts)")
     rng = random.Random(seed)
     plain_pool = list(questions) + [f"Explain what this function should do:\n{c}" for c in code]
     copy_pool = list(code) or list(questions)
     out = []
-    for _ in range(count):
+    for i in range(count):
         u = rng.random()
         base: dict[str, Any] = {"max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True}}
         if model:
             base["model"] = model
+        if bomb_every > 0 and (i + 1) % bomb_every == 0:
+            msg = "Give me a record with an id as JSON."
+            fmt = {"type": "json_schema", "json_schema": {"name": "bomb", "schema": bomb_schema(i), "strict": True}}
+            out.append(BenchRequest("bomb", {**base, "messages": [{"role": "user", "content": msg}], "response_format": fmt}))
+            continue
         if u < json_share:
             q = rng.choice(plain_pool)
             msg = f"Summarize the following request as JSON with a title, a rating from 1 to 10 and keywords:\n{q}"
@@ -106,14 +127,20 @@ class RequestResult:
     ok: bool
     start: float
     ttft: float | None = None
-    e2e: float | None = None
+    e2e: float | None = None  # seconds to the end of the request (its failure included)
     itl: list[float] = field(default_factory=list)
     output_tokens: int = 0
     error: str | None = None
 
 
 async def send_one(client: httpx.AsyncClient, url: str, req: BenchRequest, headers: dict[str, str]) -> RequestResult:
-    """Stream one chat completion; times every content delta."""
+    """Stream one chat completion; times every content delta and the end of the request."""
+    res = await _stream_one(client, url, req, headers)
+    res.e2e = time.perf_counter() - res.start
+    return res
+
+
+async def _stream_one(client: httpx.AsyncClient, url: str, req: BenchRequest, headers: dict[str, str]) -> RequestResult:
     t0 = time.perf_counter()
     res = RequestResult(req.kind, False, t0)
     last: float | None = None
@@ -142,7 +169,6 @@ async def send_one(client: httpx.AsyncClient, url: str, req: BenchRequest, heade
                     elif last is not None:
                         res.itl.append(now - last)
                     last = now
-        res.e2e = time.perf_counter() - t0
         res.ok = True
     except (httpx.HTTPError, json.JSONDecodeError, OSError) as e:
         res.error = f"{type(e).__name__}: {e}"
@@ -150,6 +176,18 @@ async def send_one(client: httpx.AsyncClient, url: str, req: BenchRequest, heade
 
 
 # ------------------------------------------------------------------------------------------------------ RSS sampling
+RssSample = tuple[float, dict[str, int]]  # (seconds since start, {"http" | "engine_core" | "total": bytes})
+
+
+def process_rss_bytes(pid: int) -> int | None:
+    """VmRSS of one process (Linux /proc), or None when it is gone."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return None
+
+
 def tree_rss_bytes(pid: int) -> int | None:
     """VmRSS of `pid` plus its descendants (Linux /proc), or None when `pid` is gone."""
     children: dict[int, list[int]] = {}
@@ -163,38 +201,93 @@ def tree_rss_bytes(pid: int) -> int | None:
     total, todo, found = 0, [pid], False
     while todo:
         p = todo.pop()
-        with contextlib.suppress(OSError, ValueError):
-            for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1]) * 1024
-                    found = found or p == pid
+        rss = process_rss_bytes(p)
+        if rss is not None:
+            total += rss
+            found = found or p == pid
         todo.extend(children.get(p, []))
     return total if found else None
 
 
-async def metrics_rss_bytes(client: httpx.AsyncClient, base_url: str) -> int | None:
-    """HTTP process + engine core resident memory from the server's /metrics."""
+async def engine_core_pid(client: httpx.AsyncClient, base_url: str) -> int | None:
+    """The engine-core process id the server's /health reports (None if it does not answer)."""
+    with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, TypeError):
+        return int((await client.get(f"{base_url}/health")).json()["engine_core_pid"])
+    return None
+
+
+def proc_rss_sample(http_pid: int, core_pid: int | None) -> dict[str, int] | None:
+    """{"http", "engine_core", "total"} from /proc; total is the whole process tree (helpers included)."""
+    total = tree_rss_bytes(http_pid)
+    if total is None:
+        return None
+    out = {"total": total}
+    http = process_rss_bytes(http_pid)
+    if http is not None:
+        out["http"] = http
+    core = process_rss_bytes(core_pid) if core_pid is not None else None
+    if core is not None:
+        out["engine_core"] = core
+    return out
+
+
+async def metrics_rss_sample(client: httpx.AsyncClient, base_url: str) -> dict[str, int] | None:
+    """HTTP process and engine-core resident memory from the server's /metrics."""
     try:
         text = (await client.get(f"{base_url}/metrics")).text
     except httpx.HTTPError:
         return None
-    total = 0.0
+    names = {"process_resident_memory_bytes": "http", "tandem_engine_core_resident_memory_bytes": "engine_core"}
+    out: dict[str, int] = {}
     for line in text.splitlines():
         name, _, value = line.partition(" ")
-        if name in ("process_resident_memory_bytes", "tandem_engine_core_resident_memory_bytes"):
-            total += float(value)
-    return int(total) or None
+        if name in names:
+            with contextlib.suppress(ValueError):
+                out[names[name]] = int(float(value))
+    if not out:
+        return None
+    out["total"] = sum(out.values())
+    return out
 
 
 async def sample_rss(client: httpx.AsyncClient, base_url: str, pid: int | None, interval: float,
-                     samples: list[tuple[float, int]], stop: asyncio.Event) -> None:
+                     samples: list[RssSample], stop: asyncio.Event) -> None:
+    """Append one per-process RSS sample every `interval` s until `stop` is set."""
     t0 = time.perf_counter()
+    core = await engine_core_pid(client, base_url) if pid is not None else None
     while not stop.is_set():
-        rss = tree_rss_bytes(pid) if pid is not None else await metrics_rss_bytes(client, base_url)
+        rss = proc_rss_sample(pid, core) if pid is not None else await metrics_rss_sample(client, base_url)
         if rss is not None:
             samples.append((time.perf_counter() - t0, rss))
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(stop.wait(), interval)
+
+
+def summarize_rss(rss: Sequence[RssSample], warmup_s: float) -> dict[str, Any]:
+    """Per process: start, after-warm-up, end and peak MB; growth after warm-up (MB, %, MB/min) and the growth in
+    the second half of the post-warm-up window alone (near 0 when the RSS has plateaued, about half the total when
+    it grows linearly, i.e. leaks)."""
+    report: dict[str, Any] = {}
+    labels = sorted({k for _, d in rss for k in d}, key=["http", "engine_core", "total"].index)
+    for label in labels:
+        series = [(t, d[label]) for t, d in rss if label in d]
+        if not series:
+            continue
+        after = [(t, b) for t, b in series if t >= warmup_s] or [series[-1]]
+        (t_w, b_w), (t_e, b_e) = after[0], series[-1]
+        mid_t = (t_w + t_e) / 2.0
+        b_mid = next((b for t, b in after if t >= mid_t), b_e)
+        span_min = max((t_e - t_w) / 60.0, 1e-9)
+        mb = 2**20
+        report[f"rss_{label}_start_mb"] = series[0][1] / mb
+        report[f"rss_{label}_after_warmup_mb"] = b_w / mb
+        report[f"rss_{label}_end_mb"] = b_e / mb
+        report[f"rss_{label}_peak_mb"] = max(b for _, b in series) / mb
+        report[f"rss_{label}_growth_after_warmup_mb"] = (b_e - b_w) / mb
+        report[f"rss_{label}_growth_after_warmup_pct"] = 100.0 * (b_e - b_w) / b_w if b_w else 0.0
+        report[f"rss_{label}_growth_second_half_mb"] = (b_e - b_mid) / mb
+        report[f"rss_{label}_growth_mb_per_min"] = (b_e - b_w) / mb / span_min
+    return report
 
 
 # ------------------------------------------------------------------------------------------------------- running
@@ -207,7 +300,10 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
-def summarize(results: Sequence[RequestResult], wall_s: float, rss: Sequence[tuple[float, int]], warmup_s: float) -> dict[str, Any]:
+def summarize(results: Sequence[RequestResult], wall_s: float, rss: Sequence[RssSample], warmup_s: float) -> dict[str, Any]:
+    """The report; compile bombs (kind "bomb") are counted apart and left out of every other figure."""
+    bombs = [r for r in results if r.kind == "bomb"]
+    results = [r for r in results if r.kind != "bomb"]
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
     ttft = [r.ttft for r in ok if r.ttft is not None]
@@ -224,31 +320,31 @@ def summarize(results: Sequence[RequestResult], wall_s: float, rss: Sequence[tup
         "output_token_throughput": out_tokens / wall_s if wall_s > 0 else 0.0,
         "output_tokens": out_tokens,
     }
+    if bombs:
+        fail_s = [r.e2e for r in bombs if not r.ok]
+        report["bombs"] = len(bombs)
+        report["bombs_failed"] = sum(1 for r in bombs if not r.ok)
+        report["bomb_fail_s_p50"] = percentile([x for x in fail_s if x is not None], 50)
+        report["bomb_fail_s_max"] = max((x for x in fail_s if x is not None), default=None)
+        report["bomb_error_samples"] = sorted({(r.error or "")[:160] for r in bombs if not r.ok})[:3]
     for name, vals in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2e", [r.e2e for r in ok if r.e2e is not None])):
         for q in (50, 99):
             v = percentile(vals, q)
             report[f"{name}_p{q}_ms"] = None if v is None else v * 1000.0
-    if rss:
-        after = [b for t, b in rss if t >= warmup_s] or [rss[-1][1]]
-        span_min = max((rss[-1][0] - max(warmup_s, rss[0][0])) / 60.0, 1e-9)
-        report["rss_start_mb"] = rss[0][1] / 2**20
-        report["rss_after_warmup_mb"] = after[0] / 2**20
-        report["rss_end_mb"] = rss[-1][1] / 2**20
-        report["rss_peak_mb"] = max(b for _, b in rss) / 2**20
-        report["rss_growth_after_warmup_mb"] = (rss[-1][1] - after[0]) / 2**20
-        report["rss_growth_mb_per_min"] = report["rss_growth_after_warmup_mb"] / span_min
+    report.update(summarize_rss(rss, warmup_s))
     return report
 
 
 async def run_load(args: argparse.Namespace, base_url: str, server_pid: int | None) -> dict[str, Any]:
     questions, code = load_prompts(Path(args.data_dir))
     count = args.num_requests if args.duration is None else max(args.num_requests, 100_000)
-    workload = make_workload(questions, code, count, args.json_share, args.copy_share, args.max_tokens, args.model, args.seed)
+    workload = make_workload(questions, code, count, args.json_share, args.copy_share, args.max_tokens, args.model, args.seed,
+                             args.bomb_every)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     url = f"{base_url}/v1/chat/completions"
     limits = httpx.Limits(max_connections=max(args.concurrency or 0, 256), max_keepalive_connections=64)
     results: list[RequestResult] = []
-    rss: list[tuple[float, int]] = []
+    rss: list[RssSample] = []
     stop = asyncio.Event()
     deadline = None if args.duration is None else time.perf_counter() + args.duration
     async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout), limits=limits) as client:
@@ -343,6 +439,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--json-share", type=float, default=0.0, help="fraction of JSON-schema requests")
     p.add_argument("--copy-share", type=float, default=0.0, help="fraction of copy/edit (speculative-friendly) requests")
+    p.add_argument("--bomb-every", type=int, default=0, metavar="N",
+                   help="make every Nth request a compile-bomb JSON schema (reported apart; 0: none)")
     p.add_argument("--duration", type=float, default=None, help="soak: run this many seconds and sample RSS")
     p.add_argument("--warmup", type=float, default=None, help="seconds before RSS growth is measured (default 10%% of --duration)")
     p.add_argument("--rss-interval", type=float, default=1.0)

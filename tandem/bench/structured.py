@@ -48,8 +48,10 @@ SCHEMAS: dict[str, dict[str, Any]] = {
         "required": ["id", "status", "items", "notes"],
     },
 }
-# fixed length: a schema with no natural end, so every request runs to max_tokens as the unguided one does
-OPEN_ENDED = {"type": "array", "items": {"type": "string"}}
+# fixed length: a string too long to finish within max_tokens, so every request runs to max_tokens as the unguided
+# one does (the grammar cannot terminate earlier)
+def open_ended(out_len: int) -> dict[str, Any]:
+    return {"type": "object", "properties": {"text": {"type": "string", "minLength": 8 * out_len}}, "required": ["text"]}
 
 
 def add_parser(bsub: Any, add_engine_args: Callable[[argparse.ArgumentParser], None]) -> None:
@@ -98,9 +100,10 @@ def run(args: argparse.Namespace) -> int:
         fixed = workload == "fixed"
         for level, count in zip(levels, counts):
             prompts = _prompts(engine, count)
+            before = engine.get_stats()
             base = drive(engine, prompts, _params(None, fixed, args.output_len, args.backend), level, "unguided")
-            rows.append(_row(workload, level, "unguided", base, base))
-            schemas = {"open-ended array": OPEN_ENDED} if fixed else SCHEMAS
+            rows.append(_row(workload, level, "unguided", base, base, before, engine.get_stats()))
+            schemas = {"long string": open_ended(args.output_len)} if fixed else SCHEMAS
             for name, schema in schemas.items():
                 before = engine.get_stats()
                 t0 = time.perf_counter()

@@ -152,7 +152,7 @@ class LLM:
     """Generate text offline for a list of prompts, as `vllm.LLM` does."""
 
     def __init__(self, model: str | os.PathLike[str] | None = None, **kwargs: Any) -> None:
-        self.llm_engine = build_engine(model, **kwargs)
+        self.llm_engine = build_engine(model, **_vllm_compat(kwargs))
         self._ids = itertools.count()
 
     def shutdown(self) -> None:
@@ -215,6 +215,26 @@ class LLM:
                 if rid not in results:
                     engine.abort_request(rid)
         return [results[rid] for rid in ids]
+
+
+# vLLM arguments with a tandem meaning, and ones that change nothing here (accepted so scripts run unchanged)
+_VLLM_RENAMED = {"gpu_memory_utilization": "memory_fraction", "kv_cache_memory_bytes": "kv_cache_memory"}
+_VLLM_NO_EFFECT = {"trust_remote_code", "enforce_eager", "disable_log_stats", "tokenizer_mode", "swap_space"}
+
+
+def _vllm_compat(kwargs: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for k, v in kwargs.items():
+        if k in _VLLM_NO_EFFECT:
+            continue
+        if k == "tensor_parallel_size":
+            if v not in (None, 1):
+                raise ConfigError(f"tensor_parallel_size={v}: tandem runs one device per engine; use 1")
+            continue
+        out[_VLLM_RENAMED.get(k, k)] = v
+    if "memory_fraction" in out:
+        out["memory_fraction"] = min(0.95, float(out["memory_fraction"]))
+    return out
 
 
 def _prompt_of(item: PromptType) -> str | list[int]:

@@ -173,7 +173,7 @@ def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, g: DecodeGroup, s
     """Few queries per request against its gathered keys, all requests at once -> [B * q_max, H, D].
 
     Heads are grouped (GQA): query head h reads kv head h // G, G = H / KVH. With batch dims (KVH, B) the gathered
-    keys need no copy: scores [KVH, B, q_max, G, L] = q @ k^T, in the cache's dtype (float32 on the CPU).
+    keys need no copy: scores [KVH, B, q_max * G, L] = q @ k^T, in the cache's dtype (float32 on the CPU).
     """
     B, q_max, L = g.batch, g.q_max, g.key_len
     _, H, D = q.shape
@@ -187,14 +187,11 @@ def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, g: DecodeGroup, s
         mask = g.bias.view(B, 1, q_max, L)
         o = F.scaled_dot_product_attention(qs, keys, kv[1].transpose(0, 1), attn_mask=mask.to(qs.dtype), scale=scale, enable_gqa=True)
         return o.transpose(1, 2).reshape(B * q_max, H, D)
-    # batch (KVH, B, q_max): every query's [G, D] x [D, L] product has the same shape whatever q_max is, so a row's
-    # result does not depend on how many drafts are verified beside it (BLAS results change with the row count M)
-    qs = qb.view(B, q_max, KVH, G, D).permute(2, 0, 1, 3, 4).to(kv.dtype)  # [KVH, B, q_max, G, D]
-    keys = kv[0].unsqueeze(2).transpose(-1, -2)  # [KVH, B, 1, D, L]
-    scores = torch.matmul(qs, keys).mul_(scale)  # [KVH, B, q_max, G, L]
-    scores.add_(g.bias.view(1, B, q_max, 1, L))
-    o = torch.matmul(torch.softmax(scores, dim=-1), kv[1].unsqueeze(2))  # [KVH, B, q_max, G, D]
-    return o.permute(1, 2, 0, 3, 4).reshape(B * q_max, H, D).to(q.dtype)
+    qs = qb.view(B, q_max, KVH, G, D).permute(2, 0, 1, 3, 4).reshape(KVH, B, q_max * G, D).to(kv.dtype)
+    scores = torch.matmul(qs, kv[0].transpose(-1, -2)).mul_(scale)  # [KVH, B, q_max * G, L]
+    scores.view(KVH, B, q_max, G, L).add_(g.bias.view(1, B, q_max, 1, L))
+    o = torch.matmul(torch.softmax(scores, dim=-1), kv[1])  # [KVH, B, q_max * G, D]
+    return o.view(KVH, B, q_max, G, D).permute(1, 2, 0, 3, 4).reshape(B * q_max, H, D).to(q.dtype)
 
 
 def default_scale(head_dim: int) -> float:
