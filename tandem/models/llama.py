@@ -77,8 +77,9 @@ class LlamaModel:
         self.layers = [self._layer(w, i) for i in range(cfg.num_layers)]
         max_pos = cfg.max_position_embeddings
         freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), rope_inv_freq(cfg))  # [max_pos, D / 2]
-        self.cos = freqs.cos().to(device=device, dtype=dtype)
-        self.sin = freqs.sin().to(device=device, dtype=dtype)
+        # rotate-half RoPE as x * [cos, cos] + cat(x2, x1) * [-sin, sin]: 4 ops on q and k together
+        self.cos = torch.cat([freqs.cos(), freqs.cos()], dim=-1).to(device=device, dtype=dtype)  # [max_pos, D]
+        self.sin = torch.cat([-freqs.sin(), freqs.sin()], dim=-1).to(device=device, dtype=dtype)
 
     def _layer(self, w: Mapping[str, torch.Tensor], i: int) -> _Layer:
         p = f"model.layers.{i}."
@@ -107,7 +108,7 @@ class LlamaModel:
         H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         T = input_ids.shape[0]
         half = D // 2
-        cos = self.cos[meta.positions].unsqueeze(1)  # [T, 1, D / 2]
+        cos = self.cos[meta.positions].unsqueeze(1)  # [T, 1, D]
         sin = self.sin[meta.positions].unsqueeze(1)
         norm_shape = (cfg.hidden_size,)
         dt = self.dtype
@@ -123,8 +124,7 @@ class LlamaModel:
                     [F.rms_norm(qk[:, :H], (D,), layer.q_norm, eps), F.rms_norm(qk[:, H:], (D,), layer.k_norm, eps)], dim=1
                 )
             # rotate-half RoPE on q and k together: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)
-            x1, x2 = qk[..., :half], qk[..., half:]
-            qk = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)  # [T, H + KVH, D]
+            qk = qk * cos + torch.cat([qk[..., half:], qk[..., :half]], dim=-1) * sin  # [T, H + KVH, D]
             q, k = qk[:, :H], qk[:, H:]
             write_kv(kv_cache, k, v, meta.slot_mapping)
             attn = paged_attention(q, k, v, kv_cache, meta, self.scale)  # [T, H D]
