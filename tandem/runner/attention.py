@@ -153,18 +153,20 @@ def _prefill_attention(
 ) -> torch.Tensor:
     """One request's chunk: q [n, H, D] -> [n, H, D]."""
     n = q.shape[0]
-    qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+    dt = kv_cache.dtype  # the math runs in the cache's dtype on every path, so a prefix-cache hit changes nothing
+    qh = q.transpose(0, 1).unsqueeze(0).to(dt)  # [1, H, n, D]
     if p.key_blocks is None:
         o = F.scaled_dot_product_attention(
-            qh, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), is_causal=True, scale=scale, enable_gqa=True
+            qh, k.transpose(0, 1).unsqueeze(0).to(dt), v.transpose(0, 1).unsqueeze(0).to(dt), is_causal=True, scale=scale,
+            enable_gqa=True,
         )
-        return o[0].transpose(0, 1)
+        return o[0].transpose(0, 1).to(q.dtype)
     total = p.start_pos + n
     kv = kv_cache.index_select(2, p.key_blocks).flatten(2, 3)[:, :, :total]  # [2, KVH, total, D]
     # query i (position start + i) sees keys [0, start + i]
     mask = torch.ones(n, kv.shape[2], dtype=torch.bool, device=q.device).tril(diagonal=p.start_pos)
     o = F.scaled_dot_product_attention(
-        qh.to(kv.dtype), kv[0].unsqueeze(0), kv[1].unsqueeze(0), attn_mask=mask, scale=scale, enable_gqa=True
+        qh, kv[0].unsqueeze(0), kv[1].unsqueeze(0), attn_mask=mask, scale=scale, enable_gqa=True
     )  # [1, H, n, D]
     return o[0].transpose(0, 1).to(q.dtype)
 

@@ -68,8 +68,10 @@ def test_preemption_keeps_outputs(stories_engine_factory) -> None:  # type: igno
         assert got[rid].outputs[0].token_ids == alone.outputs[0].token_ids
 
 
-def test_prefix_cache_hit_gives_identical_output(stories_engine_factory) -> None:  # type: ignore[no-untyped-def]
-    engine = stories_engine_factory(block_size=4)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prefix_cache_hit_gives_identical_output(stories_engine_factory, dtype: str) -> None:  # type: ignore[no-untyped-def]
+    """Also in bf16: a prefix served from the cache and one computed in the same step go through the same math."""
+    engine = stories_engine_factory(block_size=4, dtype=dtype)
     prefix = engine.tokenizer.encode(
         "Once upon a time, there was a little girl named Lily. She loved to play"
     )
@@ -79,7 +81,7 @@ def test_prefix_cache_hit_gives_identical_output(stories_engine_factory) -> None
     assert engine.block_manager.stats.hits - hits_before >= (len(prefix) // 4) * 4 - 4
     assert second.metrics is not None and second.metrics.num_cached_tokens > 0
     assert first.outputs[0].token_ids == second.outputs[0].token_ids
-    nocache = stories_engine_factory(block_size=4, enable_prefix_caching=False)
+    nocache = stories_engine_factory(block_size=4, enable_prefix_caching=False, dtype=dtype)
     third = run_all(nocache, {"c": prefix + [5]})["c"]
     assert third.outputs[0].token_ids == first.outputs[0].token_ids
 
