@@ -27,7 +27,7 @@ def add_parser(bsub: Any, add_engine_args: Callable[[argparse.ArgumentParser], N
     p.add_argument("--workloads", default="copy,mt_bench,humaneval")
     p.add_argument("--output-len", type=int, default=96)
     p.add_argument("--peers", default="hf")
-    p.add_argument("--plot", type=Path, default=Path("docs/spec_speedup.png"))
+    p.add_argument("--plot", default="docs/spec_speedup.png", help="PNG path ('' for none)")
     p.add_argument("--json", type=Path, default=None)
     add_engine_args(p)
     p.set_defaults(func=run, dtype="bfloat16")
@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
     print_table(rows, title="tandem bench spec (speedup = tok/s / tok/s at K=0, same prompts, same run)")
     peer_rows = peers(engine, args, draft)
     if args.plot:
-        plot(rows, args.plot)
+        plot(rows, Path(args.plot))
     if args.json:
         args.json.write_text(json.dumps({"machine": machine_line(), "rows": rows, "peers": peer_rows}, indent=2))
     return 0
