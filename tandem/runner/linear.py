@@ -14,6 +14,15 @@ import torch.nn.functional as F
 
 LinearFn = Callable[[torch.Tensor], torch.Tensor]
 
+EXACT_ROWS = 8  # up to this many rows run as they are; more are padded to a multiple of ROW_BUCKET
+ROW_BUCKET = 16
+
+
+def bucket_rows(m: int) -> int:
+    """oneDNN builds and caches code per input shape; bucketing the row count keeps that cache (and the RSS it
+    holds) bounded by a few hundred shapes instead of growing with every new batch size."""
+    return m if m <= EXACT_ROWS else -(-m // ROW_BUCKET) * ROW_BUCKET
+
 
 def _onednn_available(dtype: torch.dtype) -> bool:
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
@@ -50,7 +59,11 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linea
             b = bias.contiguous() if bias is not None else None
 
             def onednn_linear(x: torch.Tensor) -> torch.Tensor:
-                return op(x, packed, b, "none", [], "")
+                m = x.shape[0]
+                padded = bucket_rows(m)
+                if padded == m:
+                    return op(x, packed, b, "none", [], "")
+                return op(F.pad(x, (0, 0, 0, padded - m)), packed, b, "none", [], "")[:m]
 
             return onednn_linear
     w, b2 = weight, bias

@@ -21,6 +21,7 @@ Both libraries release the GIL in their native code, so the pools run truly in p
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import OrderedDict, deque
@@ -158,7 +159,10 @@ class StructuredOutputManager:
         self._inflight: dict[tuple[str, GrammarSpec], Future[CompiledGrammar]] = {}
         self._lock = threading.Lock()  # guards _rejected, _inflight and the counters below
         self._requests: dict[str, _Request] = {}
-        self._compile_pool = ThreadPoolExecutor(self.config.num_threads, thread_name_prefix="grammar-compile")
+        # compiles run at the lowest priority: a slow (or hostile) grammar must never take cores from the forward
+        self._compile_pool = ThreadPoolExecutor(
+            self.config.num_threads, thread_name_prefix="grammar-compile", initializer=_lower_thread_priority
+        )
         self._fill_pool = ThreadPoolExecutor(self.config.num_threads, thread_name_prefix="grammar-mask")
         window = self.config.stats_window
         self._compile_s: deque[float] = deque(maxlen=window)
@@ -208,7 +212,7 @@ class StructuredOutputManager:
             self._count("timeouts")
             request.state = FAILED
             request.error = f"{request.requested}: grammar compilation timed out after {self.config.compile_timeout_s:g} s"
-            request.future = None  # detach: the job still finishes and caches its grammar, this request ignores it
+            self._abandon(request)
         if request.state == READY and request.matcher is None:
             assert request.grammar is not None
             request.matcher = self._backend(request.grammar.backend).matcher(request.grammar)
@@ -418,6 +422,17 @@ class StructuredOutputManager:
         future.add_done_callback(lambda _f: self._forget_inflight(requested, spec))
         return future
 
+    def _abandon(self, request: _Request) -> None:
+        """Detach a timed-out request from its compile; cancel the job if it has not started and nobody else waits.
+
+        A running compile cannot be interrupted: it finishes (at idle priority) and caches its grammar."""
+        future, request.future = request.future, None
+        if future is None:
+            return
+        waiting = any(r.future is future for r in self._requests.values())
+        if not waiting and future.cancel():
+            self._forget_inflight(request.requested, request.spec)
+
     def _forget_inflight(self, requested: str, spec: GrammarSpec) -> None:
         with self._lock:
             self._inflight.pop((requested, spec), None)
@@ -468,6 +483,14 @@ class StructuredOutputManager:
         n_chunks = max(1, min(self.config.num_threads, len(work) // self.config.min_rows_per_chunk))
         size = -(-len(work) // n_chunks) if work else 0
         return [work[i : i + size] for i in range(0, len(work), size)] if work else []
+
+
+def _lower_thread_priority() -> None:
+    """Nice 19 for the calling thread (Linux: priorities are per thread)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):
+        pass
 
 
 def _combined(requested: str, rejections: Sequence[GrammarError]) -> GrammarError:
