@@ -29,6 +29,9 @@ class ForwardHandle:
     finished_at: float = 0.0  # perf_counter() when the forward finished (set by collect)
 
 
+DEFAULT_CPU_KV_BYTES = 4 * 2**30  # the default KV budget on the host when none is given (as vLLM's CPU backend)
+
+
 def available_memory(device: torch.device) -> int:
     """Bytes free for the KV cache on `device` (MemAvailable on the host, free device memory otherwise)."""
     if device.type == "cuda":
@@ -55,7 +58,11 @@ def plan_num_blocks(
     if cache.num_blocks is not None:
         return cache.num_blocks
     per_block = kv_block_bytes(cfg, cache.block_size, dtype)
-    budget = cache.kv_cache_memory if cache.kv_cache_memory is not None else int(available_memory(device) * cache.memory_fraction)
+    budget = cache.kv_cache_memory
+    if budget is None:
+        budget = int(available_memory(device) * cache.memory_fraction)
+        if device.type == "cpu":
+            budget = min(budget, DEFAULT_CPU_KV_BYTES)  # host memory is shared with everything else
     blocks_per_seq = -(-sched.max_model_len // cache.block_size) + 1
     num = min(budget // per_block, sched.max_num_seqs * blocks_per_seq)
     if num < 1:

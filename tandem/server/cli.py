@@ -57,6 +57,10 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
     from tandem.cli import engine_kwargs
 
     kw = engine_kwargs(args)
+    if kw.get("max_num_batched_tokens") is None and str(kw.get("device", "cpu")).startswith("cpu"):
+        # serving on a CPU: a long prompt's prefill is cut into small chunks so the other streams' next tokens
+        # never wait seconds behind it (inter-token latency p99 within 3x p50 needs this; see docs/server_soak.md)
+        kw["max_num_batched_tokens"] = 128
     kw.update(
         memory_fraction=args.memory_fraction,
         num_kv_blocks=args.num_kv_blocks,

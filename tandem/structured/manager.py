@@ -21,6 +21,7 @@ Both libraries release the GIL in their native code, so the pools run truly in p
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -487,10 +488,8 @@ class StructuredOutputManager:
 
 def _lower_thread_priority() -> None:
     """Nice 19 for the calling thread (Linux: priorities are per thread)."""
-    try:
+    with contextlib.suppress(AttributeError, OSError):
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except (AttributeError, OSError):
-        pass
 
 
 def _combined(requested: str, rejections: Sequence[GrammarError]) -> GrammarError:
