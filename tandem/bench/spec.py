@@ -98,7 +98,9 @@ def run(args: argparse.Namespace) -> int:
                     if k == "0":
                         continue
                     cfg = _config(method, k, draft, args)
-                    if method not in proposers:
+                    if method not in proposers or method != "draft_model":
+                        # a fresh proposer per run: suffix decoding's global tree must not remember the outputs
+                        # of the previous run's identical prompts (the draft worker keeps no such memory)
                         proposers[method] = build_proposer(_config(method, "8", draft, args), engine.vocab_size, engine.tokenizer)
                     set_speculation(engine, cfg, proposers[method])
                     res = drive(engine, prompts, params, batch, f"{method}-{k}")
