@@ -34,9 +34,10 @@ def add_parser(bsub: Any, add_engine_args: Callable[[argparse.ArgumentParser], N
 
 
 def copy_prompts(engine: LLMEngine, n: int) -> list[list[int]]:
-    """An editing task whose answer mostly copies the prompt: rename a function in a HumanEval snippet."""
+    """An editing task whose answer mostly copies the prompt: rename a function in a HumanEval solution."""
     with gzip.open(shared_data_dir() / "prompts" / "HumanEval.jsonl.gz", "rt") as f:
-        codes = [json.loads(line)["prompt"] for line in f if line.strip()][: max(n, 1) + 20]
+        rows = [json.loads(line) for line in f if line.strip()][: max(n, 1) + 20]
+    codes = [r["prompt"] + r["canonical_solution"] for r in rows]  # whole functions: signature, docstring, body
     tok = engine.tokenizer
     out = []
     for i in range(n):
