@@ -166,3 +166,40 @@ def test_demo_model_kinds_validate(demo_model_dir, backend: str) -> None:  # typ
         o = run_all(engine, {kind: prompt}, p)[kind].outputs[0]
         assert o.finish_reason == "stop", (kind, o.text)
         _check(kind, o.text)
+
+
+@pytest.fixture(scope="module")
+def random_model(tmp_path_factory: pytest.TempPathFactory, shared_data) -> LLMEngine:  # type: ignore[no-untyped-def]
+    """A random-weight Llama over the real GPT-2 vocabulary: its logits are noise, so the grammar does all the work."""
+    import torch
+    import transformers
+
+    from tandem.engine.llm import build_engine
+
+    import shutil
+
+    from tandem.tokenizer import Tokenizer
+
+    d = tmp_path_factory.mktemp("random-gpt2")
+    for name in ("vocab.json", "merges.txt"):  # a GPT-2 folder: tandem's Tokenizer builds byte-level BPE from these
+        shutil.copy(shared_data / "tokenizers" / "gpt2" / name, d / name)
+    tok = Tokenizer.from_path(d).hf
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                                   eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(d, safe_serialization=True)
+    return build_engine(str(d), dtype="float32", progress=False, max_model_len=1024)
+
+
+@pytest.mark.parametrize("kind,backend", CASES)
+def test_random_logits_model_stays_valid(random_model: LLMEngine, kind: str, backend: str) -> None:
+    """Every sampled token passes the matcher (else the request would end with an error) and what ends is valid."""
+    p = SamplingParams(temperature=1.0, seed=3, max_tokens=300, n=4, structured_outputs=_params(kind, backend))
+    out = run_all(random_model, {"r": "hello world"}, p)["r"]
+    assert out.error is None
+    finished = [o for o in out.outputs if o.finish_reason == "stop"]
+    for o in finished:
+        _check(kind, o.text)
+    if kind in ("choice", "regex"):
+        assert finished  # bounded grammars end within 300 tokens even from noise
