@@ -171,13 +171,12 @@ def test_demo_model_kinds_validate(demo_model_dir, backend: str) -> None:  # typ
 @pytest.fixture(scope="module")
 def random_model(tmp_path_factory: pytest.TempPathFactory, shared_data) -> LLMEngine:  # type: ignore[no-untyped-def]
     """A random-weight Llama over the real GPT-2 vocabulary: its logits are noise, so the grammar does all the work."""
+    import shutil
+
     import torch
     import transformers
 
     from tandem.engine.llm import build_engine
-
-    import shutil
-
     from tandem.tokenizer import Tokenizer
 
     d = tmp_path_factory.mktemp("random-gpt2")
