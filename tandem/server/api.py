@@ -10,6 +10,7 @@ or the engine's death ends the request and aborts it in the engine (its KV block
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import hmac
@@ -572,23 +573,27 @@ async def _stream_events(
         state.admitted_seqs -= num_seqs
 
 
-class _Format:
+class _Format(abc.ABC):
     """How deltas become one endpoint's response bodies and stream chunks."""
 
     n: int
     include_usage: bool
 
+    @abc.abstractmethod
     def full_response(self, choices: list[_Choice], usage: UsageInfo) -> dict[str, Any]:
-        raise NotImplementedError
+        """The non-streaming response body."""
 
+    @abc.abstractmethod
     def stream_start(self, num_prompts: int) -> list[dict[str, Any]]:
-        raise NotImplementedError
+        """Chunks sent before any token (e.g. the assistant role)."""
 
+    @abc.abstractmethod
     def stream_chunks(self, prompt_index: int, delta: RequestDelta) -> list[dict[str, Any]]:
-        raise NotImplementedError
+        """Chunks for one request's new output."""
 
+    @abc.abstractmethod
     def usage_chunk(self, usage: UsageInfo) -> dict[str, Any]:
-        raise NotImplementedError
+        """The final usage chunk (stream_options.include_usage)."""
 
 
 class _ChatFormat(_Format):

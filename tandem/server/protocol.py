@@ -7,6 +7,7 @@ engine enforces, so the OpenAPI document describes what is accepted and a fuzzer
 
 from __future__ import annotations
 
+import abc
 import time
 import uuid
 from typing import Annotated, Any, Literal, Union
@@ -149,11 +150,13 @@ class _SamplingRequest(_Lenient):
     guided_grammar: str | None = None
     guided_decoding_backend: Literal["auto", "xgrammar", "llguidance"] | None = None
 
+    @abc.abstractmethod
     def _max_tokens(self) -> int | None:
-        raise NotImplementedError
+        """The endpoint's max-tokens field(s) resolved to one value."""
 
+    @abc.abstractmethod
     def _num_logprobs(self) -> int | None:
-        raise NotImplementedError
+        """The endpoint's logprobs field(s) resolved to a top-n count (None: no logprobs)."""
 
     def sampling_params(self) -> SamplingParams:
         """The engine's parameters for this body; raises ParamError for values the engine refuses."""
