@@ -382,7 +382,7 @@ class LLMEngine:
 
     def _advance(self, plan: StepPlan, new_tokens: dict[str, list[int]]) -> list[RequestOutput]:
         """Cut new tokens at stop conditions, advance the scheduler, finish what ended; outputs of touched groups."""
-        finished: list[tuple[str, RequestStatus]] = []
+        finished: dict[str, RequestStatus] = {}  # one final status per sequence
         touched: dict[str, _Group] = {}
         now = time.monotonic()
         for rid, toks in new_tokens.items():
@@ -392,7 +392,7 @@ class LLMEngine:
             except Exception as e:  # noqa: BLE001 - one broken request must not take the batch down
                 logger.exception("request %s failed while detokenizing", rid)
                 seq.group.error = f"{type(e).__name__}: {e}"
-                finished.append((rid, RequestStatus.FINISHED_ERROR))
+                finished[rid] = RequestStatus.FINISHED_ERROR
                 touched[seq.group.request_id] = seq.group
                 continue
             kept = toks[: decision.num_tokens_kept]
@@ -404,21 +404,21 @@ class LLMEngine:
             if seq.logprobs is not None and len(kept) < len(toks):
                 del seq.logprobs[len(seq.logprobs) - (len(toks) - len(kept)) :]
             terminated, grammar_error = self.guidance.accept(seq.req, kept, len(seq.req.draft_token_ids))
-            if grammar_error is not None:
-                seq.group.error = grammar_error
-                finished.append((rid, RequestStatus.FINISHED_ERROR))
-            elif terminated and not decision.finished:
-                finished.append((rid, RequestStatus.FINISHED_STOPPED))
-            if decision.finished:
-                status = RequestStatus.FINISHED_STOPPED if decision.reason == "stop" else RequestStatus.FINISHED_LENGTH
-                finished.append((rid, status))
+            if decision.finished:  # ends normally; the matcher's view of its last token no longer matters
+                finished[rid] = RequestStatus.FINISHED_STOPPED if decision.reason == "stop" else RequestStatus.FINISHED_LENGTH
                 seq.req.stop_reason = decision.stop_reason
+            elif grammar_error is not None:
+                seq.group.error = grammar_error
+                finished[rid] = RequestStatus.FINISHED_ERROR
+            elif terminated:
+                finished[rid] = RequestStatus.FINISHED_STOPPED
             if seq.group.metrics.first_token_time is None:
                 seq.group.metrics.first_token_time = now
             touched[seq.group.request_id] = seq.group
         self.scheduler.update(plan, new_tokens)
-        for rid, status in finished:
-            self.scheduler.finish(rid, status)
+        for rid, status in finished.items():
+            if self.scheduler.get(rid) is not None:
+                self.scheduler.finish(rid, status)
             self._seqs[rid].req.status = status
         self.stats.num_generated_tokens += sum(len(t) for t in new_tokens.values())
         self.stats.num_prompt_tokens += sum(sr.num_tokens - sr.num_draft_tokens for sr in plan.requests if sr.is_prefill)

@@ -202,3 +202,16 @@ def test_random_logits_model_stays_valid(random_model: LLMEngine, kind: str, bac
         _check(kind, o.text)
     if kind in ("choice", "regex"):
         assert finished  # bounded grammars end within 300 tokens even from noise
+
+
+def test_request_ending_and_grammar_complaint_on_same_token_finishes_once(stories_engine_factory, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Found by fuzzing the server: a sequence that hit max_tokens on a token its matcher refused was finished twice,
+    which crashed the engine. It must end once (with its normal reason) and the engine keep serving."""
+    engine = stories_engine_factory(max_model_len=512)
+    monkeypatch.setattr(engine.guidance, "accept",
+                        lambda req, toks, k: (False, "matcher refused the token" if req.request_id == "a" else None))
+    p = SamplingParams(temperature=0.0, max_tokens=1, structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    done = run_all(engine, {"a": "Once"}, p)
+    assert done["a"].outputs[0].finish_reason == "length"
+    more = run_all(engine, {"b": "Once"}, SamplingParams(temperature=0.0, max_tokens=3))
+    assert len(more["b"].outputs[0].token_ids) == 3
