@@ -417,6 +417,14 @@ class StructuredOutputManager:
             if future is not None:
                 self._counts["coalesced"] += 1
                 return future
+            # the job may have finished (and left _inflight) since the caller looked at the cache
+            for name in self._candidates(requested):
+                hit = self._cache.get(self._key(name, spec))
+                if hit is not None:
+                    self._counts["cache_hits"] += 1
+                    done: Future[CompiledGrammar] = Future()
+                    done.set_result(hit)
+                    return done
             self._counts["cache_misses"] += 1
             future = self._compile_pool.submit(self._compile_job, requested, spec)
             self._inflight[(requested, spec)] = future
