@@ -133,6 +133,21 @@ def _read(path: Path) -> str:
         raise ParamError(f"cannot read {path}: {e}") from e
 
 
+def stream_to_terminal(engine: Any, request_id: str, prompt: str | list[int], params: SamplingParams) -> Any:
+    """Run one request on `engine`, writing its text to stdout as it grows; returns the final RequestOutput."""
+    engine.add_request(request_id, prompt, params)
+    shown, final = 0, None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            text = out.outputs[0].text
+            sys.stdout.write(text[shown:])
+            sys.stdout.flush()
+            shown = len(text)
+            if out.finished:
+                final = out
+    return final
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from tandem.engine.llm import build_engine
 
@@ -142,17 +157,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt: str | list[int] = args.prompt
     if args.chat:
         prompt = tok.apply_chat_template([{"role": "user", "content": args.prompt}])
-    engine.add_request("cli", prompt, params)
-    shown = 0
-    final = None
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            text = out.outputs[0].text
-            sys.stdout.write(text[shown:])
-            sys.stdout.flush()
-            shown = len(text)
-            if out.finished:
-                final = out
+    final = stream_to_terminal(engine, "cli", prompt, params)
     sys.stdout.write("\n")
     if final is not None:
         o = final.outputs[0]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from collections.abc import Callable
 
@@ -18,16 +17,11 @@ def _section(title: str) -> None:
 
 def stream(engine: LLMEngine, prompt: str | list[int], params: SamplingParams) -> str:
     """Generate one request, printing text as it is produced."""
-    engine.add_request(f"demo-{time.monotonic_ns()}", prompt, params)
-    shown, text = 0, ""
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            text = out.outputs[0].text
-            sys.stdout.write(text[shown:])
-            sys.stdout.flush()
-            shown = len(text)
+    from tandem.cli import stream_to_terminal
+
+    final = stream_to_terminal(engine, f"demo-{time.monotonic_ns()}", prompt, params)
     print()
-    return text
+    return final.outputs[0].text if final is not None else ""
 
 
 def tour_generation(engine: LLMEngine, rows: list[dict[str, object]], quick: bool) -> None:
