@@ -49,6 +49,7 @@ def build_engine(
     enable_prefix_caching: bool = True,
     seed: int = 0,
     num_threads: int | None = None,
+    cpu_kernels: bool = True,
     chat_template: str | None = None,
     speculative_config: Mapping[str, Any] | SpeculativeConfig | None = None,
     structured_outputs_config: Mapping[str, Any] | StructuredOutputConfig | None = None,
@@ -99,7 +100,9 @@ def build_engine(
         draft_threads=sc.draft_threads if sc else None, draft_cores=sc.draft_cores if sc else None,
     )
     so_config = dataclasses.replace(so_config, num_threads=budget.grammar_threads)
-    runner = ModelRunner(cfg, ckpt.weights, torch_dtype, device, cache, sched, num_threads=budget.forward_threads)
+    runner = ModelRunner(
+        cfg, ckpt.weights, torch_dtype, device, cache, sched, num_threads=budget.forward_threads, use_kernels=cpu_kernels
+    )
     del ckpt
     spec = None
     if sc is not None:

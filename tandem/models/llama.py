@@ -14,8 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from tandem.config import ConfigError, ModelConfig
-from tandem.runner.attention import AttentionMetadata, paged_attention, write_kv
+from tandem.runner.attention import AttentionMetadata
 from tandem.runner.linear import LinearFn, make_linear
+from tandem.runner.ops import LayerOps, select_ops
 
 
 @dataclass
@@ -61,7 +62,10 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 class LlamaModel:
     """Forward over a flattened batch: tokens [T] -> hidden [T, hidden], K/V written to the paged cache."""
 
-    def __init__(self, cfg: ModelConfig, weights: Mapping[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, cfg: ModelConfig, weights: Mapping[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
+        use_kernels: bool = True,
+    ) -> None:
         self.cfg = cfg
         self.dtype = dtype
         self.device = device
@@ -75,11 +79,8 @@ class LlamaModel:
         head = self.embed if cfg.tie_word_embeddings or "lm_head.weight" not in w else w["lm_head.weight"]
         self.lm_head = make_linear(head)
         self.layers = [self._layer(w, i) for i in range(cfg.num_layers)]
-        max_pos = cfg.max_position_embeddings
-        freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), rope_inv_freq(cfg))  # [max_pos, D / 2]
-        # rotate-half RoPE as x * [cos, cos] + cat(x2, x1) * [-sin, sin]: 4 ops on q and k together
-        self.cos = torch.cat([freqs.cos(), freqs.cos()], dim=-1).to(device=device, dtype=dtype)  # [max_pos, D]
-        self.sin = torch.cat([-freqs.sin(), freqs.sin()], dim=-1).to(device=device, dtype=dtype)
+        freqs = torch.outer(torch.arange(cfg.max_position_embeddings, dtype=torch.float32), rope_inv_freq(cfg))  # [max_pos, D / 2]
+        self.ops: LayerOps = select_ops(device, freqs.cos(), freqs.sin(), dtype, use_kernels)
 
     def _layer(self, w: Mapping[str, torch.Tensor], i: int) -> _Layer:
         p = f"model.layers.{i}."
@@ -103,19 +104,17 @@ class LlamaModel:
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
         """input_ids [T] -> final hidden states [T, hidden]; writes this step's K/V into `kv_caches` (one per layer)."""
-        cfg = self.cfg
+        cfg, ops = self.cfg, self.ops
         eps = cfg.rms_norm_eps
         H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         T = input_ids.shape[0]
-        half = D // 2
-        cos = self.cos[meta.positions].unsqueeze(1)  # [T, 1, D]
-        sin = self.sin[meta.positions].unsqueeze(1)
-        norm_shape = (cfg.hidden_size,)
+        rope = ops.rope_tables(meta.positions)
         dt = self.dtype
-        # the residual stream stays float32 (norm weights too): RMSNorm then needs no dtype round trips inside
+        # the residual stream x stays float32 (norm weights too); each layer's output is added into it by the next norm
         x = F.embedding(input_ids, self.embed).float()  # [T, hidden]
+        delta: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            h = F.rms_norm(x, norm_shape, layer.input_norm, eps).to(dt)
+            h = ops.add_rms_norm(x, delta, layer.input_norm, eps, dt)
             qkv = layer.qkv(h)  # [T, (H + 2 KVH) D]
             qk = qkv[:, : self.q_size + self.kv_size].view(T, H + KVH, D)
             v = qkv[:, self.q_size + self.kv_size :].view(T, KVH, D)
@@ -123,17 +122,11 @@ class LlamaModel:
                 qk = torch.cat(
                     [F.rms_norm(qk[:, :H], (D,), layer.q_norm, eps), F.rms_norm(qk[:, H:], (D,), layer.k_norm, eps)], dim=1
                 )
-            # rotate-half RoPE on q and k together: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)
-            qk = qk * cos + torch.cat([qk[..., half:], qk[..., :half]], dim=-1) * sin  # [T, H + KVH, D]
-            q, k = qk[:, :H], qk[:, H:]
-            write_kv(kv_cache, k, v, meta.slot_mapping)
-            attn = paged_attention(q, k, v, kv_cache, meta, self.scale)  # [T, H D]
-            x = x + layer.o(attn)
-            h = F.rms_norm(x, norm_shape, layer.post_norm, eps).to(dt)
-            gu = layer.gate_up(h)  # [T, 2 I]
-            g, u = gu.chunk(2, dim=-1)
-            x = x + layer.down(F.silu(g) * u)
-        return F.rms_norm(x, norm_shape, self.norm, eps).to(dt)
+            qk = ops.rope_write_kv(qk, v, rope, kv_cache, meta, H)  # [T, H + KVH, D], k and v now in the cache
+            attn = ops.attention(qk, v, kv_cache, meta, H, self.scale, dt)  # [T, H D]
+            h = ops.add_rms_norm(x, layer.o(attn), layer.post_norm, eps, dt)
+            delta = layer.down(ops.silu_mul(layer.gate_up(h)))  # [T, hidden]
+        return ops.add_rms_norm(x, delta, self.norm, eps, dt)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [R, hidden] -> logits [R, V] in float32."""

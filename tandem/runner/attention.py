@@ -44,6 +44,8 @@ class DecodeGroup:
     key_len: int
     flat_index: torch.Tensor  # [n_valid] positions in the padded [B * q_max] layout of the real tokens, in row order
     out_rows: torch.Tensor  # [n_valid] rows of the flattened batch they belong to
+    seq_info: torch.Tensor  # [B, 3] int64 (first row, new tokens n, tokens cached before them): the CPU kernel's view
+    block_tables: torch.Tensor  # [B, blocks_max] int64, each request's blocks padded with its last one
     dense: bool = False  # every token of the step is here, q_max per request, in order: no gather / scatter
 
 
@@ -107,15 +109,18 @@ def _decode_group(
     allowed = torch.arange(L)[None, None, :] <= torch.tensor(limits)[:, :, None]  # [B, q_max, L]
     bias = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
     B = len(decodes)
+    block_tables = torch.tensor(tables)
     return DecodeGroup(
         token_index=to_dev(torch.tensor(token_index)),
-        key_blocks=to_dev(torch.tensor(tables).view(-1)),
+        key_blocks=to_dev(block_tables.view(-1)),
         bias=to_dev(bias.view(B, 1, q_max, 1, L)),
         batch=B,
         q_max=q_max,
         key_len=L,
         flat_index=to_dev(torch.tensor(flat)),
         out_rows=to_dev(torch.tensor(out_rows)),
+        seq_info=torch.tensor([(row0, n, start) for row0, n, start, _ in decodes]),
+        block_tables=block_tables,
     )
 
 
@@ -141,14 +146,14 @@ def paged_attention(
     out = torch.empty_like(q)
     for p in meta.prefills:
         s = p.token_slice
-        out[s] = _prefill_attention(q[s], k[s], v[s], kv_cache, p, scale)
+        out[s] = prefill_attention(q[s], k[s], v[s], kv_cache, p, scale)
     if g is not None:
         o = _decode_attention(q, kv_cache, g, scale)  # [B * q_max, H, D]
         out[g.out_rows] = o.index_select(0, g.flat_index)
     return out.view(T, H * D)
 
 
-def _prefill_attention(
+def prefill_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, p: PrefillSeq, scale: float
 ) -> torch.Tensor:
     """One request's chunk: q [n, H, D] -> [n, H, D]."""

@@ -84,6 +84,7 @@ class ModelRunner:
         cache_config: CacheConfig,
         scheduler_config: SchedulerConfig,
         num_threads: int | None = None,
+        use_kernels: bool = True,
     ) -> None:
         self.device = torch.device(device)
         if self.device.type == "cpu":
@@ -91,7 +92,7 @@ class ModelRunner:
         self.model_config = model_config
         self.dtype = dtype
         self.block_size = cache_config.block_size
-        self.model = LlamaModel(model_config, weights, dtype, self.device)
+        self.model = LlamaModel(model_config, weights, dtype, self.device, use_kernels=use_kernels)
         # on the CPU the cache is float32: the attention math runs in float32 with no per-step conversions
         self.kv_dtype = torch.float32 if self.device.type == "cpu" else dtype
         self.num_blocks = plan_num_blocks(model_config, cache_config, scheduler_config, self.kv_dtype, self.device)

@@ -40,13 +40,14 @@ def _tiny(arch: str) -> transformers.PreTrainedModel:
     return model.eval()
 
 
+@pytest.mark.parametrize("kernels", [True, False], ids=["tandem-cpu-kernels", "torch-ops"])
 @pytest.mark.parametrize("arch", ["llama", "llama3", "mistral", "qwen2", "qwen3"])
-def test_logits_match_transformers(arch: str, tmp_path: Path) -> None:
+def test_logits_match_transformers(arch: str, kernels: bool, tmp_path: Path) -> None:
     ref = _tiny(arch)
     ref.save_pretrained(tmp_path, safe_serialization=True)
     ckpt = load_checkpoint(tmp_path, torch.float32, progress=False)
     runner = ModelRunner(ckpt.config, ckpt.weights, torch.float32, "cpu", CacheConfig(block_size=4, num_blocks=16),
-                         SchedulerConfig(max_model_len=64))
+                         SchedulerConfig(max_model_len=64), use_kernels=kernels)
     ids = torch.randint(0, 128, (1, 30), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = ref(ids).logits[0]  # [30, V]

@@ -1,0 +1,90 @@
+"""Build and load tandem's CPU kernels (`csrc/cpu_ops.cpp`, registered as `torch.ops.tandem.*`).
+
+The source is compiled once per (source, torch version, CPU) with the host's C++ compiler into
+`$TANDEM_HOME/kernels/<key>/` and loaded from there afterwards; `make setup` builds it ahead of time. When no compiler
+is found or the build fails, `load_cpu_kernels()` returns False with the reason logged once, and the model runs its
+plain torch operations instead (same results up to float rounding, slower per step).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import platform
+import threading
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def _cpu_signature() -> str:
+    """The CPU's model and feature flags: the build uses -march=native, so a cache shared across machines must not mix."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags"))][:2]
+        return "".join(lines)
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def build_key() -> str:
+    h = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), torch.__version__.encode(), _cpu_signature().encode(), " ".join(_CFLAGS).encode()):
+        h.update(part)
+    return h.hexdigest()[:16]
+
+
+def build_dir() -> Path:
+    from tandem.models.loader import tandem_home
+
+    return tandem_home() / "kernels" / build_key()
+
+
+def load_cpu_kernels(verbose: bool = False) -> bool:
+    """Compile (first time) and load the kernels into this process; True when `torch.ops.tandem` is ready."""
+    with _lock:
+        if "ok" in _state:
+            return bool(_state["ok"])
+        ok, why = _build_and_load(verbose)
+        _state["ok"] = ok
+        if not ok:
+            logger.warning("tandem CPU kernels unavailable (%s); using plain torch operations", why)
+        return ok
+
+
+def _build_and_load(verbose: bool) -> tuple[bool, str]:
+    if hasattr(torch.ops, "tandem") and hasattr(torch.ops.tandem, "paged_attention"):
+        return True, ""
+    try:
+        from torch.utils import cpp_extension
+    except ImportError as e:  # pragma: no cover - part of every torch build
+        return False, f"torch.utils.cpp_extension: {e}"
+    folder = build_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    if not (folder / "tandem_cpu_ops.so").exists():
+        logger.info("building tandem CPU kernels into %s (once, ~30 s)", folder)
+    try:
+        cpp_extension.load(
+            name="tandem_cpu_ops",
+            sources=[str(SOURCE)],
+            extra_cflags=_CFLAGS,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(folder),
+            is_python_module=False,
+            verbose=verbose,
+        )
+    except (RuntimeError, OSError, ImportError, FileNotFoundError) as e:
+        return False, f"build failed: {str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}"
+    return True, ""
+
+
+if __name__ == "__main__":  # `python -m tandem.runner.kernels`: build ahead of time (make setup)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    print(f"tandem CPU kernels: {'ready' if load_cpu_kernels() else 'unavailable'} ({build_dir()})")

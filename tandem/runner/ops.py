@@ -1,0 +1,147 @@
+"""The per-layer operations of the decoder between its projections, behind one seam.
+
+`LayerOps` is what `LlamaModel.forward` calls between its matmuls: residual add + RMSNorm, RoPE + KV-cache write,
+attention over the paged cache, SiLU-and-multiply. Two implementations:
+  * `TorchOps`: plain torch operations, any device (on CUDA, SDPA dispatches to fused kernels);
+  * `CpuKernelOps`: tandem's fused CPU kernels (`csrc/cpu_ops.cpp`), one pass per operation, attention read straight
+    from the paged cache; ~4 kernel calls per layer instead of ~20 torch ops, which is what a CPU decode step costs.
+`select_ops` picks one per model when the runner builds it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+import torch.nn.functional as F
+
+from tandem.runner.attention import AttentionMetadata, paged_attention, prefill_attention, write_kv
+
+
+class LayerOps(ABC):
+    """Stateless operations on one step's tensors; `rope_tables` is computed once per step and shared by all layers."""
+
+    name: str
+
+    @abstractmethod
+    def add_rms_norm(
+        self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """x [T, hidden] float32 += delta (in place, when given); returns rms_norm(x) * weight in `dtype`."""
+
+    @abstractmethod
+    def rope_tables(self, positions: torch.Tensor) -> object:
+        """Whatever `rope_write_kv` needs for this step's positions [T]."""
+
+    @abstractmethod
+    def rope_write_kv(
+        self, qk: torch.Tensor, v: torch.Tensor, rope: object, kv_cache: torch.Tensor, meta: AttentionMetadata, num_heads: int
+    ) -> torch.Tensor:
+        """qk [T, H + KVH, D], v [T, KVH, D]: rotates q and k, stores k and v at `meta.slot_mapping` in `kv_cache`;
+        returns the rotated qk [T, H + KVH, D]."""
+
+    @abstractmethod
+    def attention(
+        self, qk: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, num_heads: int,
+        scale: float, dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """Causal attention of the step's queries (qk[:, :H]) over their requests' cached keys -> [T, H * D] in `dtype`."""
+
+    @abstractmethod
+    def silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
+        """gu [T, 2I] -> silu(gu[:, :I]) * gu[:, I:] [T, I]."""
+
+
+class TorchOps(LayerOps):
+    name = "torch"
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        self.cos = cos  # [max_pos, D] = [cos, cos], model dtype
+        self.sin = sin  # [max_pos, D] = [-sin, sin]
+
+    def add_rms_norm(
+        self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, dtype: torch.dtype
+    ) -> torch.Tensor:
+        if delta is not None:
+            x.add_(delta)
+        return F.rms_norm(x, (x.shape[-1],), weight, eps).to(dtype)
+
+    def rope_tables(self, positions: torch.Tensor) -> object:
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # [T, 1, D] each
+
+    def rope_write_kv(
+        self, qk: torch.Tensor, v: torch.Tensor, rope: object, kv_cache: torch.Tensor, meta: AttentionMetadata, num_heads: int
+    ) -> torch.Tensor:
+        cos, sin = rope  # type: ignore[misc]
+        half = qk.shape[-1] // 2
+        # rotate-half RoPE on q and k together: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)
+        qk = qk * cos + torch.cat([qk[..., half:], qk[..., :half]], dim=-1) * sin
+        write_kv(kv_cache, qk[:, num_heads:], v, meta.slot_mapping)
+        return qk
+
+    def attention(
+        self, qk: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, num_heads: int,
+        scale: float, dtype: torch.dtype,
+    ) -> torch.Tensor:
+        q, k = qk[:, :num_heads], qk[:, num_heads:]
+        return paged_attention(q, k, v, kv_cache, meta, scale).to(dtype)
+
+    def silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
+        g, u = gu.chunk(2, dim=-1)
+        return F.silu(g) * u
+
+
+class CpuKernelOps(LayerOps):
+    """tandem's fused CPU kernels; the cache must be float32 (as the runner keeps it on the CPU)."""
+
+    name = "tandem-cpu"
+
+    def __init__(self, cos_half: torch.Tensor, sin_half: torch.Tensor, dtype: torch.dtype) -> None:
+        # rounded to the model dtype as the torch path holds them, kept as float32 for the kernel
+        self.cos = cos_half.to(dtype).float().contiguous()  # [max_pos, D / 2]
+        self.sin = sin_half.to(dtype).float().contiguous()
+        self.ops = torch.ops.tandem
+
+    def add_rms_norm(
+        self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, dtype: torch.dtype
+    ) -> torch.Tensor:
+        return self.ops.add_rms_norm(x, delta, weight, eps, dtype)
+
+    def rope_tables(self, positions: torch.Tensor) -> object:
+        return positions
+
+    def rope_write_kv(
+        self, qk: torch.Tensor, v: torch.Tensor, rope: object, kv_cache: torch.Tensor, meta: AttentionMetadata, num_heads: int
+    ) -> torch.Tensor:
+        return self.ops.rope_write_kv(qk, v, rope, self.cos, self.sin, kv_cache, meta.slot_mapping, num_heads)
+
+    def attention(
+        self, qk: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, num_heads: int,
+        scale: float, dtype: torch.dtype,
+    ) -> torch.Tensor:
+        T, _, D = qk.shape
+        q = qk[:, :num_heads]  # [T, H, D] float32, rows strided
+        out = torch.empty(T, num_heads * D, dtype=dtype)
+        if meta.decode is not None:
+            self.ops.paged_attention(q, kv_cache, meta.decode.seq_info, meta.decode.block_tables, scale, out)
+        if meta.prefills:
+            view = out.view(T, num_heads, D)
+            for p in meta.prefills:
+                s = p.token_slice
+                view[s] = prefill_attention(q[s], qk[s, num_heads:], v[s], kv_cache, p, scale).to(dtype)
+        return out
+
+    def silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
+        return self.ops.silu_mul(gu)
+
+
+def select_ops(device: torch.device, cos_half: torch.Tensor, sin_half: torch.Tensor, dtype: torch.dtype, use_kernels: bool) -> LayerOps:
+    """The fused CPU kernels on a CPU when wanted and buildable; torch operations otherwise."""
+    if use_kernels and device.type == "cpu":
+        from tandem.runner.kernels import load_cpu_kernels
+
+        if load_cpu_kernels():
+            return CpuKernelOps(cos_half, sin_half, dtype)
+    cos = torch.cat([cos_half, cos_half], dim=-1).to(device=device, dtype=dtype)
+    sin = torch.cat([-sin_half, sin_half], dim=-1).to(device=device, dtype=dtype)
+    return TorchOps(cos, sin)

@@ -1,0 +1,158 @@
+"""tandem's fused CPU kernels against the torch operations they replace, op by op and through a whole model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tandem.config import CacheConfig, SchedulerConfig
+from tandem.core.plan import ScheduledRequest, StepPlan
+from tandem.runner.attention import build_metadata, paged_attention, write_kv
+from tandem.runner.kernels import load_cpu_kernels
+from tandem.models.loader import load_checkpoint
+from tandem.runner.ops import CpuKernelOps, TorchOps, select_ops
+from tandem.runner.runner import ModelRunner
+
+pytestmark = pytest.mark.skipif(not load_cpu_kernels(), reason="tandem CPU kernels could not be built here")
+
+BS = 4  # block size
+
+
+def _ops(dtype: torch.dtype, D: int = 16, max_pos: int = 64) -> tuple[TorchOps, CpuKernelOps]:
+    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), 1.0 / (10000 ** (torch.arange(0, D, 2) / D)))
+    t = select_ops(torch.device("cpu"), freqs.cos(), freqs.sin(), dtype, use_kernels=False)
+    k = select_ops(torch.device("cpu"), freqs.cos(), freqs.sin(), dtype, use_kernels=True)
+    assert isinstance(t, TorchOps) and isinstance(k, CpuKernelOps)
+    return t, k
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_delta", [False, True])
+def test_add_rms_norm(dtype: torch.dtype, with_delta: bool) -> None:
+    t, k = _ops(dtype)
+    x = torch.randn(5, 96)
+    delta = torch.randn(5, 96).to(dtype) if with_delta else None
+    w = torch.rand(96) + 0.5
+    x1, x2 = x.clone(), x.clone()
+    want = t.add_rms_norm(x1, delta, w, 1e-5, dtype)
+    got = k.add_rms_norm(x2, delta, w, 1e-5, dtype)
+    assert got.dtype == dtype
+    torch.testing.assert_close(x2, x1)  # the residual stream is updated in place
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-5 if dtype == torch.float32 else 1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul(dtype: torch.dtype) -> None:
+    t, k = _ops(dtype)
+    gu = torch.randn(3, 2 * 40).to(dtype)
+    torch.testing.assert_close(k.silu_mul(gu).float(), t.silu_mul(gu).float(), atol=1e-5, rtol=1e-2)
+
+
+def _plan(news: list[int], starts: list[int], blocks_per_req: int) -> StepPlan:
+    reqs = [
+        ScheduledRequest(str(i), [1] * n, s, list(range(i * blocks_per_req, (i + 1) * blocks_per_req)))
+        for i, (n, s) in enumerate(zip(news, starts))
+    ]
+    return StepPlan(0, reqs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_write_kv_matches_torch(dtype: torch.dtype) -> None:
+    H, KVH, D = 4, 2, 16
+    t, k = _ops(dtype, D)
+    plan = _plan([3, 1, 5], [0, 7, 2], 4)
+    meta = build_metadata(plan, BS, torch.device("cpu"))
+    T = meta.num_tokens
+    qkv = torch.randn(T, (H + 2 * KVH) * D).to(dtype)
+    qk = qkv[:, : (H + KVH) * D].view(T, H + KVH, D)  # strided rows, as the model passes them
+    v = qkv[:, (H + KVH) * D :].view(T, KVH, D)
+    c1, c2 = torch.zeros(2, KVH, 12, BS, D), torch.zeros(2, KVH, 12, BS, D)
+    want = t.rope_write_kv(qk, v, t.rope_tables(meta.positions), c1, meta, H)
+    got = k.rope_write_kv(qk, v, k.rope_tables(meta.positions), c2, meta, H)
+    assert got.dtype == torch.float32
+    # bf16: rounded where torch rounds, bit-identical; float32: equal up to fused multiply-adds
+    tol = 0.0 if dtype == torch.bfloat16 else 1e-6
+    torch.testing.assert_close(got, want.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(c2, c1, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("H,KVH", [(4, 2), (3, 3), (6, 1)])
+def test_paged_attention_matches_dense_causal_attention(H: int, KVH: int) -> None:
+    """Mixed step: a fresh prefill, decodes and multi-token (speculative) queries with scattered blocks."""
+    D = 16
+    t, k = _ops(torch.float32, D)
+    news, starts = [6, 1, 4, 1, 9], [0, 13, 5, 2, 20]
+    nb = 8
+    plan = _plan(news, starts, nb)
+    # scatter each request's blocks over the cache so a wrong table lookup cannot pass
+    perm = torch.randperm(len(news) * nb).tolist()
+    for r in plan.requests:
+        r.block_table = [perm[b] for b in r.block_table]
+    meta = build_metadata(plan, BS, torch.device("cpu"))
+    T = meta.num_tokens
+    cache_t, cache_k = torch.zeros(2, KVH, len(perm), BS, D), torch.zeros(2, KVH, len(perm), BS, D)
+    # earlier tokens of every request: random keys / values at their slots
+    history = {}
+    for i, (r, s) in enumerate(zip(plan.requests, starts)):
+        kv = torch.randn(2, s, KVH, D)
+        history[i] = kv
+        if s:
+            slots = torch.tensor([r.block_table[p // BS] * BS + p % BS for p in range(s)])
+            for c in (cache_t, cache_k):
+                write_kv(c, kv[0], kv[1], slots)
+    qkv = torch.randn(T, (H + 2 * KVH) * D)
+    qk = qkv[:, : (H + KVH) * D].view(T, H + KVH, D)
+    v = qkv[:, (H + KVH) * D :].view(T, KVH, D)
+    rq_t = t.rope_write_kv(qk, v, t.rope_tables(meta.positions), cache_t, meta, H)
+    rq_k = k.rope_write_kv(qk, v, k.rope_tables(meta.positions), cache_k, meta, H)
+    want = t.attention(rq_t, v, cache_t, meta, H, D**-0.5, torch.float32)
+    got = k.attention(rq_k, v, cache_k, meta, H, D**-0.5, torch.float32)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    # and against plain causal attention over each request's full sequence
+    row = 0
+    for i, (n, s) in enumerate(zip(news, starts)):
+        keys = torch.cat([history[i][0], rq_t[row : row + n, H:]])  # [s + n, KVH, D]
+        vals = torch.cat([history[i][1], v[row : row + n]])
+        q = rq_t[row : row + n, :H].transpose(0, 1)  # [H, n, D]
+        mask = torch.ones(n, s + n, dtype=torch.bool).tril(diagonal=s)
+        ref = F.scaled_dot_product_attention(
+            q, keys.transpose(0, 1), vals.transpose(0, 1), attn_mask=mask, scale=D**-0.5, enable_gqa=True
+        )  # [H, n, D]
+        torch.testing.assert_close(got[row : row + n].view(n, H, D), ref.transpose(0, 1), atol=1e-5, rtol=1e-4)
+        row += n
+
+
+def test_paged_attention_rejects_short_block_table() -> None:
+    q = torch.randn(1, 2, 8)
+    cache = torch.zeros(2, 1, 4, BS, 8)
+    info = torch.tensor([[0, 1, 9]])  # 10 tokens need 3 blocks, the table holds 2
+    with pytest.raises(RuntimeError, match="more blocks"):
+        torch.ops.tandem.paged_attention(q, cache, info, torch.tensor([[0, 1]]), 1.0, torch.empty(1, 16))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_model_forward_same_with_and_without_kernels(arch: str, tmp_path: Path) -> None:
+    """A random-weight model in bf16: fused kernels and torch operations give the same greedy tokens, close logits."""
+    from tests.models.test_parity import _tiny
+
+    _tiny(arch).save_pretrained(tmp_path, safe_serialization=True)
+    ckpt = load_checkpoint(tmp_path, torch.bfloat16, progress=False)
+    runners = [
+        ModelRunner(ckpt.config, ckpt.weights, torch.bfloat16, "cpu", CacheConfig(num_blocks=32, block_size=BS),
+                    SchedulerConfig(max_model_len=64), num_threads=1, use_kernels=use)
+        for use in (False, True)
+    ]
+    assert [r.model.ops.name for r in runners] == ["torch", "tandem-cpu"]
+    outs = []
+    for r in runners:
+        toks = [3, 17, 9, 28, 5, 11, 2]
+        rows = [r.execute(StepPlan(0, [ScheduledRequest("a", list(toks), 0, list(range(8)))]))]
+        for _ in range(12):
+            toks.append(int(rows[-1][-1].argmax()))
+            rows.append(r.execute(StepPlan(1, [ScheduledRequest("a", [toks[-1]], len(toks) - 1, list(range(8)))])))
+        outs.append((toks, torch.cat([x[-1:] for x in rows])))
+    assert outs[0][0] == outs[1][0]
+    torch.testing.assert_close(outs[1][1], outs[0][1], atol=0.02, rtol=0.02)
