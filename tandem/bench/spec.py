@@ -15,6 +15,7 @@ from tandem.bench.common import RunResult, drive, load_prompts, machine_line, pr
 from tandem.engine.engine import LLMEngine
 from tandem.engine.speculation import SpeculativeDecoder
 from tandem.params import SamplingParams
+from tandem.runner.host_thread import on_host_thread
 from tandem.spec.config import SpeculativeConfig, build_proposer
 
 
@@ -114,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
             close()
     print()
     print_table(rows, title="tandem bench spec (speedup = tok/s / tok/s at K=0, same prompts, same run)")
-    peer_rows = peers(engine, args, draft)
+    peer_rows = on_host_thread(peers, engine, args, draft)  # tandem's host thread: one OpenMP team per process
     if args.plot:
         plot(rows, Path(args.plot))
     if args.json:

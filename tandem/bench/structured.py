@@ -20,6 +20,7 @@ from tandem.bench.common import (
 )
 from tandem.engine.engine import LLMEngine
 from tandem.params import SamplingParams, StructuredOutputsParams
+from tandem.runner.host_thread import on_host_thread
 
 SCHEMAS: dict[str, dict[str, Any]] = {
     "simple": {"type": "object", "properties": {"answer": {"type": "string"}, "confidence": {"type": "number"}},
@@ -178,7 +179,7 @@ def peer_rows(engine: LLMEngine, args: argparse.Namespace) -> list[dict[str, Any
     schema = SCHEMAS["nested"]
     if "hf" in names:
         for guided in (False, True):
-            r = peers.hf_structured(engine, prompts, schema if guided else None, args.output_len)
+            r = on_host_thread(peers.hf_structured, engine, prompts, schema if guided else None, args.output_len)
             rows.append({"peer": "hf-transformers" + (" + xgrammar" if guided else ""), "tok/s": round(r.tok_per_s, 1)})
     if "llama.cpp" in names and peers.llama_cpp_available():
         for guided in (False, True):

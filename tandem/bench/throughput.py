@@ -105,8 +105,10 @@ def run(args: argparse.Namespace) -> int:
 def hf_run(model_dir: Path, prompts: list[list[int]], out_len: int, level: int, dtype: torch.dtype, fixed: bool,
            eos: tuple[int, ...], pad: int) -> RunResult:
     from tandem.bench.peers import hf_generate
+    from tandem.runner.host_thread import on_host_thread
 
-    return hf_generate(model_dir, prompts, out_len, level, dtype, fixed, eos, pad)
+    # on tandem's host thread: a second OpenMP team in this process would slow tandem's later runs (and HF's)
+    return on_host_thread(hf_generate, model_dir, prompts, out_len, level, dtype, fixed, eos, pad)
 
 
 def llama_cpp_run(prompts: list[list[int]], out_len: int, fixed: bool, threads: int, eos: tuple[int, ...]) -> RunResult | None:

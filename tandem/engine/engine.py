@@ -246,7 +246,7 @@ class LLMEngine:
         t3 = time.perf_counter()
         if masks.plain is not None or masks.spec is not None:
             self.guidance.stats.exposed_s += max(0.0, t2 - handle.finished_at)
-        new_tokens = self._sample(plan, logits, masks)
+        new_tokens = self.runner.on_forward_thread(self._sample, plan, logits, masks)
         t4 = time.perf_counter()
         outputs = self._advance(plan, new_tokens)
         s = self.stats

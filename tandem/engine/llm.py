@@ -21,6 +21,7 @@ from tandem.engine.speculation import SpeculativeDecoder
 from tandem.models.loader import Checkpoint, load_checkpoint, resolve_dtype
 from tandem.params import ParamError, SamplingParams
 from tandem.request import RequestOutput
+from tandem.runner.host_thread import on_host_thread
 from tandem.runner.runner import ModelRunner
 from tandem.spec.config import SpeculativeConfig, build_proposer
 from tandem.structured.manager import StructuredOutputConfig
@@ -60,13 +61,13 @@ def build_engine(
     if model is None:
         from tandem.models.demo import demo_model_path
 
-        path = demo_model_path()
+        path = on_host_thread(demo_model_path)  # converts once; tensor work stays on the host thread
         if dtype == "auto":
             dtype = "bfloat16"  # the demo folder holds float32 dequantized weights; serve them in bf16
     else:
         path = Path(model)
     _check_device(device)
-    ckpt = _load(path, dtype, progress)
+    ckpt = on_host_thread(_load, path, dtype, progress)
     cfg = ckpt.config
     max_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
     if max_model_len is not None and max_model_len > cfg.max_position_embeddings:

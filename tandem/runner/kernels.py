@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import platform
+import shutil
+import sys
 import threading
 from pathlib import Path
 
@@ -66,6 +69,7 @@ def _build_and_load(verbose: bool) -> tuple[bool, str]:
         from torch.utils import cpp_extension
     except ImportError as e:  # pragma: no cover - part of every torch build
         return False, f"torch.utils.cpp_extension: {e}"
+    _ninja_on_path()
     folder = build_dir()
     folder.mkdir(parents=True, exist_ok=True)
     if not (folder / "tandem_cpu_ops.so").exists():
@@ -83,6 +87,15 @@ def _build_and_load(verbose: bool) -> tuple[bool, str]:
     except (RuntimeError, OSError, ImportError, FileNotFoundError) as e:
         return False, f"build failed: {str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}"
     return True, ""
+
+
+def _ninja_on_path() -> None:
+    """torch's builder runs `ninja` from PATH; the `ninja` wheel puts it next to this interpreter, which a venv
+    used without activation does not have on PATH."""
+    if shutil.which("ninja") is None:
+        here = Path(sys.executable).parent
+        if (here / "ninja").exists():
+            os.environ["PATH"] = f"{here}{os.pathsep}{os.environ.get('PATH', '')}"
 
 
 if __name__ == "__main__":  # `python -m tandem.runner.kernels`: build ahead of time (make setup)

@@ -72,7 +72,8 @@ class TorchOps(LayerOps):
     def rope_write_kv(
         self, qk: torch.Tensor, v: torch.Tensor, rope: object, kv_cache: torch.Tensor, meta: AttentionMetadata, num_heads: int
     ) -> torch.Tensor:
-        cos, sin = rope  # type: ignore[misc]
+        assert isinstance(rope, tuple)
+        cos, sin = rope  # [T, 1, D] each
         half = qk.shape[-1] // 2
         # rotate-half RoPE on q and k together: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)
         qk = qk * cos + torch.cat([qk[..., half:], qk[..., :half]], dim=-1) * sin

@@ -1,6 +1,6 @@
 """The model runner: owns the model, the KV cache tensors and the device; runs one `StepPlan` per step.
 
-`launch(plan)` prepares inputs and starts the forward on a dedicated thread (torch releases the GIL inside its ops, and
+`launch(plan)` prepares inputs and starts the forward on the process's host thread (`host_thread.py`) (torch releases the GIL inside its ops, and
 on an accelerator the kernels queue asynchronously), so the caller's CPU work (grammar masks, drafting) overlaps it;
 `collect(handle)` waits and returns the logits rows the plan asked for.
 """
@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import os
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 
@@ -18,6 +20,9 @@ from tandem.config import CacheConfig, ConfigError, ModelConfig, SchedulerConfig
 from tandem.core.plan import StepPlan
 from tandem.models.llama import LlamaModel
 from tandem.runner.attention import AttentionMetadata, build_metadata
+from tandem.runner.host_thread import host_thread
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -87,11 +92,22 @@ class ModelRunner:
         use_kernels: bool = True,
     ) -> None:
         self.device = torch.device(device)
-        if self.device.type == "cpu":
-            torch.set_num_threads(num_threads or len(os.sched_getaffinity(0)))
         self.model_config = model_config
         self.dtype = dtype
         self.block_size = cache_config.block_size
+        self._host = host_thread()
+        self._pin = self.device.type == "cuda"
+        # built on the host thread: weight packing and cache allocation are parallel regions, and a second OpenMP
+        # team (on the caller's thread) would slow every later forward (see tandem/runner/host_thread.py)
+        self._host.run(self._build, weights, cache_config, scheduler_config, num_threads, use_kernels)
+
+    def _build(
+        self, weights: dict[str, torch.Tensor], cache_config: CacheConfig, scheduler_config: SchedulerConfig,
+        num_threads: int | None, use_kernels: bool,
+    ) -> None:
+        if self.device.type == "cpu":
+            torch.set_num_threads(num_threads or len(os.sched_getaffinity(0)))
+        model_config, dtype = self.model_config, self.dtype
         self.model = LlamaModel(model_config, weights, dtype, self.device, use_kernels=use_kernels)
         # on the CPU the cache is float32: the attention math runs in float32 with no per-step conversions
         self.kv_dtype = torch.float32 if self.device.type == "cpu" else dtype
@@ -100,8 +116,6 @@ class ModelRunner:
         # zero-filled: padded key slots are masked, but 0 * NaN from uninitialised memory would still poison the output
         self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(model_config.num_layers)]
         self.kv_cache_bytes = sum(t.numel() * t.element_size() for t in self.kv_caches)
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-forward")
-        self._pin = self.device.type == "cuda"
 
     @property
     def vocab_size(self) -> int:
@@ -112,13 +126,18 @@ class ModelRunner:
         input_ids = self._to_device([t for r in plan.requests for t in r.input_ids])
         meta = build_metadata(plan, self.block_size, self.device, pin=self._pin)
         rows = self._to_device(self._logits_rows(plan))
-        fut = self._worker.submit(self._forward, input_ids, meta, rows)
+        fut = self._host.submit(self._forward, input_ids, meta, rows)
         return ForwardHandle(fut, plan.num_logits_rows)
 
     def collect(self, handle: ForwardHandle) -> torch.Tensor:
         """Wait for the forward; logits [R, V] float32 on the device, R = plan.num_logits_rows, in plan order."""
         logits, handle.finished_at = handle.future.result()
         return logits
+
+    def on_forward_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run `fn(*args)` where the forward runs (the process's host thread) and wait for it: host-side tensor work
+        (sampling, verification) belongs there, not on the caller's thread (see tandem/runner/host_thread.py)."""
+        return self._host.run(fn, *args)
 
     def execute(self, plan: StepPlan) -> torch.Tensor:
         return self.collect(self.launch(plan))
@@ -150,4 +169,4 @@ class ModelRunner:
         return rows
 
     def shutdown(self) -> None:
-        self._worker.shutdown(wait=True)
+        """Nothing to stop: the host thread is the process's and outlives the runner."""

@@ -52,6 +52,7 @@ from tandem.core.plan import ScheduledRequest, StepPlan
 from tandem.models.loader import load_checkpoint
 from tandem.params import SamplingParams
 from tandem.request import Request
+from tandem.runner.host_thread import on_host_thread
 from tandem.runner.runner import ModelRunner
 from tandem.spec.proposer import DraftRequest, Drafts
 from tandem.tokenizer import Tokenizer
@@ -288,12 +289,11 @@ class InProcessBackend:
     """The core in this process (no hang protection: a thread cannot be killed)."""
 
     def __init__(self, options: DraftModelOptions) -> None:
-        threads = torch.get_num_threads()
+        threads = on_host_thread(torch.get_num_threads)
         try:
-            self.core = DraftModelCore(options)
-        finally:
-            if options.num_threads is None:  # ModelRunner sets the process-wide count; keep the target's
-                torch.set_num_threads(threads)
+            self.core = on_host_thread(DraftModelCore, options)
+        finally:  # the draft's runner set the host thread's count (shared with the target's forward): restore it
+            on_host_thread(torch.set_num_threads, threads)
         self.info = self.core.info
 
     def call(self, releases: list[str], jobs: list[SyncJob]) -> ProposeReply:
@@ -313,7 +313,7 @@ def _worker_main(conn: mpc.Connection, options: DraftModelOptions) -> None:
     try:
         if options.cpu_cores:
             os.sched_setaffinity(0, options.cpu_cores)
-        core = DraftModelCore(options)
+        core = on_host_thread(DraftModelCore, options)  # all tensor work on one thread (see runner/host_thread.py)
     except BaseException as e:  # everything must reach the parent as a message
         kind = "config" if isinstance(e, ConfigError) else "fatal"
         conn.send(("error", kind, f"{type(e).__name__}: {e}"))
@@ -328,7 +328,7 @@ def _worker_main(conn: mpc.Connection, options: DraftModelOptions) -> None:
             core.close()
             return
         try:
-            drafts, dropped = core.propose(msg[1], msg[2])
+            drafts, dropped = on_host_thread(core.propose, msg[1], msg[2])
             reply: tuple[Any, ...] = ("drafts", drafts, dropped)
         except Exception as e:
             core.reset()

@@ -10,9 +10,9 @@ import torch.nn.functional as F
 
 from tandem.config import CacheConfig, SchedulerConfig
 from tandem.core.plan import ScheduledRequest, StepPlan
-from tandem.runner.attention import build_metadata, paged_attention, write_kv
-from tandem.runner.kernels import load_cpu_kernels
 from tandem.models.loader import load_checkpoint
+from tandem.runner.attention import build_metadata, write_kv
+from tandem.runner.kernels import load_cpu_kernels
 from tandem.runner.ops import CpuKernelOps, TorchOps, select_ops
 from tandem.runner.runner import ModelRunner
 
