@@ -8,8 +8,8 @@ all layers) that splits the flattened batch into
     queries against [B, L] gathered keys (L = the longest request's blocks * block_size), one batched matmul, and
   * one *prefill* entry per request with a longer chunk: SDPA over the chunk itself (nothing cached before it) or
     over keys gathered from its blocks.
-On the CPU the cache is float32 (no conversions in the attention math; the weights stay bf16) and the decode group
-runs as two float32 matmuls. On an accelerator the decode group uses torch SDPA, which dispatches to its fused
+These torch paths keep a float32 cache on the CPU (the decode group runs as two float32 matmuls); tandem's CPU
+kernels (`ops.py`) read a cache in the model dtype and do the same float32 math without the gather. On an accelerator the decode group uses torch SDPA, which dispatches to its fused
 kernels (flash / memory-efficient attention).
 """
 
@@ -154,11 +154,15 @@ def paged_attention(
 
 
 def prefill_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, p: PrefillSeq, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, p: PrefillSeq, scale: float,
+    k_transposed: bool = False,
 ) -> torch.Tensor:
-    """One request's chunk: q [n, H, D] -> [n, H, D]."""
+    """One request's chunk: q [n, H, D] -> [n, H, D]. `k_transposed`: the cache's K blocks are [D, block_size]
+    (tandem's CPU kernels), not [block_size, D]."""
     n = q.shape[0]
-    dt = kv_cache.dtype  # the math runs in the cache's dtype on every path, so a prefix-cache hit changes nothing
+    # the math runs in one dtype on every path (float32 on the CPU, the cache's on an accelerator) and reads K/V as
+    # the cache holds them, so a prefix-cache hit changes nothing
+    dt = torch.float32 if kv_cache.device.type == "cpu" else kv_cache.dtype
     qh = q.transpose(0, 1).unsqueeze(0).to(dt)  # [1, H, n, D]
     if p.key_blocks is None:
         o = F.scaled_dot_product_attention(
@@ -167,7 +171,11 @@ def prefill_attention(
         )
         return o[0].transpose(0, 1).to(q.dtype)
     total = p.start_pos + n
-    kv = kv_cache.index_select(2, p.key_blocks).flatten(2, 3)[:, :, :total]  # [2, KVH, total, D]
+    kv = kv_cache.index_select(2, p.key_blocks)  # [2, KVH, nb, BS, D]
+    if k_transposed:
+        _, KVH, nb, BS, D = kv.shape
+        kv = torch.stack([kv[0].view(KVH, nb, D, BS).transpose(-1, -2), kv[1]])
+    kv = kv.flatten(2, 3)[:, :, :total].to(dt)  # [2, KVH, total, D]
     # query i (position start + i) sees keys [0, start + i]
     mask = torch.ones(n, kv.shape[2], dtype=torch.bool, device=q.device).tril(diagonal=p.start_pos)
     o = F.scaled_dot_product_attention(

@@ -22,7 +22,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
-_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
+# no FP traps or errno: lets gcc vectorise loops with floor / conversions (the kernels never read FP exception flags)
+_CFLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fno-math-errno", "-mprefer-vector-width=512", "-fopenmp", "-std=c++17"]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 

@@ -22,6 +22,7 @@ class LayerOps(ABC):
     """Stateless operations on one step's tensors; `rope_tables` is computed once per step and shared by all layers."""
 
     name: str
+    kv_cache_dtype: torch.dtype  # what the KV cache holds for these operations
 
     @abstractmethod
     def add_rms_norm(
@@ -55,9 +56,11 @@ class LayerOps(ABC):
 class TorchOps(LayerOps):
     name = "torch"
 
-    def __init__(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, kv_cache_dtype: torch.dtype) -> None:
         self.cos = cos  # [max_pos, D] = [cos, cos], model dtype
         self.sin = sin  # [max_pos, D] = [-sin, sin]
+        # float32 on the CPU: the torch attention there is matmuls in the cache's dtype, and bf16 matmuls would round
+        self.kv_cache_dtype = kv_cache_dtype
 
     def add_rms_norm(
         self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, dtype: torch.dtype
@@ -93,11 +96,19 @@ class TorchOps(LayerOps):
 
 
 class CpuKernelOps(LayerOps):
-    """tandem's fused CPU kernels; the cache must be float32 (as the runner keeps it on the CPU)."""
+    """tandem's fused CPU kernels; the math is float32 whatever the cache holds.
+
+    Cache layout: each K block is stored transposed, [head_dim, block_size], so that decode attention computes a
+    block's scores as vector FMAs across keys; V blocks stay [block_size, head_dim]. Blocks remain the unit of
+    allocation, prefix sharing and rollback, so nothing outside the attention code sees the difference.
+    """
 
     name = "tandem-cpu"
 
     def __init__(self, cos_half: torch.Tensor, sin_half: torch.Tensor, dtype: torch.dtype) -> None:
+        # K/V in the model dtype, as the reference holds them (rotated k is already rounded to it): half the bytes
+        # of float32, which at 32 requests x 200 tokens is as much memory traffic per step as the weights
+        self.kv_cache_dtype = dtype
         # rounded to the model dtype as the torch path holds them, kept as float32 for the kernel
         self.cos = cos_half.to(dtype).float().contiguous()  # [max_pos, D / 2]
         self.sin = sin_half.to(dtype).float().contiguous()
@@ -107,6 +118,18 @@ class CpuKernelOps(LayerOps):
         self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, dtype: torch.dtype
     ) -> torch.Tensor:
         return self.ops.add_rms_norm(x, delta, weight, eps, dtype)
+
+    @staticmethod
+    def to_standard_layout(kv_cache: torch.Tensor) -> torch.Tensor:
+        """A copy of one layer's cache with K blocks as [block_size, D] (the torch operations' layout)."""
+        _, KVH, NB, BS, D = kv_cache.shape
+        return torch.stack([kv_cache[0].view(KVH, NB, D, BS).transpose(-1, -2), kv_cache[1]])
+
+    @staticmethod
+    def from_standard_layout(kv_cache: torch.Tensor) -> torch.Tensor:
+        """A copy of a cache in the torch operations' layout, with K blocks transposed as these kernels read them."""
+        _, KVH, NB, BS, D = kv_cache.shape
+        return torch.stack([kv_cache[0].transpose(-1, -2).contiguous().view(KVH, NB, BS, D), kv_cache[1]])
 
     def rope_tables(self, positions: torch.Tensor) -> object:
         return positions
@@ -129,7 +152,7 @@ class CpuKernelOps(LayerOps):
             view = out.view(T, num_heads, D)
             for p in meta.prefills:
                 s = p.token_slice
-                view[s] = prefill_attention(q[s], qk[s, num_heads:], v[s], kv_cache, p, scale).to(dtype)
+                view[s] = prefill_attention(q[s], qk[s, num_heads:], v[s], kv_cache, p, scale, k_transposed=True).to(dtype)
         return out
 
     def silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
@@ -145,4 +168,4 @@ def select_ops(device: torch.device, cos_half: torch.Tensor, sin_half: torch.Ten
             return CpuKernelOps(cos_half, sin_half, dtype)
     cos = torch.cat([cos_half, cos_half], dim=-1).to(device=device, dtype=dtype)
     sin = torch.cat([-sin_half, sin_half], dim=-1).to(device=device, dtype=dtype)
-    return TorchOps(cos, sin)
+    return TorchOps(cos, sin, torch.float32 if device.type == "cpu" else dtype)

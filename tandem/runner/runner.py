@@ -21,6 +21,7 @@ from tandem.core.plan import StepPlan
 from tandem.models.llama import LlamaModel
 from tandem.runner.attention import AttentionMetadata, build_metadata
 from tandem.runner.host_thread import host_thread
+from tandem.runner.memory import huge_page_zeros
 
 T = TypeVar("T")
 
@@ -109,12 +110,14 @@ class ModelRunner:
             torch.set_num_threads(num_threads or len(os.sched_getaffinity(0)))
         model_config, dtype = self.model_config, self.dtype
         self.model = LlamaModel(model_config, weights, dtype, self.device, use_kernels=use_kernels)
-        # on the CPU the cache is float32: the attention math runs in float32 with no per-step conversions
-        self.kv_dtype = torch.float32 if self.device.type == "cpu" else dtype
+        self.kv_dtype = self.model.ops.kv_cache_dtype
         self.num_blocks = plan_num_blocks(model_config, cache_config, scheduler_config, self.kv_dtype, self.device)
         shape = self.model.kv_cache_shape(self.num_blocks, self.block_size)
         # zero-filled: padded key slots are masked, but 0 * NaN from uninitialised memory would still poison the output
-        self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(model_config.num_layers)]
+        if self.device.type == "cpu":
+            self.kv_caches = [huge_page_zeros(shape, self.kv_dtype) for _ in range(model_config.num_layers)]
+        else:
+            self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(model_config.num_layers)]
         self.kv_cache_bytes = sum(t.numel() * t.element_size() for t in self.kv_caches)
 
     @property

@@ -158,7 +158,9 @@ def test_demo_model_kinds_validate(demo_model_dir, backend: str) -> None:  # typ
 
     engine = build_engine(str(demo_model_dir), dtype="bfloat16", max_model_len=1024, progress=False)
     tok = engine.tokenizer
-    prompt = tok.apply_chat_template([{"role": "user", "content": "Give a person as JSON: name Ann, age 31."}])
+    # a prompt the model answers the same way in bf16 and float32 (a looser one hit a near-tie after `{"name":`)
+    question = 'Reply with a JSON object with keys "name" (Ann) and "age" (31).'
+    prompt = tok.apply_chat_template([{"role": "user", "content": question}])
     for kind in KINDS:
         if kind == "lark" and backend == "xgrammar":
             continue

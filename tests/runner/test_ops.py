@@ -76,7 +76,8 @@ def test_rope_write_kv_matches_torch(dtype: torch.dtype) -> None:
     # bf16: rounded where torch rounds, bit-identical; float32: equal up to fused multiply-adds
     tol = 0.0 if dtype == torch.bfloat16 else 1e-6
     torch.testing.assert_close(got, want.float(), atol=tol, rtol=tol)
-    torch.testing.assert_close(c2, c1, atol=tol, rtol=tol)
+    torch.testing.assert_close(CpuKernelOps.to_standard_layout(c2), c1, atol=tol, rtol=tol)
+    torch.testing.assert_close(CpuKernelOps.from_standard_layout(c1), c2, atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("H,KVH", [(4, 2), (3, 3), (6, 1)])
@@ -101,8 +102,8 @@ def test_paged_attention_matches_dense_causal_attention(H: int, KVH: int) -> Non
         history[i] = kv
         if s:
             slots = torch.tensor([r.block_table[p // BS] * BS + p % BS for p in range(s)])
-            for c in (cache_t, cache_k):
-                write_kv(c, kv[0], kv[1], slots)
+            write_kv(cache_t, kv[0], kv[1], slots)
+    cache_k = CpuKernelOps.from_standard_layout(cache_t)
     qkv = torch.randn(T, (H + 2 * KVH) * D)
     qk = qkv[:, : (H + KVH) * D].view(T, H + KVH, D)
     v = qkv[:, (H + KVH) * D :].view(T, KVH, D)

@@ -7,7 +7,8 @@
 //   paged_attention  causal attention of few queries per request read straight from the paged cache (no gather)
 //   silu_mul       silu(gate) * up
 // Registered as torch ops (`torch.ops.tandem.*`); built on first use by `tandem/runner/kernels.py`.
-// Layouts: one layer's KV cache is float32 [2, KVH, num_blocks, block_size, D]; slot = block * block_size + offset.
+// Layouts: one layer's KV cache is [2, KVH, num_blocks, block_size * D] in the model dtype, slot = block * block_size +
+// offset; a V block is [block_size, D], a K block is stored transposed, [D, block_size] (see paged_attention).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -17,7 +18,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -34,18 +37,54 @@ void dispatch_float(at::ScalarType t, const char* what, F&& f) {
   }
 }
 
-inline float dot(const float* a, const float* b, int64_t n) {
-  float s = 0.f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
-  return s;
+// Loads and stores between a storage type and float32, written so that loops over them vectorise (bf16 <-> f32 is a
+// 16-bit shift; the store rounds to nearest-even as torch does and keeps NaN quiet).
+inline float bf16_to_float(uint16_t h) { return __builtin_bit_cast(float, static_cast<uint32_t>(h) << 16); }
+inline uint16_t float_to_bf16(float v) {
+  const uint32_t u = __builtin_bit_cast(uint32_t, v);
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return static_cast<uint16_t>((u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : rounded);
 }
+inline float ld(const float* p, int64_t i) { return p[i]; }
+inline float ld(const c10::BFloat16* p, int64_t i) { return bf16_to_float(reinterpret_cast<const uint16_t*>(p)[i]); }
+inline float ld(const c10::Half* p, int64_t i) { return static_cast<float>(p[i]); }
+inline void st(float* p, int64_t i, float v) { p[i] = v; }
+inline void st(c10::BFloat16* p, int64_t i, float v) { reinterpret_cast<uint16_t*>(p)[i] = float_to_bf16(v); }
+inline void st(c10::Half* p, int64_t i, float v) { p[i] = static_cast<c10::Half>(v); }
 
 // x rounded to the storage type S and back: the kernels round where the reference implementation (torch ops in the
 // model dtype) rounds, so fused and unfused forwards agree to the last bit in most places, not only within tolerance.
 template <typename S>
-inline float rnd(float x) {
-  return static_cast<float>(static_cast<S>(x));
+inline float rnd(float x);
+template <>
+inline float rnd<float>(float x) { return x; }
+template <>
+inline float rnd<c10::BFloat16>(float x) { return bf16_to_float(float_to_bf16(x)); }
+template <>
+inline float rnd<c10::Half>(float x) { return static_cast<float>(static_cast<c10::Half>(x)); }
+
+template <typename C>
+inline float dot(const float* a, const C* b, int64_t n) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += a[i] * ld(b, i);
+  return s;
+}
+
+// exp(x) = 2^n e^r with n = round(x / ln 2), |r| <= ln 2 / 2 (Cody-Waite split of ln 2) and e^r by its degree-6 Taylor
+// polynomial: relative error < 2e-7 (about 1 ulp) on [-87, 88], inputs clamped there; branch-free, so loops vectorise.
+inline float exp_approx(float x) {
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  const float n = std::floor(x * 1.44269504f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.f / 720;
+  p = p * r + 1.f / 120;
+  p = p * r + 1.f / 24;
+  p = p * r + 1.f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  return p * __builtin_bit_cast(float, (static_cast<int32_t>(n) + 127) << 23);
 }
 
 // Rows of work below this many elements in total run on the calling thread: a parallel region costs more.
@@ -76,7 +115,7 @@ Tensor add_rms_norm(Tensor x, const c10::optional<Tensor>& delta, const Tensor& 
         if (dp != nullptr) {
           const DT* d = dp + r * N;
 #pragma omp simd
-          for (int64_t i = 0; i < N; ++i) xr[i] += static_cast<float>(d[i]);
+          for (int64_t i = 0; i < N; ++i) xr[i] += ld(d, i);
         }
         float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
@@ -84,7 +123,7 @@ Tensor add_rms_norm(Tensor x, const c10::optional<Tensor>& delta, const Tensor& 
         const float inv = 1.f / std::sqrt(ss / static_cast<float>(N) + feps);
         O* o = op + r * N;
 #pragma omp simd
-        for (int64_t i = 0; i < N; ++i) o[i] = static_cast<O>(xr[i] * inv * wp[i]);
+        for (int64_t i = 0; i < N; ++i) st(o, i, xr[i] * inv * wp[i]);
       }
     });
   };
@@ -113,9 +152,10 @@ Tensor silu_mul(const Tensor& gu) {
         const S* g = in + r * 2 * I;
         const S* u = g + I;
         S* o = op + r * I;
+#pragma omp simd
         for (int64_t i = 0; i < I; ++i) {
-          const float gv = static_cast<float>(g[i]);
-          o[i] = static_cast<S>(rnd<S>(gv / (1.f + std::exp(-gv))) * static_cast<float>(u[i]));  // silu rounded, as torch
+          const float gv = ld(g, i);
+          st(o, i, rnd<S>(gv / (1.f + exp_approx(-gv))) * ld(u, i));  // silu rounded before the product, as torch
         }
       }
     });
@@ -125,146 +165,227 @@ Tensor silu_mul(const Tensor& gu) {
 
 // ---- rope_write_kv ----
 // qk [T, H + KVH, D] (heads contiguous, any row stride), v [T, KVH, D] (same), positions [T] int64,
-// cos / sin [max_pos, D / 2] float32, kv_cache float32 [2, KVH, NB, BS, D], slots [T] int64.
-// Returns rotated q and k as float32 [T, H + KVH, D]; writes rotated k and v at each token's slot.
+// cos / sin [max_pos, D / 2] float32, kv_cache [2, KVH, NB, BS, D] (float32, bfloat16 or float16), slots [T] int64.
+// Returns rotated q and k as float32 [T, H + KVH, D]; writes rotated k and v at each token's slot, each K block
+// transposed to [D, BS] (see paged_attention).
 // Rotate-half RoPE: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) over the two halves of each head.
 Tensor rope_write_kv(const Tensor& qk, const Tensor& v, const Tensor& positions, const Tensor& cos, const Tensor& sin,
                      Tensor kv_cache, const Tensor& slots, int64_t num_heads) {
   TORCH_CHECK(qk.dim() == 3 && qk.stride(2) == 1 && qk.stride(1) == qk.size(2), "rope_write_kv: qk must be [T, heads, D] with contiguous heads");
   TORCH_CHECK(v.dim() == 3 && v.stride(2) == 1 && v.stride(1) == v.size(2), "rope_write_kv: v must be [T, KVH, D] with contiguous heads");
-  TORCH_CHECK(kv_cache.scalar_type() == at::kFloat && kv_cache.is_contiguous() && kv_cache.dim() == 5, "rope_write_kv: kv_cache must be contiguous float32 [2, KVH, NB, BS, D]");
+  TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.dim() == 5, "rope_write_kv: kv_cache must be contiguous [2, KVH, NB, BS, D]");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous(), "rope_write_kv: cos / sin must be contiguous float32");
   TORCH_CHECK(qk.scalar_type() == v.scalar_type(), "rope_write_kv: qk and v must share a dtype");
   const int64_t T = qk.size(0), NH = qk.size(1), D = qk.size(2), KVH = v.size(1), half = D / 2;
   TORCH_CHECK(NH == num_heads + KVH && kv_cache.size(1) == KVH && kv_cache.size(4) == D && D % 2 == 0, "rope_write_kv: head counts do not match the cache");
-  const int64_t slots_per_head = kv_cache.size(2) * kv_cache.size(3);
+  const int64_t slots_per_head = kv_cache.size(2) * kv_cache.size(3), BS = kv_cache.size(3);
   Tensor out = at::empty({T, NH, D}, qk.options().dtype(at::kFloat));
   Tensor pos = positions.to(at::kLong).contiguous();
   Tensor sl = slots.to(at::kLong).contiguous();
   const int64_t* pp = pos.data_ptr<int64_t>();
   const int64_t* sp = sl.data_ptr<int64_t>();
+  const int64_t max_pos = cos.size(0);
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(pp[t] >= 0 && pp[t] < max_pos && sp[t] >= 0 && sp[t] < slots_per_head, "rope_write_kv: position or slot out of range");
+  }
   const float* cp = cos.data_ptr<float>();
   const float* snp = sin.data_ptr<float>();
-  float* cache = kv_cache.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const int64_t max_pos = cos.size(0), max_slot = slots_per_head;
   dispatch_float(qk.scalar_type(), "rope_write_kv", [&](auto tag) {
     using S = decltype(tag);
-    const S* qkp = qk.data_ptr<S>();
-    const S* vp = v.data_ptr<S>();
-    const int64_t qs = qk.stride(0), vs = v.stride(0);
-    const int64_t grain = T * NH * D <= kSerialElems ? T : std::max<int64_t>(1, kSerialElems / (NH * D));
-    at::parallel_for(0, T, grain, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t) {
-        const int64_t p = pp[t], slot = sp[t];
-        TORCH_CHECK(p >= 0 && p < max_pos && slot >= 0 && slot < max_slot, "rope_write_kv: position or slot out of range");
-        const float* c = cp + p * half;
-        const float* s = snp + p * half;
-        for (int64_t h = 0; h < NH; ++h) {
-          const S* x = qkp + t * qs + h * D;
-          float* o = op + (t * NH + h) * D;
+    dispatch_float(kv_cache.scalar_type(), "rope_write_kv cache", [&](auto ctag) {
+      using C = decltype(ctag);
+      const S* qkp = qk.data_ptr<S>();
+      const S* vp = v.data_ptr<S>();
+      C* cache = kv_cache.data_ptr<C>();
+      const int64_t qs = qk.stride(0), vs = v.stride(0);
+      const int64_t grain = T * NH * D <= kSerialElems ? T : std::max<int64_t>(1, kSerialElems / (NH * D));
+      at::parallel_for(0, T, grain, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t) {
+          const int64_t slot = sp[t];
+          const float* c = cp + pp[t] * half;
+          const float* s = snp + pp[t] * half;
+          for (int64_t h = 0; h < NH; ++h) {
+            const S* x = qkp + t * qs + h * D;
+            float* o = op + (t * NH + h) * D;
 #pragma omp simd
-          for (int64_t i = 0; i < half; ++i) {
-            // rounded as the reference computes it in the model dtype: round(round(x cos) + round(rot(x) sin))
-            const float x1 = static_cast<float>(x[i]), x2 = static_cast<float>(x[i + half]);
-            const float ci = c[i], si = s[i];
-            o[i] = rnd<S>(rnd<S>(x1 * ci) + rnd<S>(-x2 * si));
-            o[i + half] = rnd<S>(rnd<S>(x2 * ci) + rnd<S>(x1 * si));
-          }
-          if (h >= num_heads) {
-            const int64_t kvh = h - num_heads;
-            std::copy(o, o + D, cache + (kvh * slots_per_head + slot) * D);
-            const S* vx = vp + t * vs + kvh * D;
-            float* vc = cache + ((KVH + kvh) * slots_per_head + slot) * D;
+            for (int64_t i = 0; i < half; ++i) {
+              // rounded as the reference computes it in the model dtype: round(round(x cos) + round(rot(x) sin))
+              const float x1 = ld(x, i), x2 = ld(x, i + half);
+              o[i] = rnd<S>(rnd<S>(x1 * c[i]) + rnd<S>(-x2 * s[i]));
+              o[i + half] = rnd<S>(rnd<S>(x2 * c[i]) + rnd<S>(x1 * s[i]));
+            }
+            if (h >= num_heads) {
+              const int64_t kvh = h - num_heads;
+              // K block [D, BS] (key index fastest), V block [BS, D]
+              C* kc = cache + (kvh * slots_per_head + (slot / BS) * BS) * D + slot % BS;
+              C* vc = cache + ((KVH + kvh) * slots_per_head + slot) * D;
+              const S* vx = vp + t * vs + kvh * D;
+              for (int64_t i = 0; i < D; ++i) st(kc, i * BS, o[i]);
 #pragma omp simd
-            for (int64_t i = 0; i < D; ++i) vc[i] = static_cast<float>(vx[i]);
+              for (int64_t i = 0; i < D; ++i) st(vc, i, ld(vx, i));
+            }
           }
         }
-      }
+      });
     });
   });
   return out;
 }
 
 // ---- paged_attention ----
-// q float32 [T, H, D] (heads contiguous, any row stride); kv_cache float32 [2, KVH, NB, BS, D];
+// q float32 [T, H, D] (heads contiguous, any row stride); kv_cache [2, KVH, NB, BS, D] (float32, bfloat16 or float16);
 // seq_info int64 [B, 3] = (first row in T, number of queries n, tokens cached before them `start`);
 // block_tables int64 [B, max_blocks]; out [T, H * D] (any float dtype), rows of the listed requests written.
 // Query j of a request sits at position start + j and attends keys [0, start + j] (causal). Heads are grouped (GQA):
 // query head h reads kv head h / G. One work item is (request, kv head): its n * G query rows read each key once.
+// The math is float32 whatever the cache holds.
+// One (request, kv head) work item. DC is the head dim when known at compile time (64, 128), else 0 (runtime D): with
+// it fixed, an output accumulator stays in vector registers across all keys.
+// Cache blocks: K as [D, BS] (key index fastest), V as [BS, D]. Scores are then, per block and per 4 query rows,
+// s[r, 0:BS] += q[r, d] * K[d, 0:BS] over d: vector FMAs across keys, no horizontal sums.
+template <int64_t DC, int64_t BSC, typename C, typename O>
+void attend_item(const float* qp, int64_t qs, const C* kc, const C* vc, const int64_t* table, int64_t row0, int64_t n,
+                 int64_t start, int64_t kvh, int64_t G, int64_t H, int64_t NB, int64_t BSrt, int64_t Drt, float scale, O* op,
+                 std::vector<float>& p, std::vector<float>& kbuf) {
+  constexpr int64_t RB = 4;  // query rows per score tile
+  const int64_t D = DC > 0 ? DC : Drt;
+  const int64_t BS = BSC > 0 ? BSC : BSrt;
+  const int64_t L = start + n, R = n * G;
+  const int64_t nblocks = (L + BS - 1) / BS, Lp = nblocks * BS;
+  p.resize(R * Lp);
+  kbuf.resize(RB * BS + BS);
+  float* tile = kbuf.data();      // [RB, BS] scores of one block
+  float* krow = tile + RB * BS;   // [BS] one row of a K block in float32
+  auto qrow = [&](int64_t r) { return qp + (row0 + r / G) * qs + (kvh * G + r % G) * D; };
+  const int64_t block_bytes = BS * D * static_cast<int64_t>(sizeof(C));
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const C* kt = kc + (kvh * NB + table[b]) * BS * D;  // [D, BS]
+    if (b + 1 < nblocks) {  // blocks are scattered: the hardware prefetcher cannot guess the next one
+      const char* nk = reinterpret_cast<const char*>(kc + (kvh * NB + table[b + 1]) * BS * D);
+      const char* nv = reinterpret_cast<const char*>(vc + (kvh * NB + table[b + 1]) * BS * D);
+      for (int64_t off = 0; off < block_bytes; off += 64) {
+        __builtin_prefetch(nk + off);
+        __builtin_prefetch(nv + off);
+      }
+    }
+    for (int64_t r0 = 0; r0 < R; r0 += RB) {
+      const int64_t rr = std::min(RB, R - r0);
+      const float* q[RB];
+      for (int64_t r = 0; r < RB; ++r) q[r] = qrow(r0 + std::min(r, rr - 1));
+      std::fill(tile, tile + RB * BS, 0.f);
+      for (int64_t d = 0; d < D; ++d) {
+        const C* kd = kt + d * BS;
+#pragma omp simd
+        for (int64_t i = 0; i < BS; ++i) krow[i] = ld(kd, i);
+        for (int64_t r = 0; r < RB; ++r) {
+          const float qd = q[r][d];
+          float* tr = tile + r * BS;
+#pragma omp simd
+          for (int64_t i = 0; i < BS; ++i) tr[i] += qd * krow[i];
+        }
+      }
+      for (int64_t r = 0; r < rr; ++r) {
+        float* dst = p.data() + (r0 + r) * Lp + b * BS;
+#pragma omp simd
+        for (int64_t i = 0; i < BS; ++i) dst[i] = tile[r * BS + i] * scale;
+      }
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t j = r / G, g = r % G;
+    const int64_t len = start + j + 1;  // query j sees keys [0, start + j]
+    float* pr = p.data() + r * Lp;
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < len; ++t) m = std::max(m, pr[t]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < len; ++t) {
+      pr[t] = exp_approx(pr[t] - m);
+      sum += pr[t];
+    }
+    float acc[DC > 0 ? DC : 512];
+    float* a = acc;
+#pragma omp simd
+    for (int64_t i = 0; i < D; ++i) a[i] = 0.f;
+    for (int64_t b = 0; b * BS < len; ++b) {
+      const C* vb = vc + (kvh * NB + table[b]) * BS * D;  // [BS, D]
+      const int64_t te = std::min(BS, len - b * BS);
+      for (int64_t t = 0; t < te; ++t) {
+        const C* v = vb + t * D;
+        const float w = pr[b * BS + t];
+#pragma omp simd
+        for (int64_t i = 0; i < D; ++i) a[i] += w * ld(v, i);
+      }
+    }
+    const float inv = 1.f / sum;
+    O* o = op + (row0 + j) * H * D + (kvh * G + g) * D;
+#pragma omp simd
+    for (int64_t i = 0; i < D; ++i) st(o, i, a[i] * inv);
+  }
+}
+
+template <typename C, typename O>
+void attend(const float* qp, int64_t qs, const C* kc, const C* vc, const int64_t* info, const int64_t* tables,
+            int64_t B, int64_t MB, int64_t H, int64_t KVH, int64_t NB, int64_t BS, int64_t D, float scale, O* op,
+            int64_t grain) {
+  const int64_t G = H / KVH;
+  at::parallel_for(0, B * KVH, grain, [&](int64_t w0, int64_t w1) {
+    std::vector<float> p, kbuf;
+    for (int64_t w = w0; w < w1; ++w) {
+      const int64_t b = w / KVH, kvh = w % KVH;
+      const int64_t row0 = info[b * 3], n = info[b * 3 + 1], start = info[b * 3 + 2];
+      const int64_t* table = tables + b * MB;
+      auto item = [&](auto dc, auto bsc) {
+        attend_item<decltype(dc)::value, decltype(bsc)::value>(qp, qs, kc, vc, table, row0, n, start, kvh, G, H, NB, BS, D,
+                                                               scale, op, p, kbuf);
+      };
+      using D64 = std::integral_constant<int64_t, 64>;
+      using D128 = std::integral_constant<int64_t, 128>;
+      using Any = std::integral_constant<int64_t, 0>;
+      using B16 = std::integral_constant<int64_t, 16>;
+      if (BS == 16 && D == 64) {
+        item(D64{}, B16{});
+      } else if (BS == 16 && D == 128) {
+        item(D128{}, B16{});
+      } else {
+        item(Any{}, Any{});
+      }
+    }
+  });
+}
+
 void paged_attention(const Tensor& q, const Tensor& kv_cache, const Tensor& seq_info, const Tensor& block_tables, double scale,
                      Tensor out) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.stride(2) == 1 && q.stride(1) == q.size(2), "paged_attention: q must be float32 [T, H, D] with contiguous heads");
-  TORCH_CHECK(kv_cache.scalar_type() == at::kFloat && kv_cache.is_contiguous() && kv_cache.dim() == 5, "paged_attention: kv_cache must be contiguous float32 [2, KVH, NB, BS, D]");
+  TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.dim() == 5, "paged_attention: kv_cache must be contiguous [2, KVH, NB, BS, D]");
   TORCH_CHECK(seq_info.scalar_type() == at::kLong && seq_info.is_contiguous() && seq_info.dim() == 2 && seq_info.size(1) == 3, "paged_attention: seq_info must be int64 [B, 3]");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() && block_tables.dim() == 2, "paged_attention: block_tables must be int64 [B, max_blocks]");
   TORCH_CHECK(out.is_contiguous() && out.size(0) == q.size(0) && out.numel() == q.size(0) * q.size(1) * q.size(2), "paged_attention: out must be contiguous [T, H * D]");
   const int64_t H = q.size(1), D = q.size(2), KVH = kv_cache.size(1), NB = kv_cache.size(2), BS = kv_cache.size(3);
   TORCH_CHECK(H % KVH == 0 && kv_cache.size(4) == D, "paged_attention: head counts do not match the cache");
-  const int64_t G = H / KVH, B = seq_info.size(0), MB = block_tables.size(1), qs = q.stride(0);
+  TORCH_CHECK(D <= 512, "paged_attention: head_dim ", D, " > 512 is not supported");
+  const int64_t B = seq_info.size(0), MB = block_tables.size(1);
   const int64_t* info = seq_info.data_ptr<int64_t>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const float* qp = q.data_ptr<float>();
-  const float* kc = kv_cache.data_ptr<float>();
-  const float* vc = kc + KVH * NB * BS * D;
-  const float fscale = static_cast<float>(scale);
   int64_t work = 0;
   for (int64_t b = 0; b < B; ++b) {
-    const int64_t n = info[b * 3 + 1], start = info[b * 3 + 2];
-    TORCH_CHECK(n >= 1 && start >= 0 && (start + n + BS - 1) / BS <= MB, "paged_attention: request ", b, " needs more blocks than its table holds");
+    const int64_t row0 = info[b * 3], n = info[b * 3 + 1], start = info[b * 3 + 2];
+    TORCH_CHECK(n >= 1 && start >= 0 && row0 >= 0 && row0 + n <= q.size(0), "paged_attention: request ", b, " has rows outside q");
+    TORCH_CHECK((start + n + BS - 1) / BS <= MB, "paged_attention: request ", b, " needs more blocks than its table holds");
+    for (int64_t i = 0; i < (start + n + BS - 1) / BS; ++i) {
+      TORCH_CHECK(tables[b * MB + i] >= 0 && tables[b * MB + i] < NB, "paged_attention: block id out of range");
+    }
     work += n * (start + n) * H * D;
   }
-  dispatch_float(out.scalar_type(), "paged_attention out", [&](auto tag) {
-    using O = decltype(tag);
-    O* op = out.data_ptr<O>();
-    at::parallel_for(0, B * KVH, work <= kSerialElems * 4 ? B * KVH : 1, [&](int64_t w0, int64_t w1) {
-      std::vector<float> scores, acc;
-      for (int64_t w = w0; w < w1; ++w) {
-        const int64_t b = w / KVH, kvh = w % KVH;
-        const int64_t row0 = info[b * 3], n = info[b * 3 + 1], start = info[b * 3 + 2];
-        const int64_t L = start + n, R = n * G;
-        const int64_t* table = tables + b * MB;
-        scores.assign(R * L, 0.f);
-        acc.assign(R * D, 0.f);
-        // scores[j * G + g, t] = q_(j, kvh * G + g) . k_t * scale for t <= start + j
-        for (int64_t t = 0; t < L; ++t) {
-          const float* k = kc + ((kvh * NB + table[t / BS]) * BS + t % BS) * D;
-          for (int64_t j = std::max<int64_t>(0, t - start); j < n; ++j) {
-            const float* qrow = qp + (row0 + j) * qs + kvh * G * D;
-            for (int64_t g = 0; g < G; ++g) scores[(j * G + g) * L + t] = dot(qrow + g * D, k, D) * fscale;
-          }
-        }
-        // softmax over each row's visible keys [0, start + j]
-        for (int64_t r = 0; r < R; ++r) {
-          const int64_t len = start + r / G + 1;
-          float* s = scores.data() + r * L;
-          float m = -std::numeric_limits<float>::infinity();
-          for (int64_t t = 0; t < len; ++t) m = std::max(m, s[t]);
-          float sum = 0.f;
-          for (int64_t t = 0; t < len; ++t) {
-            s[t] = std::exp(s[t] - m);
-            sum += s[t];
-          }
-          const float inv = 1.f / sum;
-          for (int64_t t = 0; t < len; ++t) s[t] *= inv;
-        }
-        // acc[r] = sum_t p[r, t] v_t
-        for (int64_t t = 0; t < L; ++t) {
-          const float* v = vc + ((kvh * NB + table[t / BS]) * BS + t % BS) * D;
-          for (int64_t r = std::max<int64_t>(0, t - start) * G; r < R; ++r) {
-            const float p = scores[r * L + t];
-            float* a = acc.data() + r * D;
-#pragma omp simd
-            for (int64_t i = 0; i < D; ++i) a[i] += p * v[i];
-          }
-        }
-        for (int64_t r = 0; r < R; ++r) {
-          const int64_t j = r / G, g = r % G;
-          O* o = op + (row0 + j) * H * D + (kvh * G + g) * D;
-          const float* a = acc.data() + r * D;
-          for (int64_t i = 0; i < D; ++i) o[i] = static_cast<O>(a[i]);
-        }
-      }
+  const int64_t grain = work <= kSerialElems * 4 ? std::max<int64_t>(1, B * KVH) : 1;
+  dispatch_float(kv_cache.scalar_type(), "paged_attention cache", [&](auto ctag) {
+    using C = decltype(ctag);
+    dispatch_float(out.scalar_type(), "paged_attention out", [&](auto otag) {
+      using O = decltype(otag);
+      const C* kc = kv_cache.data_ptr<C>();
+      attend<C, O>(q.data_ptr<float>(), q.stride(0), kc, kc + KVH * NB * BS * D, info, tables, B, MB, H, KVH, NB, BS, D,
+                   static_cast<float>(scale), out.data_ptr<O>(), grain);
     });
   });
 }
