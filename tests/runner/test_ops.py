@@ -80,13 +80,13 @@ def test_rope_write_kv_matches_torch(dtype: torch.dtype) -> None:
     torch.testing.assert_close(CpuKernelOps.from_standard_layout(c1), c2, atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("H,KVH", [(4, 2), (3, 3), (6, 1)])
+@pytest.mark.parametrize("H,KVH", [(4, 2), (3, 3), (6, 1), (8, 1)])
 def test_paged_attention_matches_dense_causal_attention(H: int, KVH: int) -> None:
     """Mixed step: a fresh prefill, decodes and multi-token (speculative) queries with scattered blocks."""
     D = 16
     t, k = _ops(torch.float32, D)
-    news, starts = [6, 1, 4, 1, 9], [0, 13, 5, 2, 20]
-    nb = 8
+    news, starts = [6, 1, 4, 1, 9, 16], [0, 13, 5, 2, 20, 3]  # 16 queries x 8 heads: > 64 rows in one work item
+    nb = 10
     plan = _plan(news, starts, nb)
     # scatter each request's blocks over the cache so a wrong table lookup cannot pass
     perm = torch.randperm(len(news) * nb).tolist()

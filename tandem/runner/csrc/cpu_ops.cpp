@@ -240,6 +240,61 @@ Tensor rope_write_kv(const Tensor& qk, const Tensor& v, const Tensor& positions,
 // Query j of a request sits at position start + j and attends keys [0, start + j] (causal). Heads are grouped (GQA):
 // query head h reads kv head h / G. One work item is (request, kv head): its n * G query rows read each key once.
 // The math is float32 whatever the cache holds.
+// dst[r, 0:BS] = scale * sum_d q[r][d] * K[d, 0:BS] for RBc query rows against one K block stored [D, BS]; dst rows
+// are `stride` apart.
+template <int RBc, int64_t BSC, int64_t DC, typename C>
+inline void score_tile(const float* const* q, const C* kt, int64_t BSrt, int64_t Drt, float scale, float* dst, int64_t stride) {
+  const int64_t BS = BSC > 0 ? BSC : BSrt;
+  const int64_t D = DC > 0 ? DC : Drt;
+  float tile[RBc][BSC > 0 ? BSC : 256];
+  for (int r = 0; r < RBc; ++r) {
+#pragma omp simd
+    for (int64_t i = 0; i < BS; ++i) tile[r][i] = 0.f;
+  }
+  for (int64_t d = 0; d < D; ++d) {
+    const C* kd = kt + d * BS;
+#pragma omp simd
+    for (int64_t i = 0; i < BS; ++i) {
+      const float k = ld(kd, i);
+      for (int r = 0; r < RBc; ++r) tile[r][i] += q[r][d] * k;
+    }
+  }
+  for (int r = 0; r < RBc; ++r) {
+#pragma omp simd
+    for (int64_t i = 0; i < BS; ++i) dst[r * stride + i] = tile[r][i] * scale;
+  }
+}
+
+// o[r] = sc[r] * sum_{t < keys} w[r][t] * V_t for RBc rows; V blocks [BS, D] of kv head `kvh` through `table`.
+template <int RBc, int64_t DC, typename C, typename O>
+inline void value_tile(const float* const* w, const float* sc, const C* vc, int64_t kvh, int64_t NB, const int64_t* table,
+                       int64_t BS, int64_t Drt, int64_t keys, O* const* o) {
+  const int64_t D = DC > 0 ? DC : Drt;
+  float acc[RBc][DC > 0 ? DC : 512];
+  for (int r = 0; r < RBc; ++r) {
+#pragma omp simd
+    for (int64_t i = 0; i < D; ++i) acc[r][i] = 0.f;
+  }
+  for (int64_t b = 0; b * BS < keys; ++b) {
+    const C* vb = vc + (kvh * NB + table[b]) * BS * D;  // [BS, D]
+    const int64_t te = std::min(BS, keys - b * BS);
+    for (int64_t t = 0; t < te; ++t) {
+      const C* v = vb + t * D;
+      float wt[RBc];
+      for (int r = 0; r < RBc; ++r) wt[r] = w[r][b * BS + t];
+#pragma omp simd
+      for (int64_t i = 0; i < D; ++i) {
+        const float vi = ld(v, i);
+        for (int r = 0; r < RBc; ++r) acc[r][i] += wt[r] * vi;
+      }
+    }
+  }
+  for (int r = 0; r < RBc; ++r) {
+#pragma omp simd
+    for (int64_t i = 0; i < D; ++i) st(o[r], i, acc[r][i] * sc[r]);
+  }
+}
+
 // One (request, kv head) work item. DC is the head dim when known at compile time (64, 128), else 0 (runtime D): with
 // it fixed, an output accumulator stays in vector registers across all keys.
 // Cache blocks: K as [D, BS] (key index fastest), V as [BS, D]. Scores are then, per block and per 4 query rows,
@@ -254,9 +309,6 @@ void attend_item(const float* qp, int64_t qs, const C* kc, const C* vc, const in
   const int64_t L = start + n, R = n * G;
   const int64_t nblocks = (L + BS - 1) / BS, Lp = nblocks * BS;
   p.resize(R * Lp);
-  kbuf.resize(RB * BS + BS);
-  float* tile = kbuf.data();      // [RB, BS] scores of one block
-  float* krow = tile + RB * BS;   // [BS] one row of a K block in float32
   auto qrow = [&](int64_t r) { return qp + (row0 + r / G) * qs + (kvh * G + r % G) * D; };
   const int64_t block_bytes = BS * D * static_cast<int64_t>(sizeof(C));
   for (int64_t b = 0; b < nblocks; ++b) {
@@ -272,29 +324,20 @@ void attend_item(const float* qp, int64_t qs, const C* kc, const C* vc, const in
     for (int64_t r0 = 0; r0 < R; r0 += RB) {
       const int64_t rr = std::min(RB, R - r0);
       const float* q[RB];
-      for (int64_t r = 0; r < RB; ++r) q[r] = qrow(r0 + std::min(r, rr - 1));
-      std::fill(tile, tile + RB * BS, 0.f);
-      for (int64_t d = 0; d < D; ++d) {
-        const C* kd = kt + d * BS;
-#pragma omp simd
-        for (int64_t i = 0; i < BS; ++i) krow[i] = ld(kd, i);
-        for (int64_t r = 0; r < RB; ++r) {
-          const float qd = q[r][d];
-          float* tr = tile + r * BS;
-#pragma omp simd
-          for (int64_t i = 0; i < BS; ++i) tr[i] += qd * krow[i];
-        }
-      }
-      for (int64_t r = 0; r < rr; ++r) {
-        float* dst = p.data() + (r0 + r) * Lp + b * BS;
-#pragma omp simd
-        for (int64_t i = 0; i < BS; ++i) dst[i] = tile[r * BS + i] * scale;
+      for (int64_t r = 0; r < rr; ++r) q[r] = qrow(r0 + r);
+      float* dst = p.data() + r0 * Lp + b * BS;
+      switch (rr) {  // the row count fixed at compile time keeps the tile in registers and wastes no FMAs
+        case 4: score_tile<4, BSC, DC>(q, kt, BS, D, scale, dst, Lp); break;
+        case 3: score_tile<3, BSC, DC>(q, kt, BS, D, scale, dst, Lp); break;
+        case 2: score_tile<2, BSC, DC>(q, kt, BS, D, scale, dst, Lp); break;
+        default: score_tile<1, BSC, DC>(q, kt, BS, D, scale, dst, Lp); break;
       }
     }
   }
+  // softmax over each row's visible keys [0, start + j]; weights past them set to 0, normalised at the end
+  float inv[64];
   for (int64_t r = 0; r < R; ++r) {
-    const int64_t j = r / G, g = r % G;
-    const int64_t len = start + j + 1;  // query j sees keys [0, start + j]
+    const int64_t len = start + r / G + 1;
     float* pr = p.data() + r * Lp;
     float m = -std::numeric_limits<float>::infinity();
     for (int64_t t = 0; t < len; ++t) m = std::max(m, pr[t]);
@@ -304,24 +347,31 @@ void attend_item(const float* qp, int64_t qs, const C* kc, const C* vc, const in
       pr[t] = exp_approx(pr[t] - m);
       sum += pr[t];
     }
-    float acc[DC > 0 ? DC : 512];
-    float* a = acc;
-#pragma omp simd
-    for (int64_t i = 0; i < D; ++i) a[i] = 0.f;
-    for (int64_t b = 0; b * BS < len; ++b) {
-      const C* vb = vc + (kvh * NB + table[b]) * BS * D;  // [BS, D]
-      const int64_t te = std::min(BS, len - b * BS);
-      for (int64_t t = 0; t < te; ++t) {
-        const C* v = vb + t * D;
-        const float w = pr[b * BS + t];
-#pragma omp simd
-        for (int64_t i = 0; i < D; ++i) a[i] += w * ld(v, i);
+    std::fill(pr + len, pr + Lp, 0.f);
+    inv[r % 64] = 1.f / sum;
+    if (r % 64 == 63 || r == R - 1) {
+      // out rows: sum_t p[r, t] v_t, up to 4 rows per pass over V (each V row widened once per pass)
+      const int64_t first = r - r % 64;
+      for (int64_t r0 = first; r0 <= r; r0 += RB) {
+        const int64_t rr = std::min<int64_t>(RB, r + 1 - r0);
+        const int64_t keys = start + (r0 + rr - 1) / G + 1;  // the tile's last row sees the most keys
+        O* o[RB];
+        const float* w[RB];
+        float sc[RB];
+        for (int64_t i = 0; i < rr; ++i) {
+          const int64_t row = r0 + i;
+          o[i] = op + (row0 + row / G) * H * D + (kvh * G + row % G) * D;
+          w[i] = p.data() + row * Lp;
+          sc[i] = inv[row % 64];
+        }
+        switch (rr) {
+          case 4: value_tile<4, DC>(w, sc, vc, kvh, NB, table, BS, D, keys, o); break;
+          case 3: value_tile<3, DC>(w, sc, vc, kvh, NB, table, BS, D, keys, o); break;
+          case 2: value_tile<2, DC>(w, sc, vc, kvh, NB, table, BS, D, keys, o); break;
+          default: value_tile<1, DC>(w, sc, vc, kvh, NB, table, BS, D, keys, o); break;
+        }
       }
     }
-    const float inv = 1.f / sum;
-    O* o = op + (row0 + j) * H * D + (kvh * G + g) * D;
-#pragma omp simd
-    for (int64_t i = 0; i < D; ++i) st(o, i, a[i] * inv);
   }
 }
 
@@ -364,7 +414,8 @@ void paged_attention(const Tensor& q, const Tensor& kv_cache, const Tensor& seq_
   TORCH_CHECK(out.is_contiguous() && out.size(0) == q.size(0) && out.numel() == q.size(0) * q.size(1) * q.size(2), "paged_attention: out must be contiguous [T, H * D]");
   const int64_t H = q.size(1), D = q.size(2), KVH = kv_cache.size(1), NB = kv_cache.size(2), BS = kv_cache.size(3);
   TORCH_CHECK(H % KVH == 0 && kv_cache.size(4) == D, "paged_attention: head counts do not match the cache");
-  TORCH_CHECK(D <= 512, "paged_attention: head_dim ", D, " > 512 is not supported");
+  TORCH_CHECK(D <= 512 && BS <= 256, "paged_attention: head_dim <= 512 and block_size <= 256 are supported, got ", D,
+              " and ", BS);
   const int64_t B = seq_info.size(0), MB = block_tables.size(1);
   const int64_t* info = seq_info.data_ptr<int64_t>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
