@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -35,16 +36,21 @@ def add_parser(bsub: Any, add_engine_args: Callable[[argparse.ArgumentParser], N
 
 
 def copy_prompts(engine: LLMEngine, n: int) -> list[list[int]]:
-    """An editing task whose answer mostly copies the prompt: rename a function in a HumanEval solution."""
+    """An editing task whose answer mostly copies the prompt: rename the first parameter of a HumanEval solution.
+
+    (Asked instead to "copy the code exactly, renaming the function", the 135M demo model rewrote the bodies, so
+    little of its answer was a copy; the rename-a-variable wording, as in `tandem demo`, keeps it copying.)
+    """
     with gzip.open(shared_data_dir() / "prompts" / "HumanEval.jsonl.gz", "rt") as f:
         rows = [json.loads(line) for line in f if line.strip()][: max(n, 1) + 20]
-    codes = [r["prompt"] + r["canonical_solution"] for r in rows]  # whole functions: signature, docstring, body
     tok = engine.tokenizer
     out = []
     for i in range(n):
-        code = codes[(i * 7) % len(codes)]
-        ask = ("Copy the following Python code exactly, changing only the name of the function to `solution`. "
-               "Output only the code.\n\n" + code)
+        row = rows[(i * 7) % len(rows)]
+        code = row["prompt"] + row["canonical_solution"]  # whole function: signature, docstring, body
+        m = re.search(r"def \w+\((\w+)", row["prompt"])
+        arg = m.group(1) if m else "x"
+        ask = f"Rewrite this function exactly, but rename `{arg}` to `data`. Output only the code.\n\n" + code
         out.append(tok.apply_chat_template([{"role": "user", "content": ask}]))
     return out
 
