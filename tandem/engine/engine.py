@@ -316,8 +316,12 @@ class LLMEngine:
         tokens: dict[str, list[int]] = {}
         if plain:
             rows = [self._row(seq, ()) for seq, _ in plain]
-            idx = torch.tensor([r for _, r in plain], device=logits.device)
-            out = self.sampler.sample(logits.index_select(0, idx), rows, self._bitmask(masks.plain, logits.device))
+            picked = [r for _, r in plain]
+            if picked == list(range(logits.shape[0])):  # every row, in order (plain decode): no copy
+                x = logits
+            else:
+                x = logits.index_select(0, torch.tensor(picked, device=logits.device))
+            out = self.sampler.sample(x, rows, self._bitmask(masks.plain, logits.device))
             for (seq, _), tok, lp in zip(plain, out.token_ids, out.logprobs):
                 tokens[seq.req.request_id] = [tok]
                 self._add_logprobs(seq, [lp] if lp is not None else [])

@@ -160,6 +160,8 @@ class SpeculativeDecoder:
         accepted = 0
         while accepted < min(k, len(emitted) - 1) and emitted[accepted] == drafts[accepted]:
             accepted += 1
+        if self.adaptive is not None:
+            self.adaptive.observe_emitted(len(emitted))
         if k:
             s = self.stats
             s.num_drafted += k

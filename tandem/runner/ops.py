@@ -17,6 +17,8 @@ import torch.nn.functional as F
 
 from tandem.runner.attention import AttentionMetadata, paged_attention, prefill_attention, write_kv
 
+SILU_KERNEL_MAX_ROWS = 8  # from here on torch's SiLU (Sleef, 512-bit) outruns the fused kernel on this CPU
+
 
 class LayerOps(ABC):
     """Stateless operations on one step's tensors; `rope_tables` is computed once per step and shared by all layers."""
@@ -156,7 +158,10 @@ class CpuKernelOps(LayerOps):
         return out
 
     def silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
-        return self.ops.silu_mul(gu)
+        if gu.shape[0] >= SILU_KERNEL_MAX_ROWS:  # torch's vectorised silu is ~2x this kernel's throughput
+            g, u = gu.chunk(2, dim=-1)
+            return F.silu(g) * u
+        return self.ops.silu_mul(gu)  # few rows: one call instead of three ops' dispatch
 
 
 def select_ops(device: torch.device, cos_half: torch.Tensor, sin_half: torch.Tensor, dtype: torch.dtype, use_kernels: bool) -> LayerOps:

@@ -12,6 +12,12 @@ Model (every quantity measured online, EWMA-smoothed, so the choice is a determi
   When the forward is compute bound (t linear in n) E(K) / (1 + K) < 1 makes K = 0 win for large batches.
 - probing: a request kept at K = 0 for `probe_interval` steps, while the shared acceptance estimate would
   speculate, drafts one token once so that its acceptance estimate can recover.
+- goodput guard: the model cannot see every cost. A draft model on the same cores as the target slows the target's
+  forward while it drafts, and the K = 0 step time it is compared with was measured under that slowdown. So every
+  `guard_period` steps the controller measures what it promises: emitted tokens per second over `guard_window`
+  steps as chosen, then over `guard_window` steps with speculation off; when speculating did not beat not
+  speculating by `min_gain`, speculation stays off until the next measurement. The measurement costs at most
+  guard_window / guard_period of the difference (~6 %, and only when speculation loses).
 """
 
 from __future__ import annotations
@@ -43,12 +49,19 @@ class AdaptiveK:
     min_gain: float = 0.03  # K > 0 needs throughput >= (1 + min_gain) * throughput(K = 0)
     probe_interval: int = 64  # steps at K = 0 before probing with K = 1 (0: never probe)
     buckets_per_octave: int = 4  # resolution of the verify-time table in log2(num_tokens)
+    guard_window: int = 16  # steps per goodput measurement (0: no guard)
+    guard_period: int = 256  # steps between the starts of two measurements
     # [k_max] acceptance over all requests: the prior of a new request and of the probe decision
     _shared: list[float] = field(init=False, repr=False)
     _requests: dict[str, _RequestStats] = field(init=False, repr=False, default_factory=dict)
     _verify: dict[int, _Bucket] = field(init=False, repr=False, default_factory=dict)
     _draft_per_token: float = field(init=False, repr=False, default=0.0)
     _drafts_since_step: int = field(init=False, repr=False, default=0)
+    _guard_step: int = field(init=False, repr=False, default=0)  # steps since the last measurement began
+    _guard_on: list[float] = field(init=False, repr=False, default_factory=lambda: [0.0, 0.0])  # tokens, seconds
+    _guard_off: list[float] = field(init=False, repr=False, default_factory=lambda: [0.0, 0.0])
+    _pending_tokens: int = field(init=False, repr=False, default=0)
+    speculation_off: bool = field(init=False, default=False)  # the guard's verdict until its next measurement
 
     def __post_init__(self) -> None:
         if self.k_max < 0:
@@ -81,6 +94,37 @@ class AdaptiveK:
             per_token = draft_seconds / self._drafts_since_step
             self._draft_per_token += self.cost_alpha * (per_token - self._draft_per_token)
         self._drafts_since_step = 0
+        self._guard_observe(seconds + draft_seconds)
+
+    def observe_emitted(self, num_tokens: int) -> None:
+        """Tokens a request emitted this step (accepted drafts + 1): the guard's goodput numerator."""
+        self._pending_tokens += num_tokens
+
+    def _guard_phase(self) -> str:
+        """'on' / 'off': measuring with speculation as chosen / off; 'hold': acting on the last verdict."""
+        if self.guard_window <= 0:
+            return "hold"
+        if self._guard_step < self.guard_window:
+            return "on"
+        if self._guard_step < 2 * self.guard_window:
+            return "off"
+        return "hold"
+
+    def _guard_observe(self, seconds: float) -> None:
+        phase = self._guard_phase()
+        if phase != "hold":
+            acc = self._guard_on if phase == "on" else self._guard_off
+            acc[0] += self._pending_tokens
+            acc[1] += seconds
+        self._pending_tokens = 0
+        self._guard_step += 1
+        if self.guard_window > 0 and self._guard_step == 2 * self.guard_window:
+            (on_tok, on_s), (off_tok, off_s) = self._guard_on, self._guard_off
+            if on_s > 0 and off_s > 0 and off_tok > 0:
+                self.speculation_off = on_tok / on_s < (1.0 + self.min_gain) * off_tok / off_s
+            self._guard_on, self._guard_off = [0.0, 0.0], [0.0, 0.0]
+        if self._guard_step >= max(self.guard_period, 2 * self.guard_window):
+            self._guard_step = 0
 
     def release(self, request_id: str) -> None:
         """Forget the request's acceptance history."""
@@ -90,6 +134,9 @@ class AdaptiveK:
     def choose(self, request_id: str, batch_size: int) -> int:
         """K for this request this step, in a decode batch of `batch_size` requests; counts k as drafted this step."""
         stats = self._stats(request_id)
+        phase = self._guard_phase()
+        if phase == "off" or (phase == "hold" and self.speculation_off):
+            return 0
         k = self._best_k(stats.acceptance, batch_size)
         if k > 0:
             stats.steps_at_zero = 0

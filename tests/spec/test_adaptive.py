@@ -98,8 +98,9 @@ def test_deterministic_given_inputs() -> None:
 def simulate(
     acceptance: dict[str, float], verify: Callable[[int], float], steps: int, k_max: int = 6
 ) -> tuple[AdaptiveK, dict[str, list[int]]]:
-    """Requests whose drafts are accepted independently with a fixed rate; returns K chosen per step."""
-    ak = AdaptiveK(k_max=k_max)
+    """Requests whose drafts are accepted independently with a fixed rate; returns K chosen per step (the model
+    alone: no goodput guard, which `test_guard_*` cover)."""
+    ak = AdaptiveK(k_max=k_max, guard_window=0)
     rng = random.Random(11)
     history: dict[str, list[int]] = {rid: [] for rid in acceptance}
     for _ in range(steps):
@@ -147,3 +148,36 @@ def test_probe_recovers_a_request_stuck_at_zero() -> None:
     assert ks == [0, 0, 0, 0, 1, 0, 0, 0, 0, 1]
     ak.release("r")
     assert "r" not in ak._requests
+
+
+def _guarded_run(hidden_slowdown: float, acceptance: float, steps: int = 600) -> tuple[AdaptiveK, list[int]]:
+    """One request; each step with drafts also costs `hidden_slowdown` x its time, which the reports do not show
+    as verify or drafting time (a draft model competing for the target's cores). Returns K per step."""
+    ak = AdaptiveK(k_max=4)
+    rng = random.Random(5)
+    ks: list[int] = []
+    for _ in range(steps):
+        k = ak.choose("r", 1)
+        ks.append(k)
+        accepted = 0
+        while accepted < k and rng.random() < acceptance:
+            accepted += 1
+        ak.observe_acceptance("r", k, accepted)
+        ak.observe_emitted(accepted + 1)
+        seconds = 0.010 * (1 + 0.02 * k) * (1 + (hidden_slowdown if k else 0.0))
+        ak.observe_step(1 + k, seconds, 0.0)
+    return ak, ks
+
+
+def test_guard_turns_off_speculation_that_loses_in_wall_time() -> None:
+    ak, ks = _guarded_run(hidden_slowdown=1.5, acceptance=0.3)  # the model sees a win, the wall clock a loss
+    assert ak.speculation_off
+    late = ks[-200:]
+    assert sum(1 for k in late if k > 0) <= 2 * ak.guard_window  # only the guard's own measurement windows
+
+
+def test_guard_keeps_speculation_that_wins() -> None:
+    ak, ks = _guarded_run(hidden_slowdown=0.1, acceptance=0.8)
+    assert not ak.speculation_off
+    late = ks[-200:]
+    assert sum(1 for k in late if k == 0) <= ak.guard_window  # off only while measuring the baseline
