@@ -78,7 +78,10 @@ class SpeculativeDecoder:
         self.proposer = proposer
         self.max_model_len = max_model_len
         self.k_max = config.num_speculative_tokens
-        self.adaptive = AdaptiveK(self.k_max) if config.adaptive else None
+        # a proposer that drafts concurrently (a draft model) shares the host's cores with the target's forward:
+        # its true cost only shows in wall time, so adaptive K also measures goodput with and without speculation
+        guard = 16 if callable(getattr(proposer, "propose_async", None)) else 0
+        self.adaptive = AdaptiveK(self.k_max, guard_window=guard) if config.adaptive else None
         self.stats = SpecStats(accepted_per_position=[0] * self.k_max, drafted_per_position=[0] * self.k_max)
         propose_async = getattr(proposer, "propose_async", None)
         self._propose_async: Callable[[Sequence[DraftRequest]], Future[dict[str, Drafts]]] | None = (

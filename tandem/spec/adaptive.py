@@ -12,12 +12,12 @@ Model (every quantity measured online, EWMA-smoothed, so the choice is a determi
   When the forward is compute bound (t linear in n) E(K) / (1 + K) < 1 makes K = 0 win for large batches.
 - probing: a request kept at K = 0 for `probe_interval` steps, while the shared acceptance estimate would
   speculate, drafts one token once so that its acceptance estimate can recover.
-- goodput guard: the model cannot see every cost. A draft model on the same cores as the target slows the target's
-  forward while it drafts, and the K = 0 step time it is compared with was measured under that slowdown. So every
-  `guard_period` steps the controller measures what it promises: emitted tokens per second over `guard_window`
-  steps as chosen, then over `guard_window` steps with speculation off; when speculating did not beat not
-  speculating by `min_gain`, speculation stays off until the next measurement. The measurement costs at most
-  guard_window / guard_period of the difference (~6 %, and only when speculation loses).
+- goodput guard (for drafters that share the target's cores, i.e. a draft model on a small host): the model above
+  cannot see every cost, because a draft model competing for the target's cores slows the target's forward while it
+  drafts. So the controller measures what it promises: emitted tokens per second over `guard_window` steps with
+  speculation off, then over up to `guard_window` steps as chosen (cut short after 3 when clearly losing); unless
+  speculating beat not speculating by `min_gain`, speculation stays off until the next measurement, which comes
+  every `guard_period` steps (doubling, up to 8x, while the verdict repeats).
 """
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ class AdaptiveK:
     min_gain: float = 0.03  # K > 0 needs throughput >= (1 + min_gain) * throughput(K = 0)
     probe_interval: int = 64  # steps at K = 0 before probing with K = 1 (0: never probe)
     buckets_per_octave: int = 4  # resolution of the verify-time table in log2(num_tokens)
-    guard_window: int = 16  # steps per goodput measurement (0: no guard)
-    guard_period: int = 256  # steps between the starts of two measurements
+    guard_window: int = 0  # steps per goodput measurement (0: no guard; the engine enables it for draft models)
+    guard_period: int = 512  # steps between the starts of two measurements
     # [k_max] acceptance over all requests: the prior of a new request and of the probe decision
     _shared: list[float] = field(init=False, repr=False)
     _requests: dict[str, _RequestStats] = field(init=False, repr=False, default_factory=dict)
@@ -61,6 +61,7 @@ class AdaptiveK:
     _guard_on: list[float] = field(init=False, repr=False, default_factory=lambda: [0.0, 0.0])  # tokens, seconds
     _guard_off: list[float] = field(init=False, repr=False, default_factory=lambda: [0.0, 0.0])
     _pending_tokens: int = field(init=False, repr=False, default=0)
+    _guard_scale: int = field(init=False, repr=False, default=1)  # period multiplier after repeated verdicts
     speculation_off: bool = field(init=False, default=False)  # the guard's verdict until its next measurement
 
     def __post_init__(self) -> None:
@@ -101,13 +102,13 @@ class AdaptiveK:
         self._pending_tokens += num_tokens
 
     def _guard_phase(self) -> str:
-        """'on' / 'off': measuring with speculation as chosen / off; 'hold': acting on the last verdict."""
+        """'off' / 'on': measuring goodput with speculation off / as chosen; 'hold': acting on the last verdict."""
         if self.guard_window <= 0:
             return "hold"
         if self._guard_step < self.guard_window:
-            return "on"
-        if self._guard_step < 2 * self.guard_window:
             return "off"
+        if self._guard_step < 2 * self.guard_window:
+            return "on"
         return "hold"
 
     def _guard_observe(self, seconds: float) -> None:
@@ -118,12 +119,20 @@ class AdaptiveK:
             acc[1] += seconds
         self._pending_tokens = 0
         self._guard_step += 1
-        if self.guard_window > 0 and self._guard_step == 2 * self.guard_window:
+        if phase == "on":
+            on_steps = self._guard_step - self.guard_window
             (on_tok, on_s), (off_tok, off_s) = self._guard_on, self._guard_off
-            if on_s > 0 and off_s > 0 and off_tok > 0:
-                self.speculation_off = on_tok / on_s < (1.0 + self.min_gain) * off_tok / off_s
-            self._guard_on, self._guard_off = [0.0, 0.0], [0.0, 0.0]
-        if self._guard_step >= max(self.guard_period, 2 * self.guard_window):
+            losing_badly = on_steps >= 3 and on_s > 0 and off_s > 0 and on_tok / on_s < 0.8 * off_tok / off_s
+            if on_steps == self.guard_window or losing_badly:  # verdict (early when clearly losing)
+                if on_s > 0 and off_s > 0 and off_tok > 0:
+                    off = on_tok / on_s < (1.0 + self.min_gain) * off_tok / off_s
+                    # the same verdict again: measure half as often (up to 8x the base period)
+                    same = off == self.speculation_off
+                    self._guard_scale = min(8, self._guard_scale * 2) if same else 1
+                    self.speculation_off = off
+                self._guard_on, self._guard_off = [0.0, 0.0], [0.0, 0.0]
+                self._guard_step = 2 * self.guard_window
+        if self._guard_step >= max(self.guard_period * self._guard_scale, 2 * self.guard_window):
             self._guard_step = 0
 
     def release(self, request_id: str) -> None:
