@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from tandem.engine.engine import LLMEngine
 from tandem.params import SamplingParams
 
@@ -48,7 +50,7 @@ def tour_speculative(engine: LLMEngine, rows: list[dict[str, object]], quick: bo
     same = texts["spec"] == texts["plain"]
     print(f"  identical to the output without speculation: {same}; acceptance {st.acceptance_rate:.0%}, "
           f"{st.mean_accepted_length:.2f} tokens per verification step; speed-up {fast.tok_per_s / base.tok_per_s:.2f}x")
-    if not same and engine.runner.dtype != engine.runner.kv_dtype:
+    if not same and engine.runner.dtype != torch.float32:
         print("  (bf16: the verification forward's different shapes may round a near-tie differently; float32 is exact)")
     rows.append({"what": "copy task, 1 request, no speculation", **_speed(base)})
     rows.append({"what": "copy task, suffix-decoding drafts", **_speed(fast)})
