@@ -360,6 +360,9 @@ class Sampler:
     def sample(self, logits: Tensor, rows: Sequence[SamplingRow], bitmask: Tensor | None = None) -> SamplerOutput:
         """One token per row (greedy: argmax; otherwise an exponential race over the final distribution), plus
         logprobs of the raw logits where requested. Seeded rows consume V exponentials from their generator."""
+        if self._plain_greedy(logits, rows, bitmask):  # nothing changes the logits: argmax of them, no copy
+            tokens = logits.argmax(dim=-1)
+            return SamplerOutput(token_ids=tokens.tolist(), logprobs=self._logprobs(logits, tokens, rows))
         x = self.processed_logits(logits, rows, bitmask)
         greedy = [i for i, r in enumerate(rows) if r.params.greedy]
         rand = [i for i, r in enumerate(rows) if not r.params.greedy]
@@ -376,6 +379,18 @@ class Sampler:
                 tokens.index_copy_(0, _index(rand, x.device), drawn)
                 tokens.index_copy_(0, _index(greedy, x.device), _select_rows(x, greedy).argmax(dim=-1))
         return SamplerOutput(token_ids=tokens.tolist(), logprobs=self._logprobs(logits, tokens, rows))
+
+    def _plain_greedy(self, logits: Tensor, rows: Sequence[SamplingRow], bitmask: Tensor | None) -> bool:
+        """True when every row is greedy and no processing step of `processed_logits` would change a value."""
+        if bitmask is not None or logits.shape[-1] > self.vocab_size or logits.dtype != torch.float32:
+            return False
+        for r in rows:
+            p = r.params
+            if not p.greedy or p.allowed_token_ids is not None or p.logit_bias or _has_penalty(p):
+                return False
+            if len(r.output_token_ids) < p.min_tokens:
+                return False
+        return True
 
     def _logprobs(self, logits: Tensor, tokens: Tensor, rows: Sequence[SamplingRow]) -> list[RowLogprobs | None]:
         """Logprobs of the raw logits (log_softmax before any processing) for rows that asked for them."""
