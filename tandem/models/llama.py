@@ -77,7 +77,8 @@ class LlamaModel:
         self.embed = w["model.embed_tokens.weight"]  # [V, hidden]
         self.norm = w["model.norm.weight"]
         head = self.embed if cfg.tie_word_embeddings or "lm_head.weight" not in w else w["lm_head.weight"]
-        self.lm_head = make_linear(head)
+        self.use_kernels = use_kernels
+        self.lm_head = make_linear(head, use_kernels=use_kernels)
         self.layers = [self._layer(w, i) for i in range(cfg.num_layers)]
         freqs = torch.outer(torch.arange(cfg.max_position_embeddings, dtype=torch.float32), rope_inv_freq(cfg))  # [max_pos, D / 2]
         self.ops: LayerOps = select_ops(device, freqs.cos(), freqs.sin(), dtype, use_kernels)
@@ -93,11 +94,11 @@ class LlamaModel:
         gate_up = torch.cat([w[m + "gate_proj.weight"], w[m + "up_proj.weight"]])
         return _Layer(
             input_norm=w[p + "input_layernorm.weight"],
-            qkv=make_linear(qkv_w, qkv_b),
-            o=make_linear(w[a + "o_proj.weight"], w.get(a + "o_proj.bias")),
+            qkv=make_linear(qkv_w, qkv_b, use_kernels=self.use_kernels),
+            o=make_linear(w[a + "o_proj.weight"], w.get(a + "o_proj.bias"), use_kernels=self.use_kernels),
             post_norm=w[p + "post_attention_layernorm.weight"],
-            gate_up=make_linear(gate_up),
-            down=make_linear(w[m + "down_proj.weight"]),
+            gate_up=make_linear(gate_up, use_kernels=self.use_kernels),
+            down=make_linear(w[m + "down_proj.weight"], use_kernels=self.use_kernels),
             q_norm=_maybe(w.get(a + "q_norm.weight"), self.dtype),  # q / k stay in the model dtype
             k_norm=_maybe(w.get(a + "k_norm.weight"), self.dtype),
         )

@@ -157,3 +157,21 @@ def test_model_forward_same_with_and_without_kernels(arch: str, tmp_path: Path) 
         outs.append((toks, torch.cat([x[-1:] for x in rows])))
     assert outs[0][0] == outs[1][0]
     torch.testing.assert_close(outs[1][1], outs[0][1], atol=0.02, rtol=0.02)
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bf16_gemm_matches_float_reference_and_is_row_invariant(with_bias: bool) -> None:
+    from tandem.runner.linear import _bf16_gemm_available, make_linear
+
+    if not _bf16_gemm_available():
+        pytest.skip("no AVX512-BF16 on this CPU")
+    w = torch.randn(112, 96).bfloat16()  # 7 blocks of 16 columns: a partial 64-column group too
+    b = torch.randn(112).bfloat16() if with_bias else None
+    f = make_linear(w, b, use_kernels=True)
+    x = torch.randn(13, 96).bfloat16()  # 3 full 4-row tiles and a 1-row tail
+    y = f(x)
+    ref = x.float() @ w.float().T + (b.float() if b is not None else 0.0)
+    assert y.dtype == torch.bfloat16 and y.shape == (13, 112)
+    torch.testing.assert_close(y.float(), ref, atol=0.05, rtol=1e-2)
+    for m in (1, 2, 5):  # a row's result does not depend on how many rows run with it
+        assert torch.equal(f(x[:m].contiguous()), y[:m])

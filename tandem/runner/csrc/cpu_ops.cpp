@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -441,6 +442,99 @@ void paged_attention(const Tensor& q, const Tensor& kv_cache, const Tensor& seq_
   });
 }
 
+
+// ---- linear_bf16: y [M, N] = x [M, K] @ W^T (+ bias), bf16 in and out, float32 accumulation ----
+// W is packed [N / 16, K / 2, 16, 2]: for each block of 16 output columns, K in pairs, so one AVX512-BF16
+// `vdpbf16ps` multiplies a broadcast pair of x by the same pair of 16 columns. A micro-tile of MR rows x 64 columns
+// keeps 16 accumulators in registers; the 4 column streams are re-read from L2 for every tile of rows. Each output
+// row is computed the same way whatever M is, so a request's numbers do not depend on its batch.
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+constexpr bool kHasBf16Gemm = true;
+
+template <int MR, int NB>
+inline void gemm_tile(const uint16_t* x, int64_t K, const uint16_t* wp, int64_t cb0, const uint16_t* bias, uint16_t* y,
+                      int64_t N) {
+  __m512 acc[MR][NB];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_setzero_ps();
+  const int64_t K2 = K / 2;
+  const uint16_t* wcol[NB];
+  for (int j = 0; j < NB; ++j) wcol[j] = wp + (cb0 + j) * K2 * 32;
+  for (int64_t k2 = 0; k2 < K2; ++k2) {
+    __m512i b[NB];
+    for (int j = 0; j < NB; ++j) b[j] = _mm512_loadu_si512(wcol[j] + k2 * 32);
+    for (int r = 0; r < MR; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, x + r * K + 2 * k2, 4);
+      const __m512i a = _mm512_set1_epi32(pair);
+      for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], (__m512bh)a, (__m512bh)b[j]);
+    }
+  }
+  for (int j = 0; j < NB; ++j) {
+    __m512 bv = _mm512_setzero_ps();
+    if (bias != nullptr) {
+      const __m256i bb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias + (cb0 + j) * 16));
+      bv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bb), 16));
+    }
+    for (int r = 0; r < MR; ++r) {
+      const __m256bh out = _mm512_cvtneps_pbh(_mm512_add_ps(acc[r][j], bv));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * N + (cb0 + j) * 16), (__m256i)out);
+    }
+  }
+}
+
+template <int NB>
+inline void gemm_rows(const uint16_t* x, int64_t M, int64_t K, const uint16_t* wp, int64_t cb0, const uint16_t* bias,
+                      uint16_t* y, int64_t N) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) gemm_tile<4, NB>(x + m * K, K, wp, cb0, bias, y + m * N, N);
+  switch (M - m) {
+    case 3: gemm_tile<3, NB>(x + m * K, K, wp, cb0, bias, y + m * N, N); break;
+    case 2: gemm_tile<2, NB>(x + m * K, K, wp, cb0, bias, y + m * N, N); break;
+    case 1: gemm_tile<1, NB>(x + m * K, K, wp, cb0, bias, y + m * N, N); break;
+    default: break;
+  }
+}
+#else
+constexpr bool kHasBf16Gemm = false;
+#endif
+
+bool has_bf16_gemm() { return kHasBf16Gemm; }
+
+Tensor linear_bf16(const Tensor& x, const Tensor& wp, const c10::optional<Tensor>& bias) {
+  TORCH_CHECK(kHasBf16Gemm, "linear_bf16: this build has no AVX512-BF16");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "linear_bf16: x must be contiguous bf16 [M, K]");
+  TORCH_CHECK(wp.dim() == 4 && wp.scalar_type() == at::kBFloat16 && wp.is_contiguous() && wp.size(2) == 16 && wp.size(3) == 2,
+              "linear_bf16: weight must be packed [N / 16, K / 2, 16, 2] bf16");
+  const int64_t M = x.size(0), K = x.size(1), NBLK = wp.size(0), N = NBLK * 16;
+  TORCH_CHECK(wp.size(1) * 2 == K, "linear_bf16: K mismatch");
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias) {
+    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == N, "linear_bf16: bias must be bf16 [N]");
+  }
+  Tensor y = at::empty({M, N}, x.options());
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const uint16_t* w = reinterpret_cast<const uint16_t*>(wp.data_ptr<at::BFloat16>());
+  const uint16_t* bp = has_bias ? reinterpret_cast<const uint16_t*>(bias->data_ptr<at::BFloat16>()) : nullptr;
+  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  const int64_t groups = (NBLK + 3) / 4;  // work unit: 64 output columns (4 blocks of 16)
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t cb0 = g * 4, nb = std::min<int64_t>(4, NBLK - cb0);
+      switch (nb) {
+        case 4: gemm_rows<4>(xp, M, K, w, cb0, bp, yp, N); break;
+        case 3: gemm_rows<3>(xp, M, K, w, cb0, bp, yp, N); break;
+        case 2: gemm_rows<2>(xp, M, K, w, cb0, bp, yp, N); break;
+        default: gemm_rows<1>(xp, M, K, w, cb0, bp, yp, N); break;
+      }
+    }
+  });
+#endif
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(tandem, m) {
@@ -448,6 +542,8 @@ TORCH_LIBRARY(tandem, m) {
   m.def("silu_mul(Tensor gu) -> Tensor");
   m.def("rope_write_kv(Tensor qk, Tensor v, Tensor positions, Tensor cos, Tensor sin, Tensor(a!) kv_cache, Tensor slots, int num_heads) -> Tensor");
   m.def("paged_attention(Tensor q, Tensor kv_cache, Tensor seq_info, Tensor block_tables, float scale, Tensor(a!) out) -> ()");
+  m.def("linear_bf16(Tensor x, Tensor wp, Tensor? bias) -> Tensor");
+  m.def("has_bf16_gemm() -> bool", &has_bf16_gemm);
 }
 
 TORCH_LIBRARY_IMPL(tandem, CPU, m) {
@@ -455,4 +551,5 @@ TORCH_LIBRARY_IMPL(tandem, CPU, m) {
   m.impl("silu_mul", &silu_mul);
   m.impl("rope_write_kv", &rope_write_kv);
   m.impl("paged_attention", &paged_attention);
+  m.impl("linear_bf16", &linear_bf16);
 }
