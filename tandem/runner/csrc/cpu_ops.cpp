@@ -6,6 +6,8 @@
 //   rope_write_kv  rotate q and k, store k and v in the paged cache
 //   paged_attention  causal attention of few queries per request read straight from the paged cache (no gather)
 //   silu_mul       silu(gate) * up
+// and the projections themselves on AVX512-BF16 CPUs:
+//   linear_bf16    y = x @ W^T (+ bias) over a VNNI-packed weight
 // Registered as torch ops (`torch.ops.tandem.*`); built on first use by `tandem/runner/kernels.py`.
 // Layouts: one layer's KV cache is [2, KVH, num_blocks, block_size * D] in the model dtype, slot = block * block_size +
 // offset; a V block is [block_size, D], a K block is stored transposed, [D, block_size] (see paged_attention).
