@@ -58,8 +58,13 @@ class AttentionMetadata:
     decode: DecodeGroup | None = None
 
 
-def build_metadata(plan: StepPlan, block_size: int, device: torch.device, pin: bool = False) -> AttentionMetadata:
-    """Index tensors for one step, built on the CPU from the plan and copied to `device` in one go each."""
+def build_metadata(
+    plan: StepPlan, block_size: int, device: torch.device, pin: bool = False, gathered_decode: bool = True
+) -> AttentionMetadata:
+    """Index tensors for one step, built on the CPU from the plan and copied to `device` in one go each.
+
+    `gathered_decode=False` (tandem's CPU kernels, which read `seq_info` / `block_tables` only) skips the padded
+    gather indices and the [B, q_max, L] mask of the torch decode path, ~0.5 ms per step at 32 requests."""
     positions: list[int] = []
     slots: list[int] = []
     prefills: list[tuple[int, int, int, list[int]]] = []  # (row0, n, start, blocks)
@@ -84,32 +89,40 @@ def build_metadata(plan: StepPlan, block_size: int, device: torch.device, pin: b
         key_blocks = to_dev(torch.tensor(blocks)) if start > 0 else None
         meta.prefills.append(PrefillSeq(slice(row0, row0 + n), start, key_blocks))
     if decodes:
-        meta.decode = _decode_group(decodes, block_size, to_dev)
+        meta.decode = _decode_group(decodes, block_size, to_dev, gathered_decode)
         meta.decode.dense = not prefills and all(n == meta.decode.q_max for _, n, _, _ in decodes)
     return meta
 
 
+_UNUSED = torch.empty(0, dtype=torch.long)  # stands for the torch-path fields when the CPU kernels do not read them
+
+
 def _decode_group(
-    decodes: list[tuple[int, int, int, list[int]]], block_size: int, to_dev: Callable[[torch.Tensor], torch.Tensor]
+    decodes: list[tuple[int, int, int, list[int]]], block_size: int, to_dev: Callable[[torch.Tensor], torch.Tensor],
+    gathered: bool = True,
 ) -> DecodeGroup:
     q_max = max(n for _, n, _, _ in decodes)
     b_max = max(len(b) for _, _, _, b in decodes)
     L = b_max * block_size
+    B = len(decodes)
+    block_tables = torch.tensor([blocks + [blocks[-1]] * (b_max - len(blocks)) for _, _, _, blocks in decodes])
+    seq_info = torch.tensor([(row0, n, start) for row0, n, start, _ in decodes])
+    if not gathered:
+        return DecodeGroup(
+            token_index=_UNUSED, key_blocks=_UNUSED, bias=_UNUSED, batch=B, q_max=q_max, key_len=L,
+            flat_index=_UNUSED, out_rows=_UNUSED, seq_info=seq_info, block_tables=block_tables,
+        )
     token_index: list[int] = []
-    tables: list[list[int]] = []
     limits: list[list[int]] = []
     flat: list[int] = []
     out_rows: list[int] = []
-    for i, (row0, n, start, blocks) in enumerate(decodes):
+    for i, (row0, n, start, _) in enumerate(decodes):
         token_index.extend(row0 + min(j, n - 1) for j in range(q_max))
-        tables.append(blocks + [blocks[-1]] * (b_max - len(blocks)))
         limits.append([start + min(j, n - 1) for j in range(q_max)])  # query j sees keys [0, start + j]
         flat.extend(i * q_max + j for j in range(n))
         out_rows.extend(range(row0, row0 + n))
     allowed = torch.arange(L)[None, None, :] <= torch.tensor(limits)[:, :, None]  # [B, q_max, L]
     bias = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
-    B = len(decodes)
-    block_tables = torch.tensor(tables)
     return DecodeGroup(
         token_index=to_dev(torch.tensor(token_index)),
         key_blocks=to_dev(block_tables.view(-1)),
@@ -119,7 +132,7 @@ def _decode_group(
         key_len=L,
         flat_index=to_dev(torch.tensor(flat)),
         out_rows=to_dev(torch.tensor(out_rows)),
-        seq_info=torch.tensor([(row0, n, start) for row0, n, start, _ in decodes]),
+        seq_info=seq_info,
         block_tables=block_tables,
     )
 

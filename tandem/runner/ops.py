@@ -25,6 +25,7 @@ class LayerOps(ABC):
 
     name: str
     kv_cache_dtype: torch.dtype  # what the KV cache holds for these operations
+    gathered_decode: bool  # whether `attention` needs the torch decode path's gather indices and mask
 
     @abstractmethod
     def add_rms_norm(
@@ -57,6 +58,7 @@ class LayerOps(ABC):
 
 class TorchOps(LayerOps):
     name = "torch"
+    gathered_decode = True
 
     def __init__(self, cos: torch.Tensor, sin: torch.Tensor, kv_cache_dtype: torch.dtype) -> None:
         self.cos = cos  # [max_pos, D] = [cos, cos], model dtype
@@ -106,6 +108,7 @@ class CpuKernelOps(LayerOps):
     """
 
     name = "tandem-cpu"
+    gathered_decode = False
 
     def __init__(self, cos_half: torch.Tensor, sin_half: torch.Tensor, dtype: torch.dtype) -> None:
         # K/V in the model dtype, as the reference holds them (rotated k is already rounded to it): half the bytes

@@ -18,6 +18,10 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -451,7 +455,6 @@ void paged_attention(const Tensor& q, const Tensor& kv_cache, const Tensor& seq_
 // keeps 16 accumulators in registers; the 4 column streams are re-read from L2 for every tile of rows. Each output
 // row is computed the same way whatever M is, so a request's numbers do not depend on its batch.
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
-#include <immintrin.h>
 constexpr bool kHasBf16Gemm = true;
 
 template <int MR, int NB>
