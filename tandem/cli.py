@@ -8,66 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tandem.engine_args import add_engine_args, engine_kwargs
 from tandem.params import ParamError, SamplingParams, StructuredOutputsParams
-
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Engine flags shared by generate, bench and serve."""
-    g = p.add_argument_group("engine")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--device", default="cpu", help="torch device of the forward pass (cpu, cuda, cuda:1, ...)")
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--max-num-batched-tokens", type=int, default=None)
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache budget in bytes")
-    g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--threads", type=int, default=None, help="torch threads of the forward (default: all cores)")
-    g.add_argument("--chat-template", default=None, help="Jinja chat template text or file")
-    s = p.add_argument_group("speculative decoding")
-    s.add_argument("--speculative-method", default=None, choices=["ngram", "suffix", "draft_model"])
-    s.add_argument("--num-speculative-tokens", type=int, default=4)
-    s.add_argument("--draft-model", default=None, help="draft checkpoint (method draft_model)")
-    s.add_argument("--draft-device", default="cpu")
-    s.add_argument("--draft-dtype", default="bfloat16")
-    s.add_argument("--draft-threads", type=int, default=None)
-    s.add_argument("--prompt-lookup-min", type=int, default=1)
-    s.add_argument("--prompt-lookup-max", type=int, default=4)
-    s.add_argument("--no-adaptive", action="store_true", help="always draft K tokens")
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    return dict(
-        dtype=args.dtype,
-        device=args.device,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        block_size=args.block_size,
-        kv_cache_memory=args.kv_cache_memory,
-        enable_prefix_caching=not args.no_prefix_caching,
-        seed=args.seed,
-        num_threads=args.threads,
-        chat_template=args.chat_template,
-        speculative_config=speculative_from_args(args),
-    )
-
-
-def speculative_from_args(args: argparse.Namespace) -> dict[str, Any] | None:
-    if not getattr(args, "speculative_method", None):
-        return None
-    return {
-        "method": args.speculative_method,
-        "num_speculative_tokens": args.num_speculative_tokens,
-        "model": args.draft_model,
-        "draft_device": args.draft_device,
-        "draft_dtype": args.draft_dtype,
-        "draft_threads": args.draft_threads,
-        "prompt_lookup_min": args.prompt_lookup_min,
-        "prompt_lookup_max": args.prompt_lookup_max,
-        "adaptive": not args.no_adaptive,
-    }
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -133,22 +75,8 @@ def _read(path: Path) -> str:
         raise ParamError(f"cannot read {path}: {e}") from e
 
 
-def stream_to_terminal(engine: Any, request_id: str, prompt: str | list[int], params: SamplingParams) -> Any:
-    """Run one request on `engine`, writing its text to stdout as it grows; returns the final RequestOutput."""
-    engine.add_request(request_id, prompt, params)
-    shown, final = 0, None
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            text = out.outputs[0].text
-            sys.stdout.write(text[shown:])
-            sys.stdout.flush()
-            shown = len(text)
-            if out.finished:
-                final = out
-    return final
-
-
 def cmd_generate(args: argparse.Namespace) -> int:
+    from tandem.demo.common import stream_to_terminal
     from tandem.engine.llm import build_engine
 
     params = sampling_from_args(args)
@@ -169,7 +97,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from tandem.demo import run_demo
+    from tandem.demo.tour import run_demo
 
     return run_demo(args)
 
@@ -193,34 +121,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench", required=True)
-    from tandem.bench import throughput
+    from tandem.bench import spec, structured, throughput
 
-    throughput.add_parser(bsub, add_engine_args)
-    _optional_parsers(sub, bsub)
+    for module in (throughput, structured, spec):
+        module.add_parser(bsub)
+    _server_parsers(sub, bsub)
     return parser
 
 
-def _optional_parsers(sub: Any, bsub: Any) -> None:
-    """Subcommands whose modules are optional extras (server needs fastapi/uvicorn)."""
+def _server_parsers(sub: Any, bsub: Any) -> None:
+    """`serve` and `bench serve` need the server extras (fastapi, uvicorn, httpx)."""
     try:
-        from tandem.bench import structured
-
-        structured.add_parser(bsub, add_engine_args)
-    except ImportError:
-        pass
-    try:
-        from tandem.bench import spec
-
-        spec.add_parser(bsub, add_engine_args)
-    except ImportError:
-        pass
-    try:
+        from tandem.bench import serve as bench_serve
         from tandem.server import cli as server_cli
-
-        server_cli.add_serve_parser(sub)
-        server_cli.add_bench_serve_parser(bsub)
     except ImportError:
-        pass
+        return
+    server_cli.add_serve_parser(sub)
+    bench_serve.add_parser(bsub)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -240,4 +157,4 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-__all__ = ["add_engine_args", "add_sampling_args", "engine_kwargs", "main", "sampling_from_args"]
+__all__ = ["add_sampling_args", "main", "sampling_from_args"]

@@ -82,8 +82,8 @@ class StructuredOutputsParams:
         raise AssertionError("validated above")
 
     @property
-    def spec(self) -> str:
-        """The constraint as one string (the cache key's spec part)."""
+    def grammar_text(self) -> str:
+        """The constraint as one string (what the grammar cache is keyed by, with the kind)."""
         kind = self.kind
         if kind == "json_object":
             return "{}"

@@ -188,7 +188,7 @@ def _llama_cpp_structured(prompts: Sequence[list[int]], schema: dict | None, max
     from llama_cpp import Llama, LlamaGrammar
 
     from tandem.models.demo import find_demo_gguf
-    from tandem.models.loader import tandem_home
+    from tandem.paths import tandem_home
 
     dst = tandem_home() / "models" / "SmolLM2-135M-Instruct.bf16.gguf"
     dst.parent.mkdir(parents=True, exist_ok=True)

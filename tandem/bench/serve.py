@@ -409,7 +409,7 @@ def launch_server(
 
     `log`: a file object for the server's stdout and stderr (default: inherited); `env`: its environment.
     """
-    cmd = [sys.executable, "-m", "tandem.server.cli", "serve", *([model] if model else []),
+    cmd = [sys.executable, "-m", "tandem.cli", "serve", *([model] if model else []),
            "--host", "127.0.0.1", "--port", str(port), *serve_args]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT if log is not None else None, env=env)
     deadline = time.monotonic() + startup_timeout_s
@@ -423,6 +423,16 @@ def launch_server(
     proc.kill()
     proc.wait()
     raise RuntimeError(f"the server did not become ready within {startup_timeout_s:.0f} s")
+
+
+def add_parser(bsub: Any) -> argparse.ArgumentParser:
+    """`tandem bench serve ...`: the load generator."""
+    p: argparse.ArgumentParser = bsub.add_parser(
+        "serve", help="load-test an OpenAI-compatible server", description="Load generator for `tandem serve`."
+    )
+    add_arguments(p)
+    p.set_defaults(func=run_bench_serve)
+    return p
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -8,19 +8,19 @@ import argparse
 import gzip
 import json
 import re
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from tandem.bench.common import RunResult, drive, load_prompts, machine_line, print_table, shared_data_dir
 from tandem.engine.engine import LLMEngine
-from tandem.engine.speculation import SpeculativeDecoder
+from tandem.engine_args import add_engine_args, engine_kwargs
 from tandem.params import SamplingParams
-from tandem.runner.host_thread import on_host_thread
-from tandem.spec.config import SpeculativeConfig, build_proposer
+from tandem.runner.tensor_thread import on_tensor_thread
+from tandem.spec_decode.config import SpeculativeConfig, build_proposer
+from tandem.spec_decode.proposer import Proposer
 
 
-def add_parser(bsub: Any, add_engine_args: Callable[[argparse.ArgumentParser], None]) -> None:
+def add_parser(bsub: Any) -> None:
     p = bsub.add_parser("spec", help="speculative decoding: method x K x batch, speed-up over K=0")
     p.add_argument("model", nargs="?", default=None)
     p.add_argument("--methods", default="ngram,suffix,draft_model")
@@ -63,20 +63,13 @@ def workload_prompts(engine: LLMEngine, name: str, n: int) -> list[list[int]]:
 
 
 def default_draft() -> str | None:
-    from tandem.models.loader import tandem_home
+    from tandem.paths import tandem_home
 
     d = tandem_home() / "models" / "smollm2-draft"
     return str(d) if (d / "config.json").is_file() else None
 
 
-def set_speculation(engine: LLMEngine, config: SpeculativeConfig | None, proposer: Any) -> None:
-    """Swap the engine's speculation between runs (no request in flight)."""
-    assert not engine.has_unfinished_requests()
-    engine.spec = None if config is None else SpeculativeDecoder(config, proposer, engine.max_model_len)
-
-
 def run(args: argparse.Namespace) -> int:
-    from tandem.cli import engine_kwargs
     from tandem.engine.llm import build_engine
 
     batches = [int(b) for b in args.batches.split(",")]
@@ -94,11 +87,11 @@ def run(args: argparse.Namespace) -> int:
     drive(engine, [[1, 2, 3]], SamplingParams(max_tokens=4), 1, "warmup")
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len)
     rows: list[dict[str, Any]] = []
-    proposers: dict[str, Any] = {}
+    proposers: dict[str, Proposer] = {}
     for workload in args.workloads.split(","):
         for batch in batches:
             prompts = workload_prompts(engine, workload, max(batch, 2))
-            set_speculation(engine, None, None)
+            engine.set_speculation(None)
             base = drive(engine, prompts, params, batch, "k0")
             rows.append(_row(workload, batch, "none", "0", base, base, engine))
             for method in methods:
@@ -110,18 +103,16 @@ def run(args: argparse.Namespace) -> int:
                         # a fresh proposer per run: suffix decoding's global tree must not remember the outputs
                         # of the previous run's identical prompts (the draft worker keeps no such memory)
                         proposers[method] = build_proposer(_config(method, "8", draft, args), engine.vocab_size, engine.tokenizer)
-                    set_speculation(engine, cfg, proposers[method])
+                    engine.set_speculation(cfg, proposers[method])
                     res = drive(engine, prompts, params, batch, f"{method}-{k}")
                     rows.append(_row(workload, batch, method, k, res, base, engine))
                     print_table([rows[-1]])
-            set_speculation(engine, None, None)
+            engine.set_speculation(None)
     for p in proposers.values():
-        close = getattr(p, "close", None)
-        if callable(close):
-            close()
+        p.close()
     print()
     print_table(rows, title="tandem bench spec (speedup = tok/s / tok/s at K=0, same prompts, same run)")
-    peer_rows = on_host_thread(peers, engine, args, draft)  # tandem's host thread: one OpenMP team per process
+    peer_rows = on_tensor_thread(peers, engine, args, draft)  # tandem's tensor thread: one OpenMP team per process
     if args.plot:
         plot(rows, Path(args.plot))
     if args.json:
@@ -136,7 +127,7 @@ def _config(method: str, k: str, draft: str | None, args: argparse.Namespace) ->
 
 
 def _row(workload: str, batch: int, method: str, k: str, res: RunResult, base: RunResult, engine: LLMEngine) -> dict[str, Any]:
-    st = engine.spec.stats.as_dict() if engine.spec is not None else {}
+    st = engine.speculation.stats_dict()
     row: dict[str, Any] = {"workload": workload, "batch": batch, "method": method, "K": k,
                            "tok/s": round(res.tok_per_s, 1), "speedup": round(res.tok_per_s / base.tok_per_s, 2)}
     if st:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from collections.abc import Callable
 from typing import Any
 
 from tandem.bench.common import (
@@ -19,8 +18,9 @@ from tandem.bench.common import (
     shared_data_dir,
 )
 from tandem.engine.engine import LLMEngine
+from tandem.engine_args import add_engine_args, engine_kwargs
 from tandem.params import SamplingParams, StructuredOutputsParams
-from tandem.runner.host_thread import on_host_thread
+from tandem.runner.tensor_thread import on_tensor_thread
 
 SCHEMAS: dict[str, dict[str, Any]] = {
     "simple": {"type": "object", "properties": {"answer": {"type": "string"}, "confidence": {"type": "number"}},
@@ -55,7 +55,7 @@ def open_ended(out_len: int) -> dict[str, Any]:
     return {"type": "object", "properties": {"text": {"type": "string", "minLength": 8 * out_len}}, "required": ["text"]}
 
 
-def add_parser(bsub: Any, add_engine_args: Callable[[argparse.ArgumentParser], None]) -> None:
+def add_parser(bsub: Any) -> None:
     p = bsub.add_parser("structured", help="guided vs unguided throughput, mask fill and compile times")
     p.add_argument("model", nargs="?", default=None)
     p.add_argument("--concurrency", default="1,32")
@@ -83,7 +83,6 @@ def _params(schema: dict[str, Any] | None, fixed: bool, out_len: int, backend: s
 
 
 def run(args: argparse.Namespace) -> int:
-    from tandem.cli import engine_kwargs
     from tandem.engine.llm import build_engine
 
     levels = [int(x) for x in args.concurrency.split(",")]
@@ -94,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     kw["max_model_len"] = kw["max_model_len"] or 2048
     engine = build_engine(args.model, **kw)
     print(f"machine: {machine_line()}; mask mode {engine.mask_mode}; backend {args.backend}")
-    engine.guidance.manager.warm_up()
+    engine.guidance.warm_up()
     drive(engine, [[1, 2, 3]], SamplingParams(max_tokens=4), 1, "warmup")
     rows: list[dict[str, Any]] = []
     for workload in args.workloads.split(","):
@@ -150,7 +149,7 @@ def mask_fill_table(engine: LLMEngine, vocab_name: str) -> list[dict[str, Any]]:
     m = engine.guidance.manager
     for name, schema in SCHEMAS.items():
         spec = GrammarSpec("json", json.dumps(schema), "compact")
-        r = measure_mask_fill(m._backend("xgrammar"), spec, steps=200)
+        r = measure_mask_fill(m.backend("xgrammar"), spec, steps=200)
         out.append({"vocab": f"engine ({engine.vocab_size})", "schema": name, **{k: round(v, 1) for k, v in r.items()}})
     if vocab_name:
         try:
@@ -179,7 +178,7 @@ def peer_rows(engine: LLMEngine, args: argparse.Namespace) -> list[dict[str, Any
     schema = SCHEMAS["nested"]
     if "hf" in names:
         for guided in (False, True):
-            r = on_host_thread(peers.hf_structured, engine, prompts, schema if guided else None, args.output_len)
+            r = on_tensor_thread(peers.hf_structured, engine, prompts, schema if guided else None, args.output_len)
             rows.append({"peer": "hf-transformers" + (" + xgrammar" if guided else ""), "tok/s": round(r.tok_per_s, 1)})
     if "llama.cpp" in names and peers.llama_cpp_available():
         for guided in (False, True):

@@ -10,17 +10,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from tandem.bench.common import RunResult, drive, load_prompts, machine_line, peak_rss_mb, print_table
+from tandem.engine_args import add_engine_args, engine_kwargs
 from tandem.params import SamplingParams
 
 
-def add_parser(bsub: Any, add_engine_args: Callable[[argparse.ArgumentParser], None]) -> None:
+def add_parser(bsub: Any) -> None:
     p = bsub.add_parser("throughput", help="output tok/s, TTFT, TPOT vs HF transformers and llama.cpp")
     p.add_argument("model", nargs="?", default=None)
     p.add_argument("--input-len", type=int, default=128)
@@ -54,7 +54,6 @@ def dynamic_prompts(tok: Any, n: int) -> list[list[int]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tandem.cli import engine_kwargs
     from tandem.engine.llm import build_engine
 
     levels = [int(x) for x in args.concurrency.split(",")]
@@ -105,17 +104,17 @@ def run(args: argparse.Namespace) -> int:
 def hf_run(model_dir: Path, prompts: list[list[int]], out_len: int, level: int, dtype: torch.dtype, fixed: bool,
            eos: tuple[int, ...], pad: int) -> RunResult:
     from tandem.bench.peers import hf_generate
-    from tandem.runner.host_thread import on_host_thread
+    from tandem.runner.tensor_thread import on_tensor_thread
 
-    # on tandem's host thread: a second OpenMP team in this process would slow tandem's later runs (and HF's)
-    return on_host_thread(hf_generate, model_dir, prompts, out_len, level, dtype, fixed, eos, pad)
+    # on tandem's tensor thread: a second OpenMP team in this process would slow tandem's later runs (and HF's)
+    return on_tensor_thread(hf_generate, model_dir, prompts, out_len, level, dtype, fixed, eos, pad)
 
 
 def llama_cpp_run(prompts: list[list[int]], out_len: int, fixed: bool, threads: int, eos: tuple[int, ...]) -> RunResult | None:
     """llama.cpp on a bf16 GGUF written from the demo model's weights (only the demo model has a GGUF source here)."""
     from tandem.bench.peers import llama_cpp_available, llama_cpp_generate, write_bf16_gguf
     from tandem.models.demo import find_demo_gguf
-    from tandem.models.loader import tandem_home
+    from tandem.paths import tandem_home
 
     if not llama_cpp_available():
         print("llama.cpp: llama-cpp-python is not installed; skipped (pip install llama-cpp-python)")

@@ -27,11 +27,16 @@ from tandem.structured.manager import StructuredOutputConfig, StructuredOutputMa
 
 @dataclass
 class StepMasks:
-    """Bitmasks for the rows sampled this step, in the engine's two row orders (None: no guided row there)."""
+    """Bitmasks for the rows sampled this step, in the step sampler's two row orders (None: no guided row there)."""
 
-    plain: np.ndarray | None  # [n_plain_rows, W] int32
-    spec: np.ndarray | None  # [n_spec_rows, W] int32
+    sample_rows: np.ndarray | None  # [n_sampled_rows, W] int32: one row per request sampled directly
+    verify_rows: np.ndarray | None  # [n_verify_rows, W] int32: k + 1 rows per request verifying k drafts
     fill_s: float = 0.0
+
+    @property
+    def guided(self) -> bool:
+        """Some row of this step is constrained by a grammar."""
+        return self.sample_rows is not None or self.verify_rows is not None
 
 
 @dataclass
@@ -39,7 +44,7 @@ class GuidanceStats:
     num_guided_tokens: int = 0
     num_forced_tokens: int = 0  # emitted tokens that the grammar forced (proposed as free drafts)
     mask_fill_s: float = 0.0
-    exposed_s: float = 0.0  # mask work the device had to wait for
+    exposed_s: float = 0.0  # mask work the device had to wait for (see `Guidance.record_wait`)
 
     def as_dict(self) -> dict[str, float]:
         frac = self.num_forced_tokens / self.num_guided_tokens if self.num_guided_tokens else 0.0
@@ -132,32 +137,37 @@ class Guidance:
     def fill(self, plan: StepPlan) -> StepMasks:
         """Bitmasks for this step's sampled rows (call while the forward runs). Unguided rows allow everything."""
         t0 = time.perf_counter()
-        plain_ids, plain_rows, spec_jobs = [], [], []
-        n_plain = n_spec = 0
+        sampled_ids, sampled_rows, verify_jobs = [], [], []
+        n_sampled = n_verify = 0
         for sr in plan.requests:
             if not sr.needs_logits:
                 continue
             k = sr.num_draft_tokens
             if k:
                 if sr.request_id in self._ready:
-                    spec_jobs.append((sr.request_id, n_spec, sr.input_ids[-k:]))
-                n_spec += k + 1
+                    verify_jobs.append((sr.request_id, n_verify, sr.input_ids[-k:]))
+                n_verify += k + 1
             else:
                 if sr.request_id in self._ready:
-                    plain_ids.append(sr.request_id)
-                    plain_rows.append(n_plain)
-                n_plain += 1
-        plain = spec = None
-        if plain_ids:
-            plain = np.full((n_plain, self.words), -1, dtype=np.int32)
-            self.manager.fill_bitmask(plain_ids, plain, plain_rows)
-        if spec_jobs:
-            spec = np.full((n_spec, self.words), -1, dtype=np.int32)
-            for rid, row0, drafts in spec_jobs:
-                self.manager.fill_draft_bitmasks(rid, drafts, spec, row0)
+                    sampled_ids.append(sr.request_id)
+                    sampled_rows.append(n_sampled)
+                n_sampled += 1
+        sample_mask = verify_mask = None
+        if sampled_ids:
+            sample_mask = np.full((n_sampled, self.words), -1, dtype=np.int32)
+            self.manager.fill_bitmask(sampled_ids, sample_mask, sampled_rows)
+        if verify_jobs:
+            verify_mask = np.full((n_verify, self.words), -1, dtype=np.int32)
+            for rid, row0, drafts in verify_jobs:
+                self.manager.fill_draft_bitmasks(rid, drafts, verify_mask, row0)
         dt = time.perf_counter() - t0
         self.stats.mask_fill_s += dt
-        return StepMasks(plain, spec, dt)
+        return StepMasks(sample_mask, verify_mask, dt)
+
+    def record_wait(self, masks: StepMasks, filled_at: float, forward_done_at: float) -> None:
+        """Count the mask work that outlasted the forward (perf_counter times) as time the device waited."""
+        if masks.guided:
+            self.stats.exposed_s += max(0.0, filled_at - forward_done_at)
 
     # ---------------------------------------------------------------------------------------------- outcome
     def accept(self, req: Request, tokens: Sequence[int], num_scheduled_drafts: int) -> tuple[bool, str | None]:
@@ -181,6 +191,17 @@ class Guidance:
         self._forced.pop(request_id, None)
         if self._manager is not None:
             self._manager.release(request_id)
+
+    def warm_up(self) -> None:
+        """Build the default grammar backend(s) now instead of on the first guided request."""
+        self.manager.warm_up()
+
+    def stats_dict(self) -> dict[str, float]:
+        """The step-level counters, plus the manager's compile / cache / mask-fill figures once it exists."""
+        out: dict[str, float] = dict(self.stats.as_dict())
+        if self._manager is not None:
+            out.update({"grammar_" + k: v for k, v in self._manager.stats().items()})
+        return out
 
     def shutdown(self) -> None:
         if self._manager is not None:

@@ -14,16 +14,17 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from tandem.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
-from tandem.cpu_budget import pin_current_thread_pool, plan_cpu_budget
+from tandem.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, SchedulerConfig
+from tandem.cpu_budget import CpuBudget, pin_current_thread_pool, plan_cpu_budget
 from tandem.engine.engine import LLMEngine
-from tandem.engine.speculation import SpeculativeDecoder
-from tandem.models.loader import Checkpoint, load_checkpoint, resolve_dtype
+from tandem.engine.speculation import NoSpeculation, Speculation, SpeculativeDecoder
+from tandem.models.checkpoint import Checkpoint, resolve_dtype
+from tandem.models.loader import load_checkpoint
 from tandem.params import ParamError, SamplingParams
 from tandem.request import RequestOutput
-from tandem.runner.host_thread import on_host_thread
 from tandem.runner.runner import ModelRunner
-from tandem.spec.config import SpeculativeConfig, build_proposer
+from tandem.runner.tensor_thread import on_tensor_thread
+from tandem.spec_decode.config import SpeculativeConfig, build_proposer
 from tandem.structured.manager import StructuredOutputConfig
 from tandem.tokenizer import Tokenizer
 
@@ -58,66 +59,91 @@ def build_engine(
     progress: bool = True,
 ) -> LLMEngine:
     """Load a checkpoint (the built-in demo model when `model` is None) and build an engine around it."""
-    if model is None:
-        from tandem.models.demo import demo_model_path
-
-        path = on_host_thread(demo_model_path)  # converts once; tensor work stays on the host thread
-        if dtype == "auto":
-            dtype = "bfloat16"  # the demo folder holds float32 dequantized weights; serve them in bf16
-    else:
-        path = Path(model)
+    path, dtype = _resolve_model(model, dtype)
     _check_device(device)
-    ckpt = on_host_thread(_load, path, dtype, progress)
-    cfg = ckpt.config
-    max_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+    ckpt = on_tensor_thread(_load, path, dtype, progress)
+    torch_dtype = next(iter(ckpt.weights.values())).dtype
+    cache = CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory, memory_fraction=memory_fraction,
+                        enable_prefix_caching=enable_prefix_caching, num_blocks=num_kv_blocks)
+    sched = _scheduler_config(ckpt.config, max_model_len, max_num_seqs, max_num_batched_tokens)
+    config = EngineConfig(model=str(path), model_config=ckpt.config, dtype=str(torch_dtype).removeprefix("torch."),
+                          device=device, seed=seed, cache=cache, scheduler=sched, num_threads=num_threads)
+    tok = _tokenizer(ckpt, tokenizer, chat_template)
+    sc = SpeculativeConfig.from_dict(speculative_config) if speculative_config is not None else None
+    so_config = _structured_config(structured_outputs_config)
+    budget = _cpu_budget(device, num_threads, sc, so_config if structured_outputs_config is not None else None)
+    so_config = dataclasses.replace(so_config, num_threads=budget.grammar_threads)
+    runner = ModelRunner(ckpt.config, ckpt.weights, torch_dtype, device, config.cache, config.scheduler,
+                         num_threads=budget.forward_threads, use_kernels=cpu_kernels)
+    del ckpt
+    speculation = _speculation(sc, budget, config.model_config.vocab_size, tok, config.scheduler.max_model_len)
+    engine = LLMEngine(config, runner, tok, speculation=speculation, structured_config=so_config,
+                       mask_mode=structured_mask_mode, cpu_budget=budget)
+    gc.collect()
+    gc.freeze()  # the long-lived objects of torch and the model never need scanning again: no GC pauses in the loop
+    return engine
+
+
+def _resolve_model(model: str | os.PathLike[str] | None, dtype: str) -> tuple[Path, str]:
+    """The checkpoint path (the demo model, converted once, when None) and the dtype to load it in."""
+    if model is not None:
+        return Path(model), dtype
+    from tandem.models.demo import demo_model_path
+
+    path = on_tensor_thread(demo_model_path)  # converts once; tensor work stays on the tensor thread
+    # the demo folder holds float32 dequantized weights; serve them in bf16
+    return path, "bfloat16" if dtype == "auto" else dtype
+
+
+def _scheduler_config(
+    cfg: ModelConfig, max_model_len: int | None, max_num_seqs: int, max_num_batched_tokens: int | None
+) -> SchedulerConfig:
+    """Batching limits: max_model_len within the model's positions, the batched-token default from it."""
     if max_model_len is not None and max_model_len > cfg.max_position_embeddings:
         raise ConfigError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {cfg.max_position_embeddings}")
-    sched = SchedulerConfig(
+    max_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+    return SchedulerConfig(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens or max(512, min(2048, max_len)),
         max_model_len=max_len,
     )
-    cache = CacheConfig(
-        block_size=block_size,
-        kv_cache_memory=kv_cache_memory,
-        memory_fraction=memory_fraction,
-        enable_prefix_caching=enable_prefix_caching,
-        num_blocks=num_kv_blocks,
-    )
-    torch_dtype = next(iter(ckpt.weights.values())).dtype
-    config = EngineConfig(
-        model=str(path), model_config=cfg, dtype=str(torch_dtype).removeprefix("torch."), device=device, seed=seed,
-        cache=cache, scheduler=sched, num_threads=num_threads,
-    )
-    tok = Tokenizer.from_path(Path(tokenizer) if tokenizer else ckpt.tokenizer_path, chat_template=chat_template)
+
+
+def _tokenizer(ckpt: Checkpoint, path: str | os.PathLike[str] | None, chat_template: str | None) -> Tokenizer:
+    tok = Tokenizer.from_path(Path(path) if path else ckpt.tokenizer_path, chat_template=chat_template)
     if chat_template is None and ckpt.chat_template and not tok.has_chat_template:
         tok.set_chat_template(ckpt.chat_template)
-    sc = SpeculativeConfig.from_dict(speculative_config) if speculative_config is not None else None
-    so_config = _structured_config(structured_outputs_config)
-    draft_on_cpu = sc is not None and sc.method == "draft_model" and sc.draft_device == "cpu" and not sc.draft_in_process
-    budget = plan_cpu_budget(
-        device=torch.device(device).type, draft_on_cpu=draft_on_cpu, forward_threads=num_threads,
-        grammar_threads=so_config.num_threads if structured_outputs_config is not None else None,
+    return tok
+
+
+def _draft_on_cpu(sc: SpeculativeConfig | None) -> bool:
+    """A draft model in its own process on the host's cores."""
+    return sc is not None and sc.method == "draft_model" and sc.draft_device == "cpu" and not sc.draft_in_process
+
+
+def _cpu_budget(
+    device: str, num_threads: int | None, sc: SpeculativeConfig | None, so_config: StructuredOutputConfig | None
+) -> CpuBudget:
+    return plan_cpu_budget(
+        device=torch.device(device).type, draft_on_cpu=_draft_on_cpu(sc), forward_threads=num_threads,
+        grammar_threads=so_config.num_threads if so_config is not None else None,
         draft_threads=sc.draft_threads if sc else None, draft_cores=sc.draft_cores if sc else None,
     )
-    so_config = dataclasses.replace(so_config, num_threads=budget.grammar_threads)
-    runner = ModelRunner(
-        cfg, ckpt.weights, torch_dtype, device, cache, sched, num_threads=budget.forward_threads, use_kernels=cpu_kernels
-    )
-    del ckpt
-    spec = None
-    if sc is not None:
-        if draft_on_cpu:
-            sc = dataclasses.replace(sc, draft_cores=budget.draft_cores, draft_threads=budget.draft_threads)
-        spec = SpeculativeDecoder(sc, build_proposer(sc, cfg.vocab_size, tok), max_len)
-        logger.info("speculative decoding: %s, K=%d, adaptive=%s", sc.method, sc.num_speculative_tokens, sc.adaptive)
-        if draft_on_cpu and set(budget.forward_cores) != set(budget.cores):
-            pin_current_thread_pool(budget.forward_cores)  # the draft worker has its own cores now
-    engine = LLMEngine(config, runner, tok, speculation=spec, structured_config=so_config, mask_mode=structured_mask_mode)
-    engine.cpu_budget = budget
-    gc.collect()
-    gc.freeze()  # the long-lived objects of torch and the model never need scanning again: no GC pauses in the loop
-    return engine
+
+
+def _speculation(
+    sc: SpeculativeConfig | None, budget: CpuBudget, vocab_size: int, tok: Tokenizer, max_len: int
+) -> Speculation:
+    """The engine's speculation; a draft worker on the CPU gets the budget's cores and the forward keeps the rest."""
+    if sc is None:
+        return NoSpeculation()
+    if _draft_on_cpu(sc):
+        sc = dataclasses.replace(sc, draft_cores=budget.draft_cores, draft_threads=budget.draft_threads)
+    speculation = SpeculativeDecoder(sc, build_proposer(sc, vocab_size, tok), max_len)
+    logger.info("speculative decoding: %s, K=%d, adaptive=%s", sc.method, sc.num_speculative_tokens, sc.adaptive)
+    if _draft_on_cpu(sc) and set(budget.forward_cores) != set(budget.cores):
+        pin_current_thread_pool(budget.forward_cores)  # the draft worker has its own cores now
+    return speculation
 
 
 def _structured_config(value: Mapping[str, Any] | StructuredOutputConfig | None) -> StructuredOutputConfig:
@@ -135,8 +161,6 @@ def _load(path: Path, dtype: str, progress: bool) -> Checkpoint:
     if dtype not in ("auto", "float32", "bfloat16", "float16"):
         raise ConfigError(f"dtype must be one of 'auto', 'float32', 'bfloat16', 'float16', got {dtype!r}")
     if path.is_dir() and (path / "config.json").is_file():
-        from tandem.config import ModelConfig
-
         torch_dtype = resolve_dtype(dtype, ModelConfig.from_json_file(path / "config.json"))
     else:
         torch_dtype = torch.bfloat16 if dtype == "auto" else getattr(torch, dtype)

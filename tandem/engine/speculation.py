@@ -5,24 +5,29 @@ Per step, for every running request in steady decode:
      (this is time the device waits for the CPU, and is measured as such);
   2. the scheduler runs 1 + K positions; the sampler verifies them by rejection sampling (lossless);
   3. the proposer and the adaptive K controller learn the outcome;
-  4. look-ahead (proposers with `propose_async`, i.e. the draft-model worker): while the device verifies step t,
+  4. look-ahead (proposers that draft concurrently, i.e. the draft-model worker): while the device verifies step t,
      the proposer already drafts step t + 1 from the optimistic outcome "every draft accepted and the bonus token
      equals the proposer's own next guess". If verification agrees, those drafts are used as they are; otherwise
      they are dropped and step t + 1 drafts anew.
+
+`NoSpeculation` is the same interface doing nothing: the engine's step never asks whether speculation is on.
 """
 
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.request import Request
-from tandem.spec.adaptive import AdaptiveK
-from tandem.spec.config import SpeculativeConfig
-from tandem.spec.proposer import DraftRequest, Drafts, Proposer
+from tandem.spec_decode.adaptive import AdaptiveK
+from tandem.spec_decode.config import SpeculativeConfig
+from tandem.spec_decode.proposer import DraftRequest, Drafts, Proposer
+
+MaxDrafts = Callable[[Request], int]  # drafts a request may take this step (max_tokens / max_model_len room)
 
 
 @dataclass
@@ -64,13 +69,66 @@ class SpecStats:
         }
 
 
+class Speculation(ABC):
+    """The engine's speculation seam: draft before the step, look ahead during it, learn after it."""
+
+    @abstractmethod
+    def draft(self, running: Sequence[Request], allowed: MaxDrafts) -> None:
+        """Set `draft_token_ids` of the running requests in steady decode (before the step is scheduled)."""
+
+    @abstractmethod
+    def start_lookahead(self, scheduled: Sequence[Request]) -> None:
+        """While the device verifies: start drafting the next step of the requests verifying drafts now."""
+
+    @abstractmethod
+    def observe(self, req: Request, drafts: Sequence[int], emitted: Sequence[int]) -> int:
+        """Learn one verification of `drafts` that emitted `emitted`; returns how many drafts were accepted."""
+
+    @abstractmethod
+    def observe_step(self, num_tokens: int, seconds: float, draft_seconds: float) -> None:
+        """Learn one step's cost: tokens run, forward seconds, seconds the device waited for drafting."""
+
+    @abstractmethod
+    def release(self, request_id: str) -> None:
+        """The request ended: drop its drafting state."""
+
+    @abstractmethod
+    def stats_dict(self) -> dict[str, Any]:
+        """Counters for `LLMEngine.get_stats` (empty when off)."""
+
+    def close(self) -> None:  # noqa: B027 - only a proposer with workers has something to stop
+        """Stop the proposer's workers."""
+
+
+class NoSpeculation(Speculation):
+    """Speculation off: no drafts, nothing to learn."""
+
+    def draft(self, running: Sequence[Request], allowed: MaxDrafts) -> None:
+        pass
+
+    def start_lookahead(self, scheduled: Sequence[Request]) -> None:
+        pass
+
+    def observe(self, req: Request, drafts: Sequence[int], emitted: Sequence[int]) -> int:
+        return 0
+
+    def observe_step(self, num_tokens: int, seconds: float, draft_seconds: float) -> None:
+        pass
+
+    def release(self, request_id: str) -> None:
+        pass
+
+    def stats_dict(self) -> dict[str, Any]:
+        return {}
+
+
 @dataclass
 class _Ahead:
     base_len: int  # len(token_ids) the look-ahead assumed: current tokens + drafts + guess
     future: Future[dict[str, Drafts]] | None = None
 
 
-class SpeculativeDecoder:
+class SpeculativeDecoder(Speculation):
     """Owns the proposer, the K policy and the look-ahead state; CPU side only (no tensors)."""
 
     def __init__(self, config: SpeculativeConfig, proposer: Proposer, max_model_len: int) -> None:
@@ -80,19 +138,15 @@ class SpeculativeDecoder:
         self.k_max = config.num_speculative_tokens
         # a proposer that drafts concurrently (a draft model) shares the host's cores with the target's forward:
         # its true cost only shows in wall time, so adaptive K also measures goodput with and without speculation
-        guard = 16 if callable(getattr(proposer, "propose_async", None)) else 0
+        guard = 16 if proposer.drafts_concurrently else 0
         self.adaptive = AdaptiveK(self.k_max, guard_window=guard) if config.adaptive else None
         self.stats = SpecStats(accepted_per_position=[0] * self.k_max, drafted_per_position=[0] * self.k_max)
-        propose_async = getattr(proposer, "propose_async", None)
-        self._propose_async: Callable[[Sequence[DraftRequest]], Future[dict[str, Drafts]]] | None = (
-            propose_async if config.lookahead and callable(propose_async) else None
-        )
+        self.lookahead = config.lookahead and proposer.drafts_concurrently
         self._guess: dict[str, int] = {}  # request -> the proposer's guess of the token after its drafts
         self._ahead: dict[str, _Ahead] = {}
-        self._disabled: set[str] = set()  # requests that must not speculate (e.g. grammar-bound: see engine)
 
     # ------------------------------------------------------------------------------------------------ drafting
-    def draft(self, running: Sequence[Request], allowed: Callable[[Request], int]) -> None:
+    def draft(self, running: Sequence[Request], allowed: MaxDrafts) -> None:
         """Set `draft_token_ids` of every running request in steady decode. `allowed(req)` caps K for that request."""
         t0 = time.perf_counter()
         decoding = [r for r in running if r.num_computed_tokens == r.num_tokens - 1 and not r.is_finished]
@@ -123,8 +177,6 @@ class SpeculativeDecoder:
         self.stats.draft_wait_s += time.perf_counter() - t0
 
     def _choose_k(self, rid: str, batch_size: int) -> int:
-        if rid in self._disabled:
-            return 0
         return self.adaptive.choose(rid, batch_size) if self.adaptive is not None else self.k_max
 
     def _set(self, req: Request, tokens: list[int], k: int) -> None:
@@ -137,7 +189,7 @@ class SpeculativeDecoder:
 
     def start_lookahead(self, scheduled: Sequence[Request]) -> None:
         """While the device verifies: draft the next step of each request from its optimistic outcome."""
-        if self._propose_async is None:
+        if not self.lookahead:
             return
         t0 = time.perf_counter()
         batch: list[DraftRequest] = []
@@ -151,7 +203,7 @@ class SpeculativeDecoder:
             batch.append(DraftRequest(req.request_id, optimistic, req.num_prompt_tokens, self.k_max + 1))
             self._ahead[req.request_id] = _Ahead(base_len=len(optimistic))
         if batch:
-            fut = self._propose_async(batch)
+            fut = self.proposer.propose_async(batch)
             for dr in batch:
                 self._ahead[dr.request_id].future = fut
         self.stats.lookahead_s += time.perf_counter() - t0
@@ -188,18 +240,24 @@ class SpeculativeDecoder:
         if self.adaptive is not None:
             self.adaptive.observe_step(num_tokens, seconds, draft_seconds)
 
-    def disable(self, request_id: str) -> None:
-        self._disabled.add(request_id)
-
     def release(self, request_id: str) -> None:
         self.proposer.release(request_id)
         if self.adaptive is not None:
             self.adaptive.release(request_id)
         self._guess.pop(request_id, None)
         self._ahead.pop(request_id, None)
-        self._disabled.discard(request_id)
+
+    def stats_dict(self) -> dict[str, Any]:
+        return self.stats.as_dict()
 
     def close(self) -> None:
-        close = getattr(self.proposer, "close", None)
-        if callable(close):
-            close()
+        self.proposer.close()
+
+
+def make_speculation(config: SpeculativeConfig | None, proposer: Proposer | None, max_model_len: int) -> Speculation:
+    """`SpeculativeDecoder` over `proposer` when a config is given, else `NoSpeculation`."""
+    if config is None:
+        return NoSpeculation()
+    if proposer is None:
+        raise ValueError("speculation needs a proposer")
+    return SpeculativeDecoder(config, proposer, max_model_len)

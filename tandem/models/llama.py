@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from tandem.config import ConfigError, ModelConfig
-from tandem.runner.attention import AttentionMetadata
-from tandem.runner.linear import LinearFn, make_linear
-from tandem.runner.ops import LayerOps, select_ops
+from tandem.layers.attention import AttentionMetadata
+from tandem.layers.linear import LinearFn, make_linear
+from tandem.layers.ops import LayerOps, select_ops
 
 
 @dataclass

@@ -23,14 +23,9 @@ import numpy as np
 import torch
 
 from tandem.config import ConfigError
-from tandem.models.loader import (
-    Checkpoint,
-    file_cache_key,
-    interleaved_to_rotate_half,
-    load_hf_checkpoint,
-    tandem_home,
-    write_hf_folder,
-)
+from tandem.models.checkpoint import Checkpoint, file_cache_key, interleaved_to_rotate_half, write_hf_folder
+from tandem.models.hf_loader import load_hf_checkpoint
+from tandem.paths import tandem_home
 
 _HEADER = struct.Struct("<7i")
 _LEGACY_MAGIC = 0x616B3432  # "ak42": llama2.c's newer export versions, not supported here

@@ -1,6 +1,6 @@
 """The model runner: owns the model, the KV cache tensors and the device; runs one `StepPlan` per step.
 
-`launch(plan)` prepares inputs and starts the forward on the process's host thread (`host_thread.py`) (torch releases the GIL inside its ops, and
+`launch(plan)` prepares inputs and starts the forward on the process's tensor thread (`tensor_thread.py`) (torch releases the GIL inside its ops, and
 on an accelerator the kernels queue asynchronously), so the caller's CPU work (grammar masks, drafting) overlaps it;
 `collect(handle)` waits and returns the logits rows the plan asked for.
 """
@@ -18,10 +18,10 @@ import torch
 
 from tandem.config import CacheConfig, ConfigError, ModelConfig, SchedulerConfig
 from tandem.core.plan import StepPlan
+from tandem.layers.attention import AttentionMetadata, build_metadata
 from tandem.models.llama import LlamaModel
-from tandem.runner.attention import AttentionMetadata, build_metadata
-from tandem.runner.host_thread import host_thread
 from tandem.runner.memory import huge_page_zeros
+from tandem.runner.tensor_thread import tensor_thread
 
 T = TypeVar("T")
 
@@ -96,10 +96,10 @@ class ModelRunner:
         self.model_config = model_config
         self.dtype = dtype
         self.block_size = cache_config.block_size
-        self._host = host_thread()
+        self._host = tensor_thread()
         self._pin = self.device.type == "cuda"
-        # built on the host thread: weight packing and cache allocation are parallel regions, and a second OpenMP
-        # team (on the caller's thread) would slow every later forward (see tandem/runner/host_thread.py)
+        # built on the tensor thread: weight packing and cache allocation are parallel regions, and a second OpenMP
+        # team (on the caller's thread) would slow every later forward (see tandem/runner/tensor_thread.py)
         self._host.run(self._build, weights, cache_config, scheduler_config, num_threads, use_kernels)
 
     def _build(
@@ -137,9 +137,9 @@ class ModelRunner:
         logits, handle.finished_at = handle.future.result()
         return logits
 
-    def on_forward_thread(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run `fn(*args)` where the forward runs (the process's host thread) and wait for it: host-side tensor work
-        (sampling, verification) belongs there, not on the caller's thread (see tandem/runner/host_thread.py)."""
+    def on_tensor_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run `fn(*args)` where the forward runs (the process's tensor thread) and wait for it: host-side tensor work
+        (sampling, verification) belongs there, not on the caller's thread (see tandem/runner/tensor_thread.py)."""
         return self._host.run(fn, *args)
 
     def execute(self, plan: StepPlan) -> torch.Tensor:
@@ -172,4 +172,4 @@ class ModelRunner:
         return rows
 
     def shutdown(self) -> None:
-        """Nothing to stop: the host thread is the process's and outlives the runner."""
+        """Nothing to stop: the tensor thread is the process's and outlives the runner."""

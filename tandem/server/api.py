@@ -445,16 +445,16 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         params = _prepare(state, body.model, body.sampling_params)
-        spec = {"messages": body.conversation(), "add_generation_prompt": body.add_generation_prompt}
+        prompt = {"messages": body.conversation(), "add_generation_prompt": body.add_generation_prompt}
         rid = random_id("chatcmpl")
-        return await _serve(state, request, rid, [spec], params, body.stream, _ChatFormat(state, body, rid))
+        return await _serve(state, request, rid, [prompt], params, body.stream, _ChatFormat(state, body, rid))
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         params = _prepare(state, body.model, body.sampling_params)
-        specs = [{"prompt": p} for p in body.prompts()]
+        prompts = [{"prompt": p} for p in body.prompts()]
         rid = random_id("cmpl")
-        return await _serve(state, request, rid, specs, params, body.stream, _CompletionFormat(state, body, rid))
+        return await _serve(state, request, rid, prompts, params, body.stream, _CompletionFormat(state, body, rid))
 
 
 def _prepare(state: ServerState, model: str | None, make_params: Callable[[], SamplingParams]) -> SamplingParams:
@@ -472,18 +472,18 @@ async def _serve(
     state: ServerState,
     request: Request,
     rid: str,
-    specs: list[dict[str, Any]],
+    prompts: list[dict[str, Any]],
     params: SamplingParams,
     stream: bool,
     fmt: _Format,
 ) -> Response:
-    """Admit, submit each prompt, wait for the first deltas, then answer as JSON or as an SSE stream."""
+    """Admit, submit each prompt ({"prompt": text or ids} or {"messages": [...]}), wait for the first deltas, then answer as JSON or as an SSE stream."""
     client, config = state.client, state.config
     if client.dead_reason is not None:
         raise _engine_error(EngineDeadError(client.dead_reason), in_flight=False)
     if state.shutting_down or not client.accepting:
         raise APIError("the server is shutting down", 503, type="server_error", code="shutting_down")
-    num_seqs = params.n * len(specs)
+    num_seqs = params.n * len(prompts)
     limit = config.max_num_seqs + config.max_queue
     if state.admitted_seqs > 0 and state.admitted_seqs + num_seqs > limit:
         state.metrics.rejected.labels("queue_full").inc()
@@ -495,10 +495,10 @@ async def _serve(
     gens: list[Generation] = []
     handed_off = False
     try:
-        for i, spec in enumerate(specs):
-            sub_id = rid if len(specs) == 1 else f"{rid}-{i}"
+        for i, prompt in enumerate(prompts):
+            sub_id = rid if len(prompts) == 1 else f"{rid}-{i}"
             try:
-                gens.append(Generation(state, client.add(sub_id, spec, params), t0, deadline))
+                gens.append(Generation(state, client.add(sub_id, prompt, params), t0, deadline))
             except EngineDeadError as e:
                 raise _engine_error(e, in_flight=False) from None
         firsts = await _unless_disconnected(request, _first_deltas(gens))

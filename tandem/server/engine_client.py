@@ -12,7 +12,7 @@ callback on the child's process sentinel notices its death at once: every in-fli
 and new ones are refused with 503.
 
 Messages child -> parent: ("ready", info) | ("failed", reason) | ("step", events, stats) | ("fatal", reason).
-Commands parent -> child: ("add", request_id, prompt_spec, SamplingParams) | ("abort", [ids]) | ("shutdown",).
+Commands parent -> child: ("add", request_id, prompt, SamplingParams) | ("abort", [ids]) | ("shutdown",).
 """
 
 from __future__ import annotations
@@ -167,10 +167,10 @@ def _apply(engine: Any, tracker: _DeltaTracker, cmd: tuple[Any, ...]) -> list[tu
             engine.abort_request(rid)
             tracker.forget(rid)
         return []
-    _, rid, spec, params = cmd
+    _, rid, prompt_input, params = cmd
     try:
-        prompt = spec["prompt"] if "prompt" in spec else engine.tokenizer.apply_chat_template(
-            spec["messages"], add_generation_prompt=spec.get("add_generation_prompt", True))
+        prompt = prompt_input["prompt"] if "prompt" in prompt_input else engine.tokenizer.apply_chat_template(
+            prompt_input["messages"], add_generation_prompt=prompt_input.get("add_generation_prompt", True))
         engine.add_request(rid, prompt, params)
     except _BAD_REQUEST_ERRORS as e:  # ParamError and ConfigError are ValueErrors
         return [("error", rid, 400, str(e))]
@@ -359,7 +359,7 @@ class EngineClient:
             self._results = None
 
     # ---- requests -----------------------------------------------------------------------------------------------
-    def add(self, request_id: str, prompt_spec: Mapping[str, Any], params: SamplingParams) -> RequestStream:
+    def add(self, request_id: str, prompt: Mapping[str, Any], params: SamplingParams) -> RequestStream:
         """Send a request to the engine; its deltas arrive on the returned stream. Raises EngineDeadError."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
@@ -367,7 +367,7 @@ class EngineClient:
             raise EngineDeadError("the server is shutting down")
         stream = RequestStream(self, request_id)
         self._streams[request_id] = stream
-        self._send(("add", request_id, dict(prompt_spec), params))
+        self._send(("add", request_id, dict(prompt), params))
         return stream
 
     def _send(self, cmd: tuple[Any, ...]) -> None:

@@ -40,30 +40,31 @@ class GrammarError(ValueError):
 
 @dataclass(frozen=True)
 class GrammarSpec:
-    """One constraint as plain strings: `kind` in KINDS, `spec` its text, `whitespace` 'compact' | 'flexible'.
+    """One constraint as plain strings: `kind` in KINDS, `text` its schema / regex / grammar / choice list,
+    `whitespace` 'compact' | 'flexible'.
 
     `whitespace` only shapes the JSON kinds; for the others it is normalised to 'compact' so that equal regexes,
     choices and grammars share one cache entry.
     """
 
     kind: str
-    spec: str
+    text: str
     whitespace: str = "compact"
 
     @classmethod
     def from_params(cls, params: StructuredOutputsParams) -> GrammarSpec:
         kind = params.kind
         whitespace = params.whitespace if kind in JSON_KINDS else "compact"
-        return cls(kind=kind, spec=params.spec, whitespace=whitespace)
+        return cls(kind=kind, text=params.grammar_text, whitespace=whitespace)
 
     @property
     def size_bytes(self) -> int:
-        """The spec's UTF-8 size (what `max_spec_bytes` limits)."""
-        return len(self.spec.encode("utf-8"))
+        """The text's UTF-8 size (what `max_grammar_bytes` limits)."""
+        return len(self.text.encode("utf-8"))
 
     def choices(self) -> list[str]:
         """The literals of a 'choice' spec (a JSON list of strings)."""
-        values = json.loads(self.spec)
+        values = json.loads(self.text)
         if not isinstance(values, list) or not values or not all(isinstance(v, str) and v for v in values):
             raise ValueError("choice spec must be a JSON list of non-empty strings")
         return values

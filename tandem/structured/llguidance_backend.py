@@ -163,11 +163,11 @@ class LLGuidanceBackend:
         self.eos_token_ids = eos
         self._tokenizer = tokenizer
         self._translators: dict[str, Callable[[GrammarSpec], str]] = {
-            "json": lambda s: self._schema_grammar(s.spec, s.whitespace),
+            "json": lambda s: self._schema_grammar(s.text, s.whitespace),
             "json_object": lambda s: self._schema_grammar(_OBJECT_SCHEMA, s.whitespace),
-            "regex": lambda s: llguidance.LLMatcher.grammar_from_regex(s.spec),
+            "regex": lambda s: llguidance.LLMatcher.grammar_from_regex(s.text),
             "choice": self._choice_grammar,
-            "grammar": lambda s: llguidance.grammar_from("grammar", s.spec),
+            "grammar": lambda s: llguidance.grammar_from("grammar", s.text),
         }
 
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:

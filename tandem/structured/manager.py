@@ -49,7 +49,7 @@ BACKENDS = ("xgrammar", "llguidance")
 AUTO_ORDER = ("xgrammar", "llguidance")  # 'auto': the first that accepts the spec
 
 PENDING, READY, FAILED = "pending", "ready", "failed"
-CacheKey = tuple[str, str, str, str]  # (backend, kind, spec, whitespace)
+CacheKey = tuple[str, str, str, str]  # (backend, kind, text, whitespace)
 
 
 @dataclass
@@ -58,7 +58,7 @@ class StructuredOutputConfig:
 
     backend: str = "auto"  # used when a request names none: 'auto' | 'xgrammar' | 'llguidance'
     compile_timeout_s: float = 10.0  # a request still pending this long after submit fails
-    max_spec_bytes: int = 64 * 1024  # larger specs are refused at submit
+    max_grammar_bytes: int = 64 * 1024  # larger specs are refused at submit
     cache_bytes: int = 64 * 2**20  # bound on the compiled grammars' memory_bytes in the cache
     num_threads: int = 2  # compile workers; also the parallelism of a large mask fill
     min_rows_per_chunk: int = 8  # fills of fewer than 2x this many rows stay on the calling thread
@@ -68,7 +68,7 @@ class StructuredOutputConfig:
     def __post_init__(self) -> None:
         if self.backend not in ("auto", *BACKENDS):
             raise ValueError(f"backend must be 'auto', 'xgrammar' or 'llguidance', got {self.backend!r}")
-        if self.compile_timeout_s <= 0 or self.max_spec_bytes <= 0 or self.cache_bytes < 0 or self.num_threads < 1:
+        if self.compile_timeout_s <= 0 or self.max_grammar_bytes <= 0 or self.cache_bytes < 0 or self.num_threads < 1:
             raise ValueError(f"invalid structured-output config {self}")
 
 
@@ -180,8 +180,8 @@ class StructuredOutputManager:
             raise ValueError(f"request {request_id!r} is already registered")
         spec = GrammarSpec.from_params(params)
         requested = params.backend or self.config.backend
-        if spec.size_bytes > self.config.max_spec_bytes:
-            raise GrammarError(requested, f"{spec.kind} spec is {spec.size_bytes} bytes, over the limit of {self.config.max_spec_bytes}")
+        if spec.size_bytes > self.config.max_grammar_bytes:
+            raise GrammarError(requested, f"{spec.kind} spec is {spec.size_bytes} bytes, over the limit of {self.config.max_grammar_bytes}")
         request = _Request(requested=requested, spec=spec, submitted_at=time.monotonic())
         self._requests[request_id] = request
         cached = self._cached(requested, spec)
@@ -216,7 +216,7 @@ class StructuredOutputManager:
             self._abandon(request)
         if request.state == READY and request.matcher is None:
             assert request.grammar is not None
-            request.matcher = self._backend(request.grammar.backend).matcher(request.grammar)
+            request.matcher = self.backend(request.grammar.backend).matcher(request.grammar)
         return request.state
 
     def error(self, request_id: str) -> str | None:
@@ -315,7 +315,7 @@ class StructuredOutputManager:
     def warm_up(self) -> None:
         """Build the default backend(s) now (about 0.3-1 s each) instead of on the first compile."""
         for name in self._candidates(self.config.backend):
-            self._backend(name)
+            self.backend(name)
 
     # --- stats / shutdown -------------------------------------------------------------------------------------
 
@@ -367,7 +367,7 @@ class StructuredOutputManager:
         with self._lock:
             self._counts[name] += n
 
-    def _backend(self, name: str) -> GrammarBackend:
+    def backend(self, name: str) -> GrammarBackend:
         """The backend called `name`, built on first use (thread-safe)."""
         backend = self._backends.get(name)
         if backend is None:
@@ -386,7 +386,7 @@ class StructuredOutputManager:
 
     @staticmethod
     def _key(backend: str, spec: GrammarSpec) -> CacheKey:
-        return (backend, spec.kind, spec.spec, spec.whitespace)
+        return (backend, spec.kind, spec.text, spec.whitespace)
 
     def _cached(self, requested: str, spec: GrammarSpec) -> CompiledGrammar | None:
         """A cached grammar from the first candidate backend not known to reject the spec (the one a compile
@@ -460,7 +460,7 @@ class StructuredOutputManager:
             if known is not None:
                 rejections.append(known)
                 continue
-            backend = self._backend(name)
+            backend = self.backend(name)
             started = time.perf_counter()
             try:
                 grammar = backend.compile(spec)

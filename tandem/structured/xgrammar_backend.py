@@ -122,9 +122,9 @@ class XGrammarBackend:
         self._compilers: dict[str, Callable[[GrammarSpec], Any]] = {
             "json": self._compile_json,
             "json_object": self._compile_json_object,
-            "regex": lambda s: self._compiler.compile_regex(s.spec),
+            "regex": lambda s: self._compiler.compile_regex(s.text),
             "choice": self._compile_choice,
-            "grammar": lambda s: self._compiler.compile_grammar(s.spec),
+            "grammar": lambda s: self._compiler.compile_grammar(s.text),
         }
 
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
@@ -144,7 +144,7 @@ class XGrammarBackend:
         return XGrammarMatcher(grammar, self.eos_token_ids)
 
     def _compile_json(self, spec: GrammarSpec) -> Any:
-        return self._compile_schema(spec.spec, spec.whitespace)
+        return self._compile_schema(spec.text, spec.whitespace)
 
     def _compile_json_object(self, spec: GrammarSpec) -> Any:
         return self._compile_schema(_OBJECT_SCHEMA, spec.whitespace)

@@ -12,7 +12,8 @@ import torch
 
 from tandem.engine.engine import LLMEngine
 from tandem.params import SamplingParams
-from tandem.spec.proposer import Drafts, register_proposer
+from tandem.spec_decode.proposer import Drafts, Proposer
+from tandem.spec_decode.registry import register_proposer
 
 from .test_engine import run_all
 
@@ -97,7 +98,7 @@ def test_sampling_options_behave_as_without_speculation(stories_engine_factory) 
 V = 6
 
 
-class _CyclingProposer:
+class _CyclingProposer(Proposer):
     """Test driver: proposes t+1, t+2, ... (mod V) — a fixed deterministic guess that is often wrong."""
 
     name = "cycle"

@@ -23,13 +23,13 @@ from transformers import (
 )
 
 from tandem.config import ConfigError, ModelConfig
-from tandem.models.loader import (
+from tandem.models.checkpoint import (
     expected_weight_names,
     interleaved_to_rotate_half,
-    load_checkpoint,
     read_chat_template,
     resolve_dtype,
 )
+from tandem.models.loader import load_checkpoint
 
 TINY: dict[str, Any] = dict(
     hidden_size=64,

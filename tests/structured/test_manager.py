@@ -138,7 +138,7 @@ def test_concurrent_submits_share_one_compile(manager: StructuredOutputManager) 
 
 
 def test_size_limit(tokenizer: Any, backends: dict[str, Any]) -> None:
-    manager = make_manager(tokenizer, backends, max_spec_bytes=100)
+    manager = make_manager(tokenizer, backends, max_grammar_bytes=100)
     big = StructuredOutputsParams(choice=[f"option-{i}" for i in range(20)])
     with pytest.raises(GrammarError, match="over the limit of 100"):
         manager.submit("big", big)

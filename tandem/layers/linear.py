@@ -47,7 +47,7 @@ _ONEDNN: dict[torch.dtype, bool] = {}
 
 
 def _bf16_gemm_available() -> bool:
-    from tandem.runner.kernels import load_cpu_kernels
+    from tandem.layers.kernels import load_cpu_kernels
 
     return load_cpu_kernels() and bool(torch.ops.tandem.has_bf16_gemm())
 

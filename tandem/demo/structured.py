@@ -6,6 +6,8 @@ import json
 
 import jsonschema
 
+from tandem.bench.common import drive
+from tandem.demo.common import Rows, chat_prompt, section, speed
 from tandem.engine.engine import LLMEngine
 from tandem.params import SamplingParams, StructuredOutputsParams
 
@@ -28,15 +30,11 @@ TEXTS = [
 ]
 
 
-def tour_structured(engine: LLMEngine, rows: list[dict[str, object]], quick: bool) -> None:
-    from tandem.bench.common import drive
-    from tandem.demo import _section, _speed
-
-    _section("Structured outputs: JSON schema, grammar masks filled on the CPU while the forward runs")
-    tok = engine.tokenizer
-    prompts = [tok.apply_chat_template([{"role": "user", "content": f"Extract the person as JSON. {t}"}]) for t in TEXTS]
+def tour_structured(engine: LLMEngine, rows: Rows, quick: bool) -> None:
+    section("Structured outputs: JSON schema, grammar masks filled on the CPU while the forward runs")
+    prompts = [chat_prompt(engine, f"Extract the person as JSON. {t}") for t in TEXTS]
     guided = SamplingParams(temperature=0.0, max_tokens=80, structured_outputs=StructuredOutputsParams(json=PERSON))
-    engine.guidance.manager.warm_up()
+    engine.guidance.warm_up()
     outs: list[str] = []
     res = drive(engine, prompts, guided, len(prompts), "guided", on_output=lambda o: outs.append(o.outputs[0].text))
     for text in outs:
@@ -48,5 +46,5 @@ def tour_structured(engine: LLMEngine, rows: list[dict[str, object]], quick: boo
     print(f"  {len(outs)}/{len(prompts)} outputs validate against the schema; forced tokens "
           f"{st.get('guided_forced_fraction', 0):.0%}; mask fill p50 {st.get('grammar_mask_fill_us_per_row_p50', 0):.0f} us/row; "
           f"grammar time the device waited for: {1e3 * st.get('grammar_exposed_s', 0):.1f} ms in all")
-    rows.append({"what": f"JSON-schema guided, {len(prompts)} concurrent", **_speed(res)})
-    rows.append({"what": f"same prompts unguided, {len(prompts)} concurrent", **_speed(base)})
+    rows.append({"what": f"JSON-schema guided, {len(prompts)} concurrent", **speed(res)})
+    rows.append({"what": f"same prompts unguided, {len(prompts)} concurrent", **speed(base)})

@@ -10,10 +10,10 @@ import torch.nn.functional as F
 
 from tandem.config import CacheConfig, SchedulerConfig
 from tandem.core.plan import ScheduledRequest, StepPlan
+from tandem.layers.attention import build_metadata, write_kv
+from tandem.layers.kernels import load_cpu_kernels
+from tandem.layers.ops import CpuKernelOps, TorchOps, select_ops
 from tandem.models.loader import load_checkpoint
-from tandem.runner.attention import build_metadata, write_kv
-from tandem.runner.kernels import load_cpu_kernels
-from tandem.runner.ops import CpuKernelOps, TorchOps, select_ops
 from tandem.runner.runner import ModelRunner
 
 pytestmark = pytest.mark.skipif(not load_cpu_kernels(), reason="tandem CPU kernels could not be built here")
@@ -161,7 +161,7 @@ def test_model_forward_same_with_and_without_kernels(arch: str, tmp_path: Path) 
 
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_bf16_gemm_matches_float_reference_and_is_row_invariant(with_bias: bool) -> None:
-    from tandem.runner.linear import _bf16_gemm_available, make_linear
+    from tandem.layers.linear import _bf16_gemm_available, make_linear
 
     if not _bf16_gemm_available():
         pytest.skip("no AVX512-BF16 on this CPU")

@@ -15,7 +15,7 @@ from abc import ABC, abstractmethod
 import torch
 import torch.nn.functional as F
 
-from tandem.runner.attention import AttentionMetadata, paged_attention, prefill_attention, write_kv
+from tandem.layers.attention import AttentionMetadata, paged_attention, prefill_attention, write_kv
 
 SILU_KERNEL_MAX_ROWS = 8  # from here on torch's SiLU (Sleef, 512-bit) outruns the fused kernel on this CPU
 
@@ -170,7 +170,7 @@ class CpuKernelOps(LayerOps):
 def select_ops(device: torch.device, cos_half: torch.Tensor, sin_half: torch.Tensor, dtype: torch.dtype, use_kernels: bool) -> LayerOps:
     """The fused CPU kernels on a CPU when wanted and buildable; torch operations otherwise."""
     if use_kernels and device.type == "cpu":
-        from tandem.runner.kernels import load_cpu_kernels
+        from tandem.layers.kernels import load_cpu_kernels
 
         if load_cpu_kernels():
             return CpuKernelOps(cos_half, sin_half, dtype)

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from tandem.spec.proposer import DraftRequest, Drafts
+from tandem.spec_decode.proposer import DraftRequest, Drafts, Proposer
 
 
 class TokenBuffer:
@@ -81,7 +81,7 @@ def find_ngram_continuation(tokens: np.ndarray, min_n: int, max_n: int, k: int) 
     return tokens[end + 1 : end + 1 + k]
 
 
-class NgramProposer:
+class NgramProposer(Proposer):
     """Prompt lookup decoding over each request's own prompt + output (deterministic drafts, no probs)."""
 
     name = "ngram"

@@ -19,7 +19,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from tandem.spec.proposer import DraftRequest, Drafts
+from tandem.spec_decode.proposer import DraftRequest, Drafts, Proposer
 
 
 class _Node:
@@ -276,7 +276,7 @@ class _RequestState:
     num_prompt_tokens: int
 
 
-class SuffixProposer:
+class SuffixProposer(Proposer):
     """Suffix decoding over each request's own tokens and the outputs of recently finished requests."""
 
     name = "suffix"

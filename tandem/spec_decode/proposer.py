@@ -1,14 +1,15 @@
 """The drafting contract: what the engine hands a proposer each step and what it gets back.
 
 A proposer guesses the next tokens of each running request on the CPU while the accelerator is busy; the target
-model verifies the guesses in its next forward pass. Proposers are looked up by name in `PROPOSERS`.
+model verifies the guesses in its next forward pass. Proposers are built by name from `registry.PROPOSERS`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Protocol
 
 
 @dataclass
@@ -27,48 +28,44 @@ class DraftRequest:
 
 @dataclass
 class Drafts:
-    """A proposal for the positions right after `token_ids`."""
+    """A proposal for the positions right after `token_ids`: at most max_drafts tokens, possibly none.
 
-    token_ids: list[int]  # at most max_drafts, possibly empty
-    probs: Any | None = None  # [k, V] proposal distribution for sampled verification; None = deterministic
+    Drafts are deterministic guesses (the proposal distribution is one-hot), which keeps verification lossless with
+    the rule in sampling/rejection.py.
+    """
+
+    token_ids: list[int]
 
 
-class Proposer(Protocol):
+class Proposer(ABC):
     """A speculative drafter. Every call is made from the engine's thread, between or during device steps."""
 
     name: str
+    # The proposer drafts on other threads or processes while the device verifies (`propose_async` returns before
+    # the drafts exist). It then shares the host's cores with the target's forward, so its cost shows only in wall
+    # time: the engine drafts the next step ahead of verification and measures goodput with and without drafting.
+    drafts_concurrently: bool = False
 
+    @abstractmethod
     def propose(self, batch: Sequence[DraftRequest]) -> dict[str, Drafts]:
         """Draft for every request of `batch`; the result has one entry per request id (empty when K = 0).
 
         May update the proposer's per-request state with the tokens of `token_ids` it has not seen yet.
         """
-        ...
 
+    @abstractmethod
     def on_verified(self, request_id: str, accepted: Sequence[int], num_drafted: int) -> None:
         """Report verification: `accepted` is the accepted prefix of the last `num_drafted` drafts."""
-        ...
 
+    @abstractmethod
     def release(self, request_id: str) -> None:
         """The request finished or was aborted: drop its state (a proposer may first learn from its output)."""
-        ...
 
+    def propose_async(self, batch: Sequence[DraftRequest]) -> Future[dict[str, Drafts]]:
+        """Start drafting for `batch`; the future holds what `propose` returns. Synchronous unless overridden."""
+        done: Future[dict[str, Drafts]] = Future()
+        done.set_result(self.propose(batch))
+        return done
 
-# method name -> factory taking the method's keyword options. `tandem/spec/__init__.py` registers "ngram" and
-# "suffix" (it always runs before this module is usable); other drafters (e.g. "draft_model") add themselves with
-# `register_proposer`.
-PROPOSERS: dict[str, Callable[..., Proposer]] = {}
-
-
-def register_proposer(method: str, factory: Callable[..., Proposer]) -> None:
-    """Make `make_proposer(method, ...)` build proposers with `factory` (replaces an earlier registration)."""
-    PROPOSERS[method] = factory
-
-
-def make_proposer(method: str, **options: Any) -> Proposer:
-    """Build the proposer registered as `method` with `options`; ValueError names the known methods."""
-    factory = PROPOSERS.get(method)
-    if factory is None:
-        known = ", ".join(sorted(PROPOSERS)) or "none"
-        raise ValueError(f"unknown speculative decoding method {method!r}; known methods: {known}")
-    return factory(**options)
+    def close(self) -> None:  # noqa: B027 - optional: most proposers hold nothing to stop
+        """Stop worker threads or processes (idempotent)."""

@@ -1,4 +1,4 @@
-"""The host thread: one thread for all host tensor work, re-entrant."""
+"""The tensor thread: one thread for all host tensor work, re-entrant."""
 
 from __future__ import annotations
 
@@ -6,16 +6,16 @@ import threading
 
 import pytest
 
-from tandem.runner.host_thread import host_thread, on_host_thread
+from tandem.runner.tensor_thread import on_tensor_thread, tensor_thread
 
 
 def test_runs_on_one_thread_and_nests_without_deadlock() -> None:
     me = threading.get_ident()
-    first = on_host_thread(threading.get_ident)
-    assert first != me and on_host_thread(threading.get_ident) == first
-    # a call made from the host thread runs inline (a submit-and-wait there would deadlock)
-    assert on_host_thread(lambda: on_host_thread(threading.get_ident)) == first
-    assert on_host_thread(lambda: host_thread().submit(threading.get_ident).result(timeout=5)) == first
+    first = on_tensor_thread(threading.get_ident)
+    assert first != me and on_tensor_thread(threading.get_ident) == first
+    # a call made from the tensor thread runs inline (a submit-and-wait there would deadlock)
+    assert on_tensor_thread(lambda: on_tensor_thread(threading.get_ident)) == first
+    assert on_tensor_thread(lambda: tensor_thread().submit(threading.get_ident).result(timeout=5)) == first
 
 
 def test_exceptions_reach_the_caller() -> None:
@@ -23,12 +23,12 @@ def test_exceptions_reach_the_caller() -> None:
         raise ValueError("boom")
 
     with pytest.raises(ValueError, match="boom"):
-        on_host_thread(boom)
+        on_tensor_thread(boom)
     with pytest.raises(ValueError, match="boom"):
-        on_host_thread(lambda: host_thread().submit(boom).result())
+        on_tensor_thread(lambda: tensor_thread().submit(boom).result())
 
 
-def test_model_runner_forwards_on_the_host_thread() -> None:
+def test_model_runner_forwards_on_the_tensor_thread() -> None:
     import torch
 
     from tandem.config import CacheConfig, SchedulerConfig
@@ -46,4 +46,4 @@ def test_model_runner_forwards_on_the_host_thread() -> None:
     forward = runner.model.forward
     runner.model.forward = lambda *a: (seen.append(threading.get_ident()), forward(*a))[1]  # type: ignore[method-assign]
     runner.execute(StepPlan(0, [ScheduledRequest("a", [1, 2, 3], 0, [0, 1])]))
-    assert seen == [on_host_thread(threading.get_ident)]
+    assert seen == [on_tensor_thread(threading.get_ident)]

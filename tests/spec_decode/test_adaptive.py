@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-from tandem.spec import AdaptiveK
+from tandem.spec_decode import AdaptiveK
 
 
 def feed_acceptance(ak: AdaptiveK, request_id: str, accepted: int, times: int = 100) -> None:

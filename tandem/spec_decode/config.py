@@ -7,6 +7,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from tandem.config import ConfigError
+from tandem.spec_decode.proposer import Proposer
+from tandem.spec_decode.registry import PROPOSERS, make_proposer
 
 MAX_SPECULATIVE_TOKENS = 16
 
@@ -32,9 +34,7 @@ class SpeculativeConfig:
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        from tandem.spec.proposer import PROPOSERS
-
-        known = sorted(set(PROPOSERS) | {"draft_model"})
+        known = sorted(PROPOSERS)
         if self.method not in known:
             raise ConfigError(f"speculative method {self.method!r} is unknown; known: {known}")
         k = self.num_speculative_tokens
@@ -80,13 +80,6 @@ class SpeculativeConfig:
         }
 
 
-def build_proposer(config: SpeculativeConfig, target_vocab_size: int, tokenizer: Any):  # type: ignore[no-untyped-def]
-    """The proposer `config.method` names, from the registry (the draft model registers itself lazily)."""
-    from tandem.spec.proposer import PROPOSERS, make_proposer
-
-    if config.method == "draft_model" and "draft_model" not in PROPOSERS:
-        from tandem.spec.draft_model import make_draft_model_proposer
-        from tandem.spec.proposer import register_proposer
-
-        register_proposer("draft_model", make_draft_model_proposer)
+def build_proposer(config: SpeculativeConfig, target_vocab_size: int, tokenizer: Any) -> Proposer:
+    """The proposer `config.method` names, from the registry."""
     return make_proposer(config.method, **config.proposer_options(target_vocab_size, tokenizer))

@@ -22,9 +22,9 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
-class HostThread:
+class TensorThread:
     def __init__(self) -> None:
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-host")
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-tensor")
         self._ident: int | None = None
         self._executor.submit(self._mark).result()
 
@@ -49,19 +49,19 @@ class HostThread:
 
 
 _lock = threading.Lock()
-_thread: HostThread | None = None
+_thread: TensorThread | None = None
 _pid = -1
 
 
-def host_thread() -> HostThread:
-    """This process's host thread (created on first use; a forked child gets its own)."""
+def tensor_thread() -> TensorThread:
+    """This process's tensor thread (created on first use; a forked child gets its own)."""
     global _thread, _pid
     with _lock:
         if _thread is None or _pid != os.getpid():
-            _thread, _pid = HostThread(), os.getpid()
+            _thread, _pid = TensorThread(), os.getpid()
         return _thread
 
 
-def on_host_thread(fn: Callable[..., T], *args: Any) -> T:
-    """Run `fn(*args)` on the host thread and return its result (inline when already there)."""
-    return host_thread().run(fn, *args)
+def on_tensor_thread(fn: Callable[..., T], *args: Any) -> T:
+    """Run `fn(*args)` on the tensor thread and return its result (inline when already there)."""
+    return tensor_thread().run(fn, *args)

@@ -29,6 +29,7 @@ their next proposal) and only that call returns no drafts.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import multiprocessing as mp
 import multiprocessing.connection as mpc
@@ -52,9 +53,9 @@ from tandem.core.plan import ScheduledRequest, StepPlan
 from tandem.models.loader import load_checkpoint
 from tandem.params import SamplingParams
 from tandem.request import Request
-from tandem.runner.host_thread import on_host_thread
 from tandem.runner.runner import ModelRunner
-from tandem.spec.proposer import DraftRequest, Drafts
+from tandem.runner.tensor_thread import on_tensor_thread
+from tandem.spec_decode.proposer import DraftRequest, Drafts, Proposer
 from tandem.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -289,11 +290,11 @@ class InProcessBackend:
     """The core in this process (no hang protection: a thread cannot be killed)."""
 
     def __init__(self, options: DraftModelOptions) -> None:
-        threads = on_host_thread(torch.get_num_threads)
+        threads = on_tensor_thread(torch.get_num_threads)
         try:
-            self.core = on_host_thread(DraftModelCore, options)
-        finally:  # the draft's runner set the host thread's count (shared with the target's forward): restore it
-            on_host_thread(torch.set_num_threads, threads)
+            self.core = on_tensor_thread(DraftModelCore, options)
+        finally:  # the draft's runner set the tensor thread's count (shared with the target's forward): restore it
+            on_tensor_thread(torch.set_num_threads, threads)
         self.info = self.core.info
 
     def call(self, releases: list[str], jobs: list[SyncJob]) -> ProposeReply:
@@ -313,7 +314,7 @@ def _worker_main(conn: mpc.Connection, options: DraftModelOptions) -> None:
     try:
         if options.cpu_cores:
             os.sched_setaffinity(0, options.cpu_cores)
-        core = on_host_thread(DraftModelCore, options)  # all tensor work on one thread (see runner/host_thread.py)
+        core = on_tensor_thread(DraftModelCore, options)  # all tensor work on one thread (see runner/tensor_thread.py)
     except BaseException as e:  # everything must reach the parent as a message
         kind = "config" if isinstance(e, ConfigError) else "fatal"
         conn.send(("error", kind, f"{type(e).__name__}: {e}"))
@@ -328,7 +329,7 @@ def _worker_main(conn: mpc.Connection, options: DraftModelOptions) -> None:
             core.close()
             return
         try:
-            drafts, dropped = on_host_thread(core.propose, msg[1], msg[2])
+            drafts, dropped = on_tensor_thread(core.propose, msg[1], msg[2])
             reply: tuple[Any, ...] = ("drafts", drafts, dropped)
         except Exception as e:
             core.reset()
@@ -456,10 +457,11 @@ class _Mirror:
     confirmed: int = 0
 
 
-class DraftModelProposer:
+class DraftModelProposer(Proposer):
     """Drafts with a small model of the target's vocabulary; see the module docstring for the protocol."""
 
     name = "draft_model"
+    drafts_concurrently = True
 
     def __init__(
         self,
@@ -493,33 +495,15 @@ class DraftModelProposer:
             raise ConfigError(
                 f"timeouts must be > 0, got timeout_s={timeout_s}, startup_timeout_s={startup_timeout_s}"
             )
-        if draft_dtype not in _DTYPES:
-            raise ConfigError(f"draft_dtype must be one of {sorted(_DTYPES)}, got {draft_dtype!r}")
         device = _draft_device(draft_device)
-        cores = _check_cores(cpu_cores)
         self.in_process = in_process or device.type != "cpu"
-        threads = (
-            draft_threads if draft_threads is not None or self.in_process else (len(cores) if cores else 1)
-        )
-        options = DraftModelOptions(
-            model_path=str(Path(model_path).expanduser()),
-            target_vocab_size=target_vocab_size,
-            dtype=draft_dtype,
-            device=str(device),
-            num_threads=threads,
-            cpu_cores=None if self.in_process else cores,
-            block_size=block_size,
-            max_num_seqs=max_num_seqs,
-            max_model_len=max_model_len,
-            kv_cache_memory=kv_cache_memory,
-            num_blocks=num_kv_blocks,
+        options = draft_options(
+            model_path, target_vocab_size, draft_dtype, device, draft_threads, cpu_cores, self.in_process,
+            DraftModelOptions(model_path="", target_vocab_size=0, block_size=block_size, max_num_seqs=max_num_seqs,
+                              max_model_len=max_model_len, kv_cache_memory=kv_cache_memory, num_blocks=num_kv_blocks),
         )
         self.num_speculative_tokens = num_speculative_tokens
-        self.backend: DraftBackend = (
-            InProcessBackend(options)
-            if self.in_process
-            else WorkerProcessBackend(options, timeout_s=timeout_s, startup_timeout_s=startup_timeout_s)
-        )
+        self.backend = _start_backend(options, self.in_process, timeout_s, startup_timeout_s)
         try:
             check_vocabulary(self.backend.info, target_vocab_size, target_tokenizer)
         except BaseException:
@@ -719,6 +703,39 @@ def _common_prefix(mirror: _Mirror, token_ids: Sequence[int]) -> int:
     while i < limit and known[i] == int(token_ids[i]):
         i += 1
     return i
+
+
+def draft_options(
+    model_path: str | os.PathLike[str],
+    target_vocab_size: int,
+    dtype: str,
+    device: torch.device,
+    threads: int | None,
+    cpu_cores: Sequence[int] | None,
+    in_process: bool,
+    cache: DraftModelOptions,
+) -> DraftModelOptions:
+    """Checked options of a draft core; `cache` supplies the block / sequence / memory settings."""
+    if dtype not in _DTYPES:
+        raise ConfigError(f"draft_dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    cores = _check_cores(cpu_cores)
+    if threads is None and not in_process:
+        threads = len(cores) if cores else 1
+    return dataclasses.replace(
+        cache,
+        model_path=str(Path(model_path).expanduser()),
+        target_vocab_size=target_vocab_size,
+        dtype=dtype,
+        device=str(device),
+        num_threads=threads,
+        cpu_cores=None if in_process else cores,
+    )
+
+
+def _start_backend(options: DraftModelOptions, in_process: bool, timeout_s: float, startup_timeout_s: float) -> DraftBackend:
+    if in_process:
+        return InProcessBackend(options)
+    return WorkerProcessBackend(options, timeout_s=timeout_s, startup_timeout_s=startup_timeout_s)
 
 
 def _draft_device(device: str) -> torch.device:

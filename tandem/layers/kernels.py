@@ -46,7 +46,7 @@ def build_key() -> str:
 
 
 def build_dir() -> Path:
-    from tandem.models.loader import tandem_home
+    from tandem.paths import tandem_home
 
     return tandem_home() / "kernels" / build_key()
 
@@ -99,6 +99,6 @@ def _ninja_on_path() -> None:
             os.environ["PATH"] = f"{here}{os.pathsep}{os.environ.get('PATH', '')}"
 
 
-if __name__ == "__main__":  # `python -m tandem.runner.kernels`: build ahead of time (make setup)
+if __name__ == "__main__":  # `python -m tandem.layers.kernels`: build ahead of time (make setup)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     print(f"tandem CPU kernels: {'ready' if load_cpu_kernels() else 'unavailable'} ({build_dir()})")

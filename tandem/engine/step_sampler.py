@@ -1,0 +1,140 @@
+"""Turning one step's logits into tokens: sample the plain rows, verify the drafted rows, record logprobs.
+
+Runs on the tensor thread (`ModelRunner.on_tensor_thread`); reads the sequences' state, writes only their logprob
+records. Row order: the plan's requests in order, each with its `num_logits_rows` rows (see core/plan.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from tandem.core.plan import ScheduledRequest, StepPlan
+from tandem.engine.guidance import StepMasks
+from tandem.engine.sequences import SequenceState
+from tandem.request import Logprob
+from tandem.sampling.rejection import DraftRows, rejection_sample
+from tandem.sampling.sampler import RowLogprobs, Sampler, SamplingRow, prompt_logprobs
+from tandem.tokenizer import Tokenizer
+
+PlainRow = tuple[SequenceState, int]  # (sequence, logits row)
+VerifyRows = tuple[SequenceState, int, list[int]]  # (sequence, first logits row, drafts)
+
+
+class StepSampler:
+    """Samples or verifies every sequence of a step that reached the end of its known tokens."""
+
+    def __init__(self, sampler: Sampler, tokenizer: Tokenizer, mask_mode: str) -> None:
+        self.sampler = sampler
+        self.tokenizer = tokenizer
+        # (a) "device": bitmask copied to the device and applied there; (b) "cpu": logits brought to the host
+        self.mask_mode = mask_mode
+
+    def sample(
+        self, plan: StepPlan, logits: torch.Tensor, masks: StepMasks, seqs: Mapping[str, SequenceState]
+    ) -> dict[str, list[int]]:
+        """Tokens per request id: one sampled token, or the verified drafts plus one. logits: [R, V]."""
+        if self.mask_mode == "cpu" and logits.device.type != "cpu" and masks.guided:
+            logits = logits.cpu()  # mode (b): all logits processing and sampling on the host
+        plain, verify = self._split_rows(plan, logits, seqs)
+        tokens: dict[str, list[int]] = {}
+        if plain:
+            tokens.update(self._sample_plain(plain, logits, _bitmask(masks.sample_rows, logits.device)))
+        if verify:
+            tokens.update(self._verify(verify, logits, _bitmask(masks.verify_rows, logits.device)))
+        return tokens
+
+    def _split_rows(
+        self, plan: StepPlan, logits: torch.Tensor, seqs: Mapping[str, SequenceState]
+    ) -> tuple[list[PlainRow], list[VerifyRows]]:
+        """Which rows are sampled and which verify drafts; records prompt logprobs on the way."""
+        plain: list[PlainRow] = []
+        verify: list[VerifyRows] = []
+        offset = 0
+        for sr in plan.requests:
+            seq = seqs[sr.request_id]
+            n = sr.num_logits_rows
+            if sr.all_logits:
+                self._record_prompt_logprobs(seq, sr, logits[offset : offset + n])
+            if sr.needs_logits:
+                k = sr.num_draft_tokens
+                if k:
+                    verify.append((seq, offset + n - 1 - k, sr.input_ids[-k:]))
+                else:
+                    plain.append((seq, offset + n - 1))
+            offset += n
+        return plain, verify
+
+    def _sample_plain(self, plain: list[PlainRow], logits: torch.Tensor, bitmask: torch.Tensor | None) -> dict[str, list[int]]:
+        rows = [_row(seq, ()) for seq, _ in plain]
+        picked = [r for _, r in plain]
+        if picked == list(range(logits.shape[0])):  # every row, in order (plain decode): no copy
+            x = logits
+        else:
+            x = logits.index_select(0, torch.tensor(picked, device=logits.device))
+        out = self.sampler.sample(x, rows, bitmask)
+        tokens: dict[str, list[int]] = {}
+        for (seq, _), tok, lp in zip(plain, out.token_ids, out.logprobs):
+            tokens[seq.request_id] = [tok]
+            self._add_logprobs(seq, [lp] if lp is not None else [])
+        return tokens
+
+    def _verify(self, verify: list[VerifyRows], logits: torch.Tensor, bitmask: torch.Tensor | None) -> dict[str, list[int]]:
+        """Rejection-sample every speculative request's drafts in one call (row j sees drafts[:j] as its history)."""
+        row_idx = [first + j for _, first, d in verify for j in range(len(d) + 1)]
+        rows = [_row(seq, d[:j]) for seq, _, d in verify for j in range(len(d) + 1)]
+        target = logits.index_select(0, torch.tensor(row_idx, device=logits.device))  # [sum(k + 1), V]
+        emitted = rejection_sample(self.sampler, target, rows, [DraftRows(d, None) for _, _, d in verify], bitmask)
+        tokens: dict[str, list[int]] = {}
+        pos = 0
+        for (seq, _, drafts), toks in zip(verify, emitted):
+            tokens[seq.request_id] = toks
+            if seq.logprobs is not None:
+                n = seq.req.params.logprobs or 0
+                self._add_logprobs(seq, prompt_logprobs(target[pos : pos + len(toks)], toks, n))
+            pos += len(drafts) + 1
+        return tokens
+
+    def _add_logprobs(self, seq: SequenceState, lps: Sequence[RowLogprobs]) -> None:
+        if seq.logprobs is None:
+            return
+        for lp in lps:
+            seq.logprobs.append(self._logprob_dict(lp))
+            seq.cumulative_logprob += lp.logprob
+
+    def _record_prompt_logprobs(self, seq: SequenceState, sr: ScheduledRequest, logits: torch.Tensor) -> None:
+        """Row i predicts the token at position start + i + 1; record those inside the prompt (first sequence only).
+
+        Keyed by position: after a preemption the prompt is recomputed and rows already recorded are skipped.
+        """
+        group = seq.group
+        if seq.index != 0 or group.prompt_logprobs is None:
+            return
+        prompt = group.prompt_token_ids
+        first = len(group.prompt_logprobs)  # next position without a record
+        rows = [i for i in range(sr.num_tokens) if first <= sr.start_pos + i + 1 < len(prompt)]
+        if not rows:
+            return
+        nexts = [prompt[sr.start_pos + i + 1] for i in rows]
+        top_n = seq.req.params.prompt_logprobs or 0
+        for lp in prompt_logprobs(logits[rows[0] : rows[-1] + 1], nexts, top_n):
+            group.prompt_logprobs.append(self._logprob_dict(lp))
+
+    def _logprob_dict(self, lp: RowLogprobs) -> dict[int, Logprob]:
+        d = {lp.token_id: Logprob(lp.logprob, lp.rank, self.tokenizer.decode([lp.token_id], skip_special_tokens=False))}
+        for rank, (t, v) in enumerate(zip(lp.top_ids, lp.top_logprobs), start=1):
+            if t not in d:
+                d[t] = Logprob(v, rank, self.tokenizer.decode([t], skip_special_tokens=False))
+        return d
+
+
+def _row(seq: SequenceState, drafts: Sequence[int]) -> SamplingRow:
+    req = seq.req
+    out = req.output_token_ids
+    return SamplingRow(req.params, req.prompt_token_ids, out + list(drafts) if drafts else out, seq.generator)
+
+
+def _bitmask(mask: np.ndarray | None, device: torch.device) -> torch.Tensor | None:
+    return None if mask is None else torch.from_numpy(mask).to(device, non_blocking=True)

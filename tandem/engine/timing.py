@@ -1,0 +1,46 @@
+"""Where a step's wall time goes: `StepTimer` marks the phases of one step, `EngineStats` sums them."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+
+class StepTimer:
+    """perf_counter() marks of one step's phases, in the order of `LLMEngine.step`."""
+
+    def __init__(self) -> None:
+        self._marks = {"start": time.perf_counter()}
+
+    def mark(self, phase: str) -> None:
+        self._marks[phase] = time.perf_counter()
+
+    def at(self, phase: str) -> float:
+        return self._marks[phase]
+
+    def span(self, first: str, last: str) -> float:
+        """Seconds from mark `first` to mark `last`."""
+        return self._marks[last] - self._marks[first]
+
+
+@dataclass
+class EngineStats:
+    """Cumulative counters and phase times of the engine's steps."""
+
+    num_steps: int = 0
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_preemptions: int = 0
+    forward_s: float = 0.0  # from the end of drafting until the logits were collected
+    cpu_overlap_s: float = 0.0  # CPU work done while the forward ran (grammar masks, look-ahead drafting)
+    draft_s: float = 0.0  # drafting before the step (the device waits for it)
+    sample_s: float = 0.0
+
+    def record(self, timer: StepTimer, num_preempted: int) -> None:
+        """Add one step whose timer marked 'drafted', 'launched', 'overlapped', 'collected' and 'sampled'."""
+        self.num_steps += 1
+        self.num_preemptions += num_preempted
+        self.draft_s += timer.span("start", "drafted")
+        self.forward_s += timer.span("drafted", "collected")
+        self.cpu_overlap_s += timer.span("launched", "overlapped")
+        self.sample_s += timer.span("collected", "sampled")

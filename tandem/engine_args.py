@@ -1,0 +1,107 @@
+"""Engine flags shared by every command that builds an engine (`tandem generate`, `serve`, `bench ...`).
+
+`add_engine_args(parser)` adds them; `engine_kwargs(args)` turns the parsed namespace into `build_engine` keywords.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from typing import Any
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+               "g": 10**9, "gb": 10**9, "gib": 2**30}
+
+
+def parse_size(text: str) -> int:
+    """'1048576', '512KiB', '2M', '1.5GB' -> bytes."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    if m is None or m.group(2).lower() not in _SIZE_UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 1048576, 512KiB, 2MiB, 1GiB)")
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+
+
+def _key_value(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.isidentifier():
+        raise argparse.ArgumentTypeError(f"--engine-arg wants KEY=VALUE (VALUE as JSON, else a string), got {text!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Model, cache, scheduler, structured-output and speculative-decoding flags."""
+    g = p.add_argument_group("engine")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="cpu", help="torch device of the forward pass (cpu, cuda, cuda:1, ...)")
+    g.add_argument("--tokenizer", default=None, help="tokenizer path (default: the checkpoint's)")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--kv-cache-memory", type=parse_size, default=None, help="KV cache budget (bytes, or e.g. 1GiB)")
+    g.add_argument("--memory-fraction", type=float, default=0.5, help="KV budget as a fraction of free memory")
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (overrides the budget)")
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--threads", type=int, default=None, help="torch threads of the forward (default: all cores)")
+    g.add_argument("--chat-template", default=None, help="Jinja chat template text or file")
+    g.add_argument("--structured-outputs-config", type=json.loads, default=None,
+                   help='structured-output settings as JSON, e.g. {"backend": "llguidance"}')
+    g.add_argument("--structured-mask-mode", default=None, choices=["cpu", "device"])
+    g.add_argument("--engine-arg", type=_key_value, action="append", default=[], metavar="KEY=VALUE",
+                   help="any other build_engine keyword (VALUE parsed as JSON); repeatable")
+    s = p.add_argument_group("speculative decoding")
+    s.add_argument("--speculative-method", default=None, choices=["ngram", "suffix", "draft_model"])
+    s.add_argument("--num-speculative-tokens", type=int, default=4)
+    s.add_argument("--draft-model", default=None, help="draft checkpoint (method draft_model)")
+    s.add_argument("--draft-device", default="cpu")
+    s.add_argument("--draft-dtype", default="bfloat16")
+    s.add_argument("--draft-threads", type=int, default=None)
+    s.add_argument("--prompt-lookup-min", type=int, default=1)
+    s.add_argument("--prompt-lookup-max", type=int, default=4)
+    s.add_argument("--no-adaptive", action="store_true", help="always draft K tokens")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """`build_engine` keywords from the flags `add_engine_args` added."""
+    kw = dict(
+        dtype=args.dtype,
+        device=args.device,
+        tokenizer=args.tokenizer,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory,
+        memory_fraction=args.memory_fraction,
+        num_kv_blocks=args.num_kv_blocks,
+        enable_prefix_caching=not args.no_prefix_caching,
+        seed=args.seed,
+        num_threads=args.threads,
+        chat_template=args.chat_template,
+        structured_outputs_config=args.structured_outputs_config,
+        structured_mask_mode=args.structured_mask_mode,
+        speculative_config=speculative_from_args(args),
+    )
+    kw.update(dict(args.engine_arg))
+    return kw
+
+
+def speculative_from_args(args: argparse.Namespace) -> dict[str, Any] | None:
+    if not args.speculative_method:
+        return None
+    return {
+        "method": args.speculative_method,
+        "num_speculative_tokens": args.num_speculative_tokens,
+        "model": args.draft_model,
+        "draft_device": args.draft_device,
+        "draft_dtype": args.draft_dtype,
+        "draft_threads": args.draft_threads,
+        "prompt_lookup_min": args.prompt_lookup_min,
+        "prompt_lookup_max": args.prompt_lookup_max,
+        "adaptive": not args.no_adaptive,
+    }

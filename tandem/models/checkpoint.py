@@ -1,0 +1,167 @@
+"""What every checkpoint format becomes (`Checkpoint`), and the helpers the format readers share.
+
+Derived folders (a GGUF's tokenizer, a converted llama2.c model) are cached under `tandem_home()` and written
+atomically (into a temp folder beside the target, then one `rename`), so concurrent processes never see half a folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from tandem.config import DTYPES, ConfigError, ModelConfig
+
+logger = logging.getLogger(__name__)
+
+_DTYPES_BY_NAME: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+SAFETENSORS_FILE = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+@dataclass
+class Checkpoint:
+    """A loaded model: architecture, HF-named weights in one dtype, and where its tokenizer lives."""
+
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]  # HF names, e.g. "model.layers.0.self_attn.q_proj.weight" -> [out, in]
+    tokenizer_path: Path  # a folder for AutoTokenizer.from_pretrained
+    chat_template: str | None
+    source: str  # "hf" | "gguf" | "llama2c"
+
+
+def resolve_dtype(name: str, config: ModelConfig) -> torch.dtype:
+    """Map a dtype name to torch; "auto" takes the checkpoint's `torch_dtype` (bfloat16 when unknown)."""
+    if name == "auto":
+        declared = str(config.torch_dtype or "").removeprefix("torch.")
+        return _DTYPES_BY_NAME.get(declared, torch.bfloat16)
+    if name not in _DTYPES_BY_NAME:
+        raise ConfigError(f"dtype must be one of {list(DTYPES)}, got {name!r}")
+    return _DTYPES_BY_NAME[name]
+
+
+def expected_weight_names(config: ModelConfig) -> list[str]:
+    """Every HF parameter name a checkpoint of this architecture must hold (buffers excluded)."""
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not config.tie_word_embeddings:
+        names.append("lm_head.weight")
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+        names += [f"{p}self_attn.{x}_proj.weight" for x in ("q", "k", "v", "o")]
+        names += [f"{p}mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
+        if config.attention_bias:
+            names += [f"{p}self_attn.{x}_proj.bias" for x in ("q", "k", "v")]
+        if config.qk_norm:
+            names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
+    return names
+
+
+def interleaved_to_rotate_half(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Reorder q/k projection rows from interleaved RoPE pairs to HF's rotate-half layout.
+
+    Within each head of size D, interleaved layouts (llama.cpp GGUF, llama2.c, Meta) rotate rows (2i, 2i+1) together;
+    HF rotates (i, i + D/2). Row 2i + j of a head moves to row j * D/2 + i. Works for weights [H*D, in] and biases [H*D].
+    """
+    rows = w.shape[0]
+    head_dim = rows // num_heads
+    # [H, D/2, 2, ...] -> [H, 2, D/2, ...]
+    return w.reshape(num_heads, head_dim // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()
+
+
+def read_chat_template(folder: Path) -> str | None:
+    """The chat template saved beside a tokenizer: chat_template.jinja, chat_template.json or tokenizer_config.json."""
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text()
+    for name in ("chat_template.json", "tokenizer_config.json"):
+        file = folder / name
+        if not file.is_file():
+            continue
+        try:
+            template = json.loads(file.read_text()).get("chat_template")
+        except (json.JSONDecodeError, AttributeError):
+            continue
+        if isinstance(template, str):
+            return template
+        if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            chosen = named.get("default")
+            if isinstance(chosen, str):
+                return chosen
+    return None
+
+
+def write_hf_folder(
+    out_dir: Path,
+    hf_config: Mapping[str, Any],
+    weights: Mapping[str, torch.Tensor],
+    save_tokenizer: Callable[[Path], None] | None = None,
+) -> Path:
+    """Write config.json, generation_config.json, model.safetensors and the tokenizer into `out_dir`, atomically.
+
+    Raises ConfigError if `out_dir` already exists and is not empty when called (see `write_folder_atomically`).
+    """
+
+    def fill(tmp: Path) -> None:
+        (tmp / "config.json").write_text(json.dumps(dict(hf_config), indent=2, sort_keys=True) + "\n")
+        generation = {
+            k: hf_config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in hf_config
+        }
+        (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+        tensors = {k: v.detach().contiguous() for k, v in weights.items()}
+        save_file(tensors, str(tmp / SAFETENSORS_FILE), metadata={"format": "pt"})
+        if save_tokenizer is not None:
+            save_tokenizer(tmp)
+
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise ConfigError(
+            f"{out_dir} already exists and is not empty; remove it or choose another output folder"
+        )
+    return write_folder_atomically(out_dir, fill)
+
+
+def write_folder_atomically(out_dir: Path, fill: Callable[[Path], None]) -> Path:
+    """Create `out_dir` with the files `fill(tmp)` writes: into a temp folder beside it, then one rename.
+
+    If another process published a complete `out_dir` (one with files) meanwhile, that folder is kept and ours
+    is discarded; readers therefore never see a half-written folder.
+    """
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        fill(tmp)
+        try:
+            if out_dir.is_dir() and not any(out_dir.iterdir()):
+                out_dir.rmdir()
+            os.rename(tmp, out_dir)
+        except OSError:
+            if not (out_dir.is_dir() and any(out_dir.iterdir())):
+                raise
+            logger.info("%s was written by another process meanwhile; keeping it", out_dir)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def file_cache_key(path: Path) -> str:
+    """A short hex key naming a file's cached derivatives: changes when its resolved path, size or mtime does."""
+    st = path.stat()
+    return hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
