@@ -17,6 +17,7 @@ from tandem.bench.common import (
     print_table,
     shared_data_dir,
 )
+from tandem.bench.schemas import describe, distinct_schemas
 from tandem.engine.engine import LLMEngine
 from tandem.engine_args import add_engine_args, engine_kwargs
 from tandem.params import SamplingParams, StructuredOutputsParams
@@ -65,6 +66,9 @@ def add_parser(bsub: Any) -> None:
     p.add_argument("--backend", default="xgrammar", choices=["auto", "xgrammar", "llguidance"])
     p.add_argument("--peers", default="hf,llama.cpp")
     p.add_argument("--mask-vocab", default="o200k_base", help="also time mask fills on this tiktoken vocabulary ('' to skip)")
+    p.add_argument("--distinct-schemas", type=int, default=0, metavar="N",
+                   help="instead: N distinct schemas per backend, submitted at once, cold then warm, vs text at equal lengths")
+    p.add_argument("--backends", default="auto,llguidance,xgrammar", help="with --distinct-schemas")
     p.add_argument("--json", default=None)
     add_engine_args(p)
     p.set_defaults(func=run, dtype="bfloat16")
@@ -95,6 +99,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"machine: {machine_line()}; mask mode {engine.mask_mode}; backend {args.backend}")
     engine.guidance.warm_up()
     drive(engine, [[1, 2, 3]], SamplingParams(max_tokens=4), 1, "warmup")
+    if args.distinct_schemas:
+        return run_distinct(engine, args, levels)
     rows: list[dict[str, Any]] = []
     for workload in args.workloads.split(","):
         fixed = workload == "fixed"
@@ -187,6 +193,59 @@ def peer_rows(engine: LLMEngine, args: argparse.Namespace) -> list[dict[str, Any
     if rows:
         print_table(rows, title="peers, batch 1, nested schema (same prompts)")
     return rows
+
+
+def run_distinct(engine: LLMEngine, args: argparse.Namespace, levels: list[int]) -> int:
+    """Per backend: N distinct schemas all submitted at once (cold: every grammar compiles; warm: the same
+    schemas again, from the cache), and the same prompts as text at equal lengths (min_tokens = max_tokens = the
+    guided output's length); then batch 1 on a few more distinct schemas."""
+    n = args.distinct_schemas
+    rows: list[dict[str, Any]] = []
+    for b, backend in enumerate(args.backends.split(",")):
+        schemas = distinct_schemas(n, seed=7 + 1000 * b)  # new schemas per backend: its first run is cold
+        for phase in ("cold", "warm"):
+            rows.append(_distinct_row(engine, schemas, backend, phase, max(levels), args.output_len))
+        solo = distinct_schemas(8, seed=99 + 1000 * b)
+        rows.append(_distinct_row(engine, solo, backend, "batch 1 (cold)", 1, args.output_len))
+        print_table(rows[-3:])
+    print()
+    print_table(rows, title=f"tandem bench structured --distinct-schemas {n} (ratio = guided / text tok/s, equal lengths)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": machine_line(), "distinct": rows, "stats": engine.get_stats()}, f, indent=2)
+    return 0
+
+
+def _distinct_row(
+    engine: LLMEngine, schemas: list[dict[str, Any]], backend: str, phase: str, concurrency: int, out_len: int
+) -> dict[str, Any]:
+    tok = engine.tokenizer
+    prompts = [tok.apply_chat_template([{"role": "user", "content": describe(s)}]) for s in schemas]
+    guided = [SamplingParams(temperature=0.0, max_tokens=out_len,
+                             structured_outputs=StructuredOutputsParams(json=s, backend=backend)) for s in schemas]
+    manager = engine.guidance.manager
+    before = {b: len(manager.compile_durations_s(b)) for b in ("llguidance", "xgrammar")}
+    served0 = engine.get_stats()
+    outs: dict[int, Any] = {}
+    res = drive(engine, prompts, guided, concurrency, f"g-{backend}-{phase}",
+                on_output=lambda o: outs.__setitem__(int(o.request_id.rsplit("-", 1)[1]), o))
+    lengths = {i: len(o.outputs[0].token_ids) for i, o in outs.items() if o.outputs[0].finish_reason != "error"}
+    failed = [o.error for o in outs.values() if o.outputs[0].finish_reason == "error"] + res.refused
+    text = [SamplingParams(temperature=0.0, max_tokens=lengths[i], min_tokens=lengths[i], ignore_eos=True) for i in sorted(lengths)]
+    base = drive(engine, [prompts[i] for i in sorted(lengths)], text, concurrency, f"t-{backend}-{phase}")
+    guided_tps = sum(lengths.values()) / res.wall_s if res.wall_s else 0.0
+    served1 = engine.get_stats()
+    row: dict[str, Any] = {"backend": backend, "phase": phase, "concurrency": concurrency, "requests": len(schemas),
+                           "failed": len(failed), "guided tok/s": round(guided_tps, 1), "text tok/s": round(base.tok_per_s, 1),
+                           "ratio": round(guided_tps / base.tok_per_s, 3) if base.tok_per_s else 0.0}
+    for b in ("llguidance", "xgrammar"):
+        new = manager.compile_durations_s(b)[before[b]:]
+        row[f"served {b}"] = int(served1.get(f"grammar_served_{b}", 0) - served0.get(f"grammar_served_{b}", 0))
+        if new:
+            row[f"compile ms {b} p50/p99"] = f"{1e3 * percentile(new, 50):.1f}/{1e3 * percentile(new, 99):.1f}"
+    if failed:
+        row["first failure"] = failed[0][:80]
+    return row
 
 
 __all__ = ["SCHEMAS", "add_parser", "percentile", "run"]

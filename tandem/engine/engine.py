@@ -30,7 +30,7 @@ from tandem.engine.stop import StopChecker, StopDecision
 from tandem.engine.timing import EngineStats, StepTimer
 from tandem.params import ParamError, SamplingParams
 from tandem.request import Request, RequestMetrics, RequestOutput, RequestStatus
-from tandem.runner.runner import ForwardHandle, ModelRunner
+from tandem.runner.base import ForwardHandle, Runner
 from tandem.sampling.sampler import Sampler
 from tandem.spec_decode.config import SpeculativeConfig, build_proposer
 from tandem.spec_decode.proposer import Proposer
@@ -46,7 +46,7 @@ class LLMEngine:
     def __init__(
         self,
         config: EngineConfig,
-        runner: ModelRunner,
+        runner: Runner,
         tokenizer: Tokenizer,
         speculation: Speculation | None = None,
         structured_config: StructuredOutputConfig | None = None,

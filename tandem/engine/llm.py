@@ -20,7 +20,7 @@ from tandem.engine.engine import LLMEngine
 from tandem.engine.speculation import NoSpeculation, Speculation, SpeculativeDecoder
 from tandem.models.checkpoint import Checkpoint, resolve_dtype
 from tandem.models.loader import load_checkpoint
-from tandem.params import ParamError, SamplingParams
+from tandem.params import EngineOverloaded, ParamError, SamplingParams
 from tandem.request import RequestOutput
 from tandem.runner.runner import ModelRunner
 from tandem.runner.tensor_thread import on_tensor_thread
@@ -220,19 +220,13 @@ class LLM:
     def _run(self, items: list[PromptType], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
         ids = [f"gen-{next(self._ids)}" for _ in items]
-        added: list[str] = []
-        try:
-            for rid, item, p in zip(ids, items, params):
-                engine.add_request(rid, _prompt_of(item), p)
-                added.append(rid)
-        except ParamError:
-            for rid in added:
-                engine.abort_request(rid)
-            raise
+        prompts = [_prompt_of(item) for item in items]  # invalid input raises here, before anything runs
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        queued = list(zip(ids, prompts, params))[::-1]
         try:
-            while engine.has_unfinished_requests():
+            while queued or engine.has_unfinished_requests():
+                self._add_while_room(queued)
                 for out in engine.step():
                     if out.finished:
                         results[out.request_id] = out
@@ -243,6 +237,20 @@ class LLM:
                 if rid not in results:
                     engine.abort_request(rid)
         return [results[rid] for rid in ids]
+
+    def _add_while_room(self, queued: list[tuple[str, str | list[int], SamplingParams]]) -> None:
+        """Add queued requests (last first) until the engine is overloaded (e.g. its grammar compile queue is
+        full): the rest wait for the next step. Any other refusal raises; the caller aborts what was added."""
+        engine = self.llm_engine
+        while queued:
+            rid, prompt, p = queued[-1]
+            try:
+                engine.add_request(rid, prompt, p)
+            except EngineOverloaded:
+                if not engine.has_unfinished_requests():
+                    raise
+                return
+            queued.pop()
 
 
 # vLLM arguments with a tandem meaning, and ones that change nothing here (accepted so scripts run unchanged)

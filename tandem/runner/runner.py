@@ -10,8 +10,6 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -20,19 +18,11 @@ from tandem.config import CacheConfig, ConfigError, ModelConfig, SchedulerConfig
 from tandem.core.plan import StepPlan
 from tandem.layers.attention import AttentionMetadata, build_metadata
 from tandem.models.llama import LlamaModel
+from tandem.runner.base import ForwardHandle, Runner
 from tandem.runner.memory import huge_page_zeros
 from tandem.runner.tensor_thread import tensor_thread
 
 T = TypeVar("T")
-
-
-@dataclass
-class ForwardHandle:
-    """A launched forward; `collect` turns it into logits."""
-
-    future: Future[tuple[torch.Tensor, float]]
-    num_rows: int
-    finished_at: float = 0.0  # perf_counter() when the forward finished (set by collect)
 
 
 DEFAULT_CPU_KV_BYTES = 4 * 2**30  # the default KV budget on the host when none is given (as vLLM's CPU backend)
@@ -78,7 +68,7 @@ def plan_num_blocks(
     return int(num)
 
 
-class ModelRunner:
+class ModelRunner(Runner):
     """One device: model weights, paged KV cache, input preparation, launch / collect."""
 
     def __init__(
@@ -133,11 +123,6 @@ class ModelRunner:
         fut = self._host.submit(self._forward, input_ids, meta, rows)
         return ForwardHandle(fut, plan.num_logits_rows)
 
-    def collect(self, handle: ForwardHandle) -> torch.Tensor:
-        """Wait for the forward; logits [R, V] float32 on the device, R = plan.num_logits_rows, in plan order."""
-        logits, handle.finished_at = handle.future.result()
-        return logits
-
     def on_tensor_thread(self, fn: Callable[..., T], *args: Any) -> T:
         """Run `fn(*args)` where the forward runs (the process's tensor thread) and wait for it: host-side tensor work
         (sampling, verification) belongs there, not on the caller's thread (see tandem/runner/tensor_thread.py)."""
@@ -148,9 +133,6 @@ class ModelRunner:
         if n != self._num_threads:
             self._num_threads = n
             self._host.run(torch.set_num_threads, n)
-
-    def execute(self, plan: StepPlan) -> torch.Tensor:
-        return self.collect(self.launch(plan))
 
     @torch.inference_mode()
     def _forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, rows: torch.Tensor) -> tuple[torch.Tensor, float]:
