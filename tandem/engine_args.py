@@ -52,6 +52,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--structured-outputs-config", type=json.loads, default=None,
                    help='structured-output settings as JSON, e.g. {"backend": "llguidance"}')
     g.add_argument("--structured-mask-mode", default=None, choices=["cpu", "device"])
+    g.add_argument("--async-scheduling", default=None, action=argparse.BooleanOptionalAction,
+                   help="schedule each step while the previous one runs (default: on for accelerators, no drafts)")
     g.add_argument("--engine-arg", type=_key_value, action="append", default=[], metavar="KEY=VALUE",
                    help="any other build_engine keyword (VALUE parsed as JSON); repeatable")
     s = p.add_argument_group("speculative decoding")
@@ -85,6 +87,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         chat_template=args.chat_template,
         structured_outputs_config=args.structured_outputs_config,
         structured_mask_mode=args.structured_mask_mode,
+        async_scheduling=args.async_scheduling,
         speculative_config=speculative_from_args(args),
     )
     kw.update(dict(args.engine_arg))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,6 +41,16 @@ from tandem.tokenizer import Tokenizer
 logger = logging.getLogger("tandem")
 
 
+@dataclass(eq=False)
+class _InFlight:
+    """Scheduling ahead: a launched plan, and the grammar masks its sampling will use (filled during its forward)."""
+
+    plan: StepPlan
+    handle: ForwardHandle
+    masks: StepMasks
+    filled_at: float = 0.0
+
+
 class LLMEngine:
     """Continuous-batching engine over one model runner. Not thread-safe: one caller drives `step()`."""
 
@@ -52,8 +63,12 @@ class LLMEngine:
         structured_config: StructuredOutputConfig | None = None,
         mask_mode: str | None = None,
         cpu_budget: CpuBudget | None = None,
+        async_scheduling: bool | None = None,
     ) -> None:
-        """`speculation` (default: off) is owned by the engine from here on: `shutdown` closes it."""
+        """`speculation` (default: off) is owned by the engine from here on: `shutdown` closes it.
+
+        `async_scheduling`: schedule each step while the previous one runs (see `_step_ahead`). None: on when the
+        forward does not use the host's cores (an accelerator) and nothing is drafted."""
         self.config = config
         self.runner = runner
         self.tokenizer = tokenizer
@@ -76,7 +91,8 @@ class LLMEngine:
         self._groups: dict[str, RequestGroup] = {}
         self._seqs: dict[str, SequenceState] = {}
         self._finished_errors: list[RequestOutput] = []
-
+        self._async_setting = async_scheduling
+        self._inflight: _InFlight | None = None  # scheduling ahead: the plan whose forward runs
     # ---------------------------------------------------------------------------------------------- requests
     def add_request(
         self,
@@ -183,9 +199,18 @@ class LLMEngine:
             return None
         return torch.Generator(self.runner.device).manual_seed(params.seed + index)
 
+    @property
+    def async_scheduling(self) -> bool:
+        """Steps are scheduled ahead (the next plan while a forward runs); needs no drafts."""
+        if self._async_setting is not None:
+            return self._async_setting and not self.speculation.active
+        return not self.runner.forward_uses_host_cores and not self.speculation.active
+
     # -------------------------------------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return the outputs of the requests that progressed (cumulative, vLLM-style)."""
+        if self.async_scheduling or self._inflight is not None:
+            return self._step_ahead()
         timer = StepTimer()
         self._poll_grammars()
         self._draft(self.scheduler.running)
@@ -205,6 +230,77 @@ class LLMEngine:
         outputs = self._advance(plan, tokens)
         self._record_step(plan, timer, handle, masks)
         return outputs + self._drain_errors()
+
+    def _step_ahead(self) -> list[RequestOutput]:
+        """One step with the next plan scheduled while this one runs: right after sampling, the tokens go into the
+        next plan and the device gets it; stop checks, detokenizing, grammar accepts, outputs and the next grammar
+        masks then run during that forward. A request that ends this step has also been scheduled for the next one:
+        its row there is computed and thrown away."""
+        timer = StepTimer()
+        self._poll_grammars()
+        cur = self._inflight or self._launch_ahead(self._schedule_ahead(frozenset()), fill_now=True)
+        if cur is None:
+            return self._idle()
+        nxt = self._schedule_ahead(frozenset(sr.request_id for sr in cur.plan.requests))
+        timer.mark("scheduled")
+        logits = self.runner.collect(cur.handle)  # [R, V]
+        timer.mark("collected")
+        self.guidance.record_wait(cur.masks, cur.filled_at, cur.handle.finished_at)
+        tokens = self.runner.on_tensor_thread(self.step_sampler.sample, cur.plan, logits, cur.masks, self._seqs)
+        timer.mark("sampled")
+        self.scheduler.resolve(cur.plan, tokens, nxt)
+        self._inflight = self._launch_ahead(nxt, fill_now=False)
+        timer.mark("launched")
+        outputs = self._advance_ahead(cur.plan, tokens)
+        if self._inflight is not None:  # after the accepts: the matchers are where the next step starts
+            self._inflight.masks = self.guidance.fill(nxt)
+            self._inflight.filled_at = time.perf_counter()
+        timer.mark("overlapped")
+        self.stats.record_ahead(timer, len(cur.plan.preempted_ids))
+        if self._inflight is not None and not any(sr.request_id in self._seqs for sr in nxt.requests):
+            self._inflight = None  # every request of it has ended: nothing to collect
+        return outputs + self._drain_errors()
+
+    def _schedule_ahead(self, running: frozenset[str]) -> StepPlan:
+        """The next plan, accounted before it runs; `running` (the plan in flight) is never preempted for it."""
+        plan = self.scheduler.schedule(running)
+        self.scheduler.reserve(plan)
+        return plan
+
+    def _launch_ahead(self, plan: StepPlan, fill_now: bool) -> _InFlight | None:
+        if plan.is_empty():
+            return None
+        flight = _InFlight(plan, self.runner.launch(plan), StepMasks(None, None))
+        if fill_now:
+            flight.masks = self.guidance.fill(plan)
+            flight.filled_at = time.perf_counter()
+        return flight
+
+    def _advance_ahead(self, plan: StepPlan, new_tokens: dict[str, list[int]]) -> list[RequestOutput]:
+        """`_advance` for a plan already accounted by `reserve` / `resolve`: settle each sequence, finish what
+        ended (dropping tokens it did not keep); outputs of touched groups."""
+        finished: dict[str, tuple[RequestStatus, int]] = {}  # -> (final status, tokens to drop)
+        touched: dict[str, RequestGroup] = {}
+        now = time.monotonic()
+        for rid, toks in new_tokens.items():
+            seq = self._seqs.get(rid)
+            if seq is None or seq.req.is_finished:
+                continue
+            kept, status = self._settle(seq, toks)
+            if status is not None:
+                finished[rid] = (status, len(toks) - len(kept) if toks and status else 0)
+            if seq.group.metrics.first_token_time is None:
+                seq.group.metrics.first_token_time = now
+            touched[seq.group.request_id] = seq.group
+            self.stats.num_generated_tokens += len(kept)
+        for rid, (status, drop) in finished.items():
+            req = self._seqs[rid].req
+            self.scheduler.finish(rid, status)  # also forgets the placeholder of the plan now running
+            if drop:
+                del req.token_ids[len(req.token_ids) - drop :]
+            req.status = status
+        self.stats.num_prompt_tokens += sum(sr.num_tokens for sr in plan.requests if sr.is_prefill)
+        return self._outputs(touched.values(), now)
 
     def _draft(self, running: Sequence[Request]) -> None:
         """Drafts for the next step: the proposer's, cut by the grammars, or the grammars' forced tokens."""
@@ -371,6 +467,7 @@ class LLMEngine:
         """
         if self.has_unfinished_requests():
             raise RuntimeError("set_speculation needs an idle engine: requests are in flight")
+        self._inflight = None
         if self._owns_speculation:
             self.speculation.close()
         sc = SpeculativeConfig.from_dict(config) if config is not None else None

@@ -56,6 +56,7 @@ def build_engine(
     speculative_config: Mapping[str, Any] | SpeculativeConfig | None = None,
     structured_outputs_config: Mapping[str, Any] | StructuredOutputConfig | None = None,
     structured_mask_mode: str | None = None,
+    async_scheduling: bool | None = None,
     progress: bool = True,
 ) -> LLMEngine:
     """Load a checkpoint (the built-in demo model when `model` is None) and build an engine around it."""
@@ -78,7 +79,7 @@ def build_engine(
     del ckpt
     speculation = _speculation(sc, budget, config.model_config.vocab_size, tok, config.scheduler.max_model_len)
     engine = LLMEngine(config, runner, tok, speculation=speculation, structured_config=so_config,
-                       mask_mode=structured_mask_mode, cpu_budget=budget)
+                       mask_mode=structured_mask_mode, cpu_budget=budget, async_scheduling=async_scheduling)
     gc.collect()
     gc.freeze()  # the long-lived objects of torch and the model never need scanning again: no GC pauses in the loop
     return engine

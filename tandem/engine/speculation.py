@@ -77,6 +77,8 @@ class SpecStats:
 class Speculation(ABC):
     """The engine's speculation seam: draft before the step, look ahead during it, learn after it."""
 
+    active = True  # drafts may be proposed (the engine then cannot schedule a step before the previous one sampled)
+
     @abstractmethod
     def draft(self, running: Sequence[Request], allowed: MaxDrafts) -> None:
         """Set `draft_token_ids` of the running requests in steady decode (before the step is scheduled)."""
@@ -107,6 +109,8 @@ class Speculation(ABC):
 
 class NoSpeculation(Speculation):
     """Speculation off: no drafts, nothing to learn."""
+
+    active = False
 
     def draft(self, running: Sequence[Request], allowed: MaxDrafts) -> None:
         pass

@@ -14,12 +14,14 @@ import torch
 from tandem.core.plan import ScheduledRequest, StepPlan
 from tandem.engine.guidance import StepMasks
 from tandem.engine.sequences import SequenceState
+from tandem.params import SamplingParams
 from tandem.request import Logprob
 from tandem.sampling.rejection import DraftRows, rejection_sample
 from tandem.sampling.sampler import RowLogprobs, Sampler, SamplingRow, prompt_logprobs
 from tandem.tokenizer import Tokenizer
 
-PlainRow = tuple[SequenceState, int]  # (sequence, logits row)
+PlainRow = tuple[SequenceState | None, int]  # (sequence, or None when it ended meanwhile; logits row)
+_UNUSED = SamplingRow(SamplingParams(temperature=0.0), [], [], None)  # the row of a sequence that ended meanwhile
 VerifyRows = tuple[SequenceState, int, list[int]]  # (sequence, first logits row, drafts)
 
 
@@ -59,8 +61,13 @@ class StepSampler:
         verify: list[VerifyRows] = []
         offset = 0
         for sr in plan.requests:
-            seq = seqs[sr.request_id]
+            seq = seqs.get(sr.request_id)
             n = sr.num_logits_rows
+            if seq is None or seq.req.is_finished:  # ended while its plan ran (scheduling ahead): sampled, unused
+                if sr.needs_logits:
+                    plain.append((None, offset + n - 1))
+                offset += n
+                continue
             if sr.all_logits:
                 self._record_prompt_logprobs(seq, sr, logits[offset : offset + n])
             if sr.needs_logits:
@@ -73,7 +80,7 @@ class StepSampler:
         return plain, verify
 
     def _sample_plain(self, plain: list[PlainRow], logits: torch.Tensor, bitmask: torch.Tensor | None) -> dict[str, list[int]]:
-        rows = [_row(seq, ()) for seq, _ in plain]
+        rows = [_row(seq, ()) if seq is not None else _UNUSED for seq, _ in plain]
         picked = [r for _, r in plain]
         if picked == list(range(logits.shape[0])):  # every row, in order (plain decode): no copy
             x = logits
@@ -83,6 +90,8 @@ class StepSampler:
         tokens: dict[str, list[int]] = {}
         dead = set(out.dead_rows)
         for i, ((seq, _), tok, lp) in enumerate(zip(plain, out.token_ids, out.logprobs)):
+            if seq is None:
+                continue
             if i in dead:
                 self._no_token(seq, tokens)
                 continue

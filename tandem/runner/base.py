@@ -34,6 +34,11 @@ class Runner(ABC):
     num_blocks: int  # KV cache blocks the scheduler may hand out
     kv_cache_bytes: int
 
+    @property
+    def forward_uses_host_cores(self) -> bool:
+        """The forward runs on the host's CPU cores (a CPU device): host work beside it competes for them."""
+        return self.device.type == "cpu"
+
     @abstractmethod
     def launch(self, plan: StepPlan) -> ForwardHandle:
         """Start the forward of `plan` and return at once; the CPU is free until `collect`."""

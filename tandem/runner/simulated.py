@@ -35,6 +35,10 @@ class SimulatedRunner(Runner):
         self._lock = threading.Lock()
         self.num_forwards = 0
 
+    @property
+    def forward_uses_host_cores(self) -> bool:
+        return False  # the simulated device sleeps
+
     def launch(self, plan: StepPlan) -> ForwardHandle:
         """The forward 'runs' from now for step_s; its logits rows are looked up when it completes."""
         last = [r.input_ids[len(r.input_ids) - r.num_logits_rows + j] for r in plan.requests for j in range(r.num_logits_rows)]
