@@ -26,7 +26,7 @@ from tandem.cpu_budget import CpuBudget
 from tandem.engine.guidance import StepMasks, make_guidance
 from tandem.engine.sequences import RequestGroup, SequenceState
 from tandem.engine.speculation import NoSpeculation, Speculation, make_speculation
-from tandem.engine.step_sampler import StepSampler
+from tandem.engine.step_sampler import StagedMasks, StepSampler
 from tandem.engine.stop import StopChecker, StopDecision
 from tandem.engine.timing import EngineStats, StepTimer
 from tandem.params import ParamError, SamplingParams
@@ -47,8 +47,19 @@ class _InFlight:
 
     plan: StepPlan
     handle: ForwardHandle
-    masks: StepMasks
+    masks: _Masks
     filled_at: float = 0.0
+
+
+@dataclass(frozen=True)
+class _Masks:
+    """A step's grammar masks as the grammar filled them, and as staged for sampling."""
+
+    filled: StepMasks
+    staged: StagedMasks
+
+
+_NO_MASKS = _Masks(StepMasks(None, None), StagedMasks(None, None))
 
 
 class LLMEngine:
@@ -86,7 +97,7 @@ class LLMEngine:
         mask_mode = mask_mode or ("cpu" if runner.device.type == "cpu" else "device")
         if mask_mode not in ("cpu", "device"):
             raise ParamError(f"mask_mode must be 'cpu' or 'device', got {mask_mode!r}")
-        self.step_sampler = StepSampler(Sampler(self.vocab_size, self.eos_token_ids), tokenizer, mask_mode)
+        self.step_sampler = StepSampler(Sampler(self.vocab_size, self.eos_token_ids), tokenizer, mask_mode, runner.device)
         self.stats = EngineStats()
         self._groups: dict[str, RequestGroup] = {}
         self._seqs: dict[str, SequenceState] = {}
@@ -220,12 +231,12 @@ class LLMEngine:
             return self._idle()
         handle = self.runner.launch(plan)
         timer.mark("launched")
-        masks = self.guidance.fill(plan)  # CPU work while the forward runs: this step's grammar masks,
+        masks = self._fill_masks(plan)  # CPU work while the forward runs: this step's grammar masks,
         self.speculation.start_lookahead(self._verifying(plan))  # and the next step's drafts
         timer.mark("overlapped")
         logits = self.runner.collect(handle)  # [R, V]
         timer.mark("collected")
-        tokens = self.runner.on_tensor_thread(self.step_sampler.sample, plan, logits, masks, self._seqs)
+        tokens = self.runner.on_tensor_thread(self.step_sampler.sample, plan, logits, masks.staged, self._seqs)
         timer.mark("sampled")
         outputs = self._advance(plan, tokens)
         self._record_step(plan, timer, handle, masks)
@@ -245,15 +256,15 @@ class LLMEngine:
         timer.mark("scheduled")
         logits = self.runner.collect(cur.handle)  # [R, V]
         timer.mark("collected")
-        self.guidance.record_wait(cur.masks, cur.filled_at, cur.handle.finished_at)
-        tokens = self.runner.on_tensor_thread(self.step_sampler.sample, cur.plan, logits, cur.masks, self._seqs)
+        self.guidance.record_wait(cur.masks.filled, cur.filled_at, cur.handle.finished_at)
+        tokens = self.runner.on_tensor_thread(self.step_sampler.sample, cur.plan, logits, cur.masks.staged, self._seqs)
         timer.mark("sampled")
         self.scheduler.resolve(cur.plan, tokens, nxt)
         self._inflight = self._launch_ahead(nxt, fill_now=False)
         timer.mark("launched")
         outputs = self._advance_ahead(cur.plan, tokens)
         if self._inflight is not None:  # after the accepts: the matchers are where the next step starts
-            self._inflight.masks = self.guidance.fill(nxt)
+            self._inflight.masks = self._fill_masks(nxt)
             self._inflight.filled_at = time.perf_counter()
         timer.mark("overlapped")
         self.stats.record_ahead(timer, len(cur.plan.preempted_ids))
@@ -270,11 +281,16 @@ class LLMEngine:
     def _launch_ahead(self, plan: StepPlan, fill_now: bool) -> _InFlight | None:
         if plan.is_empty():
             return None
-        flight = _InFlight(plan, self.runner.launch(plan), StepMasks(None, None))
+        flight = _InFlight(plan, self.runner.launch(plan), _NO_MASKS)
         if fill_now:
-            flight.masks = self.guidance.fill(plan)
+            flight.masks = self._fill_masks(plan)
             flight.filled_at = time.perf_counter()
         return flight
+
+    def _fill_masks(self, plan: StepPlan) -> _Masks:
+        """The plan's grammar masks, filled on the CPU and their copy to the device started at once."""
+        masks = self.guidance.fill(plan, self.step_sampler.mask_buffer)
+        return _Masks(masks, self.step_sampler.stage(masks))
 
     def _advance_ahead(self, plan: StepPlan, new_tokens: dict[str, list[int]]) -> list[RequestOutput]:
         """`_advance` for a plan already accounted by `reserve` / `resolve`: settle each sequence, finish what
@@ -316,9 +332,9 @@ class LLMEngine:
             time.sleep(0.002)  # only grammar compiles are outstanding: let them run
         return self._drain_errors()
 
-    def _record_step(self, plan: StepPlan, timer: StepTimer, handle: ForwardHandle, masks: StepMasks) -> None:
+    def _record_step(self, plan: StepPlan, timer: StepTimer, handle: ForwardHandle, masks: _Masks) -> None:
         self.stats.record(timer, len(plan.preempted_ids))
-        self.guidance.record_wait(masks, timer.at("overlapped"), handle.finished_at)
+        self.guidance.record_wait(masks.filled, timer.at("overlapped"), handle.finished_at)
         self.speculation.observe_step(plan.num_tokens, timer.span("drafted", "collected"), timer.span("start", "drafted"))
 
     def _max_drafts(self, req: Request) -> int:

@@ -7,6 +7,7 @@ records. Row order: the plan's requests in order, each with its `num_logits_rows
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -25,18 +26,62 @@ _UNUSED = SamplingRow(SamplingParams(temperature=0.0), [], [], None)  # the row 
 VerifyRows = tuple[SequenceState, int, list[int]]  # (sequence, first logits row, drafts)
 
 
+@dataclass
+class StagedMasks:
+    """A step's bitmasks where sampling will read them: on the device (copied from pinned memory, non-blocking,
+    while the forward still runs) or on the host (mode (b), or a CPU device: no copy)."""
+
+    sample_rows: torch.Tensor | None  # [n_sampled_rows, W] int32
+    verify_rows: torch.Tensor | None  # [n_verify_rows, W] int32
+
+    @property
+    def guided(self) -> bool:
+        return self.sample_rows is not None or self.verify_rows is not None
+
+
 class StepSampler:
     """Samples or verifies every sequence of a step that reached the end of its known tokens."""
 
-    def __init__(self, sampler: Sampler, tokenizer: Tokenizer, mask_mode: str) -> None:
+    def __init__(self, sampler: Sampler, tokenizer: Tokenizer, mask_mode: str, device: torch.device) -> None:
         self.sampler = sampler
         self.tokenizer = tokenizer
         # (a) "device": bitmask copied to the device and applied there; (b) "cpu": logits brought to the host
         self.mask_mode = mask_mode
+        self.device = device
         self.failures: dict[str, str] = {}  # request -> why it got no token in the last `sample`
+        self._pinned: dict[str, torch.Tensor] = {}  # staging buffers the grammar fills (an accelerator in mode (a))
 
+    # ------------------------------------------------------------------------------------------ grammar masks
+    def mask_buffer(self, kind: str, rows: int, words: int) -> np.ndarray:
+        """An int32 [rows, words] array, every bit set, for the grammar to fill: a view of page-locked memory when
+        the masks go to an accelerator (so `stage` copies without a stop), else a fresh array.
+
+        A buffer is reused by the next step's fill: by then the copy has been consumed (sampling reads it, and the
+        engine waits for sampling's tokens) in both the synchronous and the scheduling-ahead step."""
+        if self.device.type == "cpu" or self.mask_mode == "cpu":
+            return np.full((rows, words), -1, dtype=np.int32)
+        buf = self._pinned.get(kind)
+        if buf is None or buf.shape[0] < rows or buf.shape[1] != words:
+            buf = self._pinned[kind] = torch.empty((max(rows, 64), words), dtype=torch.int32, pin_memory=True)
+        view = buf[:rows].numpy()
+        view.fill(-1)
+        return view
+
+    def stage(self, masks: StepMasks) -> StagedMasks:
+        """Start the copies of a step's bitmasks to where sampling runs (call as soon as they are filled)."""
+        to_device = self.device.type != "cpu" and self.mask_mode == "device"
+
+        def put(mask: np.ndarray | None) -> torch.Tensor | None:
+            if mask is None:
+                return None
+            t = torch.from_numpy(mask)
+            return t.to(self.device, non_blocking=True) if to_device else t
+
+        return StagedMasks(put(masks.sample_rows), put(masks.verify_rows))
+
+    # ------------------------------------------------------------------------------------------------ sampling
     def sample(
-        self, plan: StepPlan, logits: torch.Tensor, masks: StepMasks, seqs: Mapping[str, SequenceState]
+        self, plan: StepPlan, logits: torch.Tensor, masks: StagedMasks, seqs: Mapping[str, SequenceState]
     ) -> dict[str, list[int]]:
         """Tokens per request id: one sampled token, or the verified drafts plus one. logits: [R, V].
 
@@ -48,9 +93,9 @@ class StepSampler:
         plain, verify = self._split_rows(plan, logits, seqs)
         tokens: dict[str, list[int]] = {}
         if plain:
-            tokens.update(self._sample_plain(plain, logits, _bitmask(masks.sample_rows, logits.device)))
+            tokens.update(self._sample_plain(plain, logits, _on(masks.sample_rows, logits.device)))
         if verify:
-            tokens.update(self._verify(verify, logits, _bitmask(masks.verify_rows, logits.device)))
+            tokens.update(self._verify(verify, logits, _on(masks.verify_rows, logits.device)))
         return tokens
 
     def _split_rows(
@@ -163,5 +208,6 @@ def _row(seq: SequenceState, drafts: Sequence[int]) -> SamplingRow:
     return SamplingRow(req.params, req.prompt_token_ids, out + list(drafts) if drafts else out, seq.generator)
 
 
-def _bitmask(mask: np.ndarray | None, device: torch.device) -> torch.Tensor | None:
-    return None if mask is None else torch.from_numpy(mask).to(device, non_blocking=True)
+def _on(mask: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    """The staged mask on the logits' device (already there unless the logits moved, as in mode (b))."""
+    return None if mask is None else mask.to(device, non_blocking=True)
