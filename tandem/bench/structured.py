@@ -69,6 +69,7 @@ def add_parser(bsub: Any) -> None:
     p.add_argument("--distinct-schemas", type=int, default=0, metavar="N",
                    help="instead: N distinct schemas per backend, submitted at once, cold then warm, vs text at equal lengths")
     p.add_argument("--backends", default="auto,llguidance,xgrammar", help="with --distinct-schemas")
+    p.add_argument("--crossover", action="store_true", help="only the backend crossover table (compile vs fill costs)")
     p.add_argument("--json", default=None)
     add_engine_args(p)
     p.set_defaults(func=run, dtype="bfloat16")
@@ -101,6 +102,9 @@ def run(args: argparse.Namespace) -> int:
     drive(engine, [[1, 2, 3]], SamplingParams(max_tokens=4), 1, "warmup")
     if args.distinct_schemas:
         return run_distinct(engine, args, levels)
+    if args.crossover:
+        mask_fill_table(engine, args.mask_vocab)
+        return 0
     rows: list[dict[str, Any]] = []
     for workload in args.workloads.split(","):
         fixed = workload == "fixed"
@@ -147,31 +151,49 @@ def _row(workload: str, level: int, name: str, res: RunResult, base: RunResult,
 
 
 def mask_fill_table(engine: LLMEngine, vocab_name: str) -> list[dict[str, Any]]:
-    """Per-row mask fill time for the engine's vocabulary and a large tiktoken one (random-walk through the grammar)."""
+    """The crossover between the backends: per schema and vocabulary (the engine's, and a large tiktoken one), each
+    backend's compile time and per-row mask fill time (a random walk through the grammar), and after how many
+    guided tokens xgrammar's up-front compile is paid back by faster fills ("never" when its fills are not faster)."""
+    from tandem.structured.llguidance_backend import LLGuidanceBackend
+    from tandem.structured.xgrammar_backend import XGrammarBackend
+
+    hf, eos = engine.tokenizer.hf, list(engine.eos_token_ids)
+    vocabs: list[tuple[str, dict[str, Any]]] = [  # in-process backends: compile times without a worker's start
+        (f"engine ({engine.vocab_size})", {"xgrammar": XGrammarBackend(hf, engine.vocab_size, eos),
+                                           "llguidance": LLGuidanceBackend(hf, engine.vocab_size, eos)})]
+    if vocab_name:
+        try:
+            vocabs.append(_tiktoken_backends(vocab_name))
+        except (ImportError, AttributeError, OSError, ValueError) as e:
+            print(f"mask fill on {vocab_name}: skipped ({e})")
+    out = [_crossover_row(label, backends, name, schema) for label, backends in vocabs for name, schema in SCHEMAS.items()]
+    print_table(out, title="backend crossover: compile ms, mask fill us per row (mean / p99), tokens until xgrammar pays")
+    return out
+
+
+def _tiktoken_backends(name: str) -> tuple[str, dict[str, Any]]:
+    from tandem.structured.backend import load_tiktoken
+    from tandem.structured.llguidance_backend import LLGuidanceBackend
+    from tandem.structured.xgrammar_backend import XGrammarBackend
+
+    vocab = load_tiktoken(shared_data_dir() / "tokenizers" / "tiktoken" / f"{name}.tiktoken")
+    return f"{name} ({vocab.size})", {"xgrammar": XGrammarBackend.from_tiktoken(vocab),
+                                      "llguidance": LLGuidanceBackend.from_tiktoken(vocab)}
+
+
+def _crossover_row(vocab: str, backends: dict[str, Any], name: str, schema: dict[str, Any]) -> dict[str, Any]:
     from tandem.structured.backend import GrammarSpec
     from tandem.structured.measure import measure_mask_fill
 
-    out = []
-    m = engine.guidance.manager
-    for name, schema in SCHEMAS.items():
-        spec = GrammarSpec("json", json.dumps(schema), "compact")
-        r = measure_mask_fill(m.backend("xgrammar"), spec, steps=200)
-        out.append({"vocab": f"engine ({engine.vocab_size})", "schema": name, **{k: round(v, 1) for k, v in r.items()}})
-    if vocab_name:
-        try:
-            from tandem.structured.backend import load_tiktoken
-            from tandem.structured.xgrammar_backend import XGrammarBackend
-
-            vocab = load_tiktoken(shared_data_dir() / "tokenizers" / "tiktoken" / f"{vocab_name}.tiktoken")
-            backend = XGrammarBackend.from_tiktoken(vocab)  # type: ignore[attr-defined]
-            for name, schema in SCHEMAS.items():
-                spec = GrammarSpec("json", json.dumps(schema), "compact")
-                r = measure_mask_fill(backend, spec, steps=200)
-                out.append({"vocab": f"{vocab_name} ({vocab.size})", "schema": name, **{k: round(v, 1) for k, v in r.items()}})
-        except (ImportError, AttributeError, OSError, ValueError) as e:
-            print(f"mask fill on {vocab_name}: skipped ({e})")
-    print_table(out, title="mask fill per row (us), random walk through each schema")
-    return out
+    spec = GrammarSpec("json", json.dumps(schema), "compact")
+    x, ll = (measure_mask_fill(backends[b], spec, steps=300) for b in ("xgrammar", "llguidance"))
+    saved_us = ll["fill_us_mean"] - x["fill_us_mean"]
+    pays = f"{1e3 * (x['compile_ms'] - ll['compile_ms']) / saved_us:.0f}" if saved_us > 0 else "never"
+    return {"vocab": vocab, "schema": name,
+            "xgrammar compile ms": round(x["compile_ms"], 1), "llguidance compile ms": round(ll["compile_ms"], 1),
+            "xgrammar fill us": f"{x['fill_us_mean']:.1f} / {x['fill_us_p99']:.0f}",
+            "llguidance fill us": f"{ll['fill_us_mean']:.1f} / {ll['fill_us_p99']:.0f}",
+            "xgrammar pays after (tokens)": pays}
 
 
 def peer_rows(engine: LLMEngine, args: argparse.Namespace) -> list[dict[str, Any]]:
