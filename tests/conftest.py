@@ -19,6 +19,9 @@ def pytest_configure(config: pytest.Config) -> None:
     # tests never reach a model hub; everything is local files
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    # one forward thread in every engine the tests build (also in the servers they launch): the models are tiny, and
+    # on a loaded machine a 2-thread OpenMP team waits for a descheduled thread in every region (steps 100x slower)
+    os.environ.setdefault("TANDEM_NUM_THREADS", "1")
 
 
 @pytest.fixture(autouse=True)
