@@ -12,7 +12,6 @@ import logging
 import os
 import shutil
 import signal
-import time
 from collections.abc import Callable
 from pathlib import Path
 
