@@ -295,10 +295,12 @@ class LLMEngine:
     def _settle(self, seq: SequenceState, toks: list[int]) -> tuple[list[int], RequestStatus | None]:
         """One sequence's emitted tokens: the ones it keeps, and its final status if it ended.
 
-        Per-request work that fails (its grammar, detokenizing) ends this sequence alone with an error."""
-        failure = self.guidance.failure(seq.request_id) or self.step_sampler.failures.get(seq.request_id)
-        if failure is not None:  # its grammar failed, or nothing was allowed: the sampled token means nothing
-            seq.group.error = failure
+        Per-request work that fails (its grammar, detokenizing) ends this sequence alone with an error, as does a
+        row where no token is allowed (after the drafts accepted before it, which it keeps)."""
+        failure = self.guidance.failure(seq.request_id)
+        no_token = self.step_sampler.failures.get(seq.request_id)
+        if failure is not None or (no_token is not None and not toks):  # the sampled token means nothing
+            seq.group.error = failure or no_token
             return [], RequestStatus.FINISHED_ERROR
         try:
             decision = seq.stop.add_tokens(toks)
@@ -311,7 +313,7 @@ class LLMEngine:
         if seq.logprobs is not None and len(kept) < len(toks):
             del seq.logprobs[len(seq.logprobs) - (len(toks) - len(kept)) :]
         terminated, grammar_error = self.guidance.accept(seq.req, kept, len(seq.req.draft_token_ids))
-        return kept, self._final_status(seq, decision, terminated, grammar_error)
+        return kept, self._final_status(seq, decision, terminated, grammar_error or no_token)
 
     def _learn_drafts(self, seq: SequenceState, emitted: list[int]) -> None:
         """Let speculation learn how the proposer's drafts fared (grammar-forced drafts are not the proposer's)."""

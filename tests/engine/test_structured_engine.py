@@ -262,3 +262,53 @@ def test_request_ending_and_grammar_complaint_on_same_token_finishes_once(storie
     assert done["a"].outputs[0].finish_reason == "length"
     more = run_all(engine, {"b": "Once"}, SamplingParams(temperature=0.0, max_tokens=3))
     assert len(more["b"].outputs[0].token_ids) == 3
+
+
+# ------------------------------------------------------------------ a grammar with min_tokens / stop_token_ids
+# A grammar whose document is complete allows only EOS; min_tokens bans EOS (and stop_token_ids) until it is met.
+# vLLM applies both and is left with no token (its matcher then rejects whatever is drawn and the request is
+# terminated). tandem ends that request alone with finish_reason "error", keeps the document generated so far
+# (the drafts accepted before the dead row included), and says which constraints collided; nothing is drawn from
+# a row where no token is allowed, and its blocks are freed.
+@pytest.mark.parametrize("speculation", [None, "ngram"])
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_grammar_complete_before_min_tokens_ends_with_its_document_and_a_clear_error(
+    stories_engine_factory, stories_oracle: GrammarOracle, backend: str, speculation: str | None  # type: ignore[no-untyped-def]
+) -> None:
+    spec = {"method": speculation, "num_speculative_tokens": 3} if speculation else None
+    engine = stories_engine_factory(max_model_len=512, speculative_config=spec)
+    so = StructuredOutputsParams(choice=["yes", "no"], backend=backend)
+    engine.add_request("plain", "Once upon a time", SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    done = run_all(engine, {"short": "Once", "enough": "Once"}, SamplingParams(temperature=0.0, max_tokens=20,
+                                                                                min_tokens=3, structured_outputs=so))
+    out = done["short"]
+    o = out.outputs[0]
+    assert o.finish_reason == "error" and out.error is not None
+    assert "min_tokens=3" in out.error and "the grammar" in out.error, out.error
+    assert o.text in ("yes", "no")  # the whole document, nothing drawn from the dead row
+    stories_oracle.accepts(so, o.token_ids, complete=False)
+    assert done["plain"].error is None and len(done["plain"].outputs[0].token_ids) == 12
+    # met in time: the same request with min_tokens 2 ("no" is 2 tokens) ends normally
+    ok = run_all(engine, {"ok": "Once"}, SamplingParams(temperature=0.0, max_tokens=20, min_tokens=2, structured_outputs=so))["ok"]
+    assert (ok.error, ok.outputs[0].finish_reason, ok.outputs[0].text) == (None, "stop", o.text)
+    assert engine.block_manager.num_free_blocks == engine.runner.num_blocks
+
+
+def test_stop_token_ids_inside_a_grammar(stories_engine_factory, stories_oracle: GrammarOracle) -> None:  # type: ignore[no-untyped-def]
+    """A stop token the grammar allows ends the request there ("stop", stop_reason = the id, its text left out):
+    a prefix of a document. Under min_tokens the same token is banned, and when the grammar allows nothing else the
+    request ends with an error naming both."""
+    engine = stories_engine_factory(max_model_len=512)
+    so = StructuredOutputsParams(choice=["no"])
+    free = run_all(engine, {"f": "Once"}, SamplingParams(temperature=0.0, max_tokens=20, structured_outputs=so))["f"]
+    n_id, o_id, eos = free.outputs[0].token_ids  # "n", "o", EOS: the tokens the grammar walks through here
+    assert eos in engine.eos_token_ids
+    stop = SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[o_id], structured_outputs=so)
+    out = run_all(engine, {"s": "Once"}, stop)["s"].outputs[0]
+    assert (out.finish_reason, out.stop_reason, out.text, out.token_ids) == ("stop", o_id, "n", [n_id, o_id])
+    stories_oracle.accepts(so, out.token_ids, complete=False)
+    banned = SamplingParams(temperature=0.0, max_tokens=20, min_tokens=5, stop_token_ids=[o_id], structured_outputs=so)
+    res = run_all(engine, {"b": "Once"}, banned)["b"]
+    assert res.outputs[0].finish_reason == "error" and res.outputs[0].token_ids == [n_id]
+    assert res.error is not None and "min_tokens=5" in res.error and "the grammar" in res.error
+    assert engine.block_manager.num_free_blocks == engine.runner.num_blocks
