@@ -19,7 +19,7 @@ import torch
 
 from tandem.config import EngineConfig
 from tandem.core.kv_blocks import BlockManager
-from tandem.core.plan import StepPlan
+from tandem.core.plan import ScheduledRequest, StepPlan
 from tandem.core.scheduler import Scheduler
 from tandem.cpu_budget import CpuBudget
 from tandem.engine.guidance import StepMasks, make_guidance
@@ -289,8 +289,17 @@ class LLMEngine:
         self.scheduler.update(plan, new_tokens)
         self._finish(finished)
         self.stats.num_generated_tokens += sum(len(t) for t in new_tokens.values())
-        self.stats.num_prompt_tokens += sum(sr.num_tokens - sr.num_draft_tokens for sr in plan.requests if sr.is_prefill)
+        self.stats.num_prompt_tokens += sum(self._prompt_positions(sr) for sr in plan.requests)
         return self._outputs(touched.values(), now)
+
+    def _prompt_positions(self, sr: ScheduledRequest) -> int:
+        """How many prompt positions this step computed for `sr` (a guided request's last prompt token comes in the
+        step after its grammar compiled, outside its prefill)."""
+        seq = self._seqs.get(sr.request_id)
+        if seq is None:
+            return 0
+        end = min(sr.start_pos + sr.num_tokens - sr.num_draft_tokens, len(seq.group.prompt_token_ids))
+        return max(0, end - sr.start_pos)
 
     def _settle(self, seq: SequenceState, toks: list[int]) -> tuple[list[int], RequestStatus | None]:
         """One sequence's emitted tokens: the ones it keeps, and its final status if it ended.
