@@ -312,3 +312,36 @@ def test_stop_token_ids_inside_a_grammar(stories_engine_factory, stories_oracle:
     assert res.outputs[0].finish_reason == "error" and res.outputs[0].token_ids == [n_id]
     assert res.error is not None and "min_tokens=5" in res.error and "the grammar" in res.error
     assert engine.block_manager.num_free_blocks == engine.runner.num_blocks
+
+
+def test_guided_request_prefills_while_its_grammar_compiles(stories_engine_factory, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """While its grammar compiles, a guided request prefills all but its last prompt token and samples nothing; an
+    unguided neighbour decodes meanwhile. Once the grammar is ready it goes on and ends valid."""
+    import threading
+
+    from tandem.structured.llguidance_backend import LLGuidanceBackend
+
+    release = threading.Event()
+    real = LLGuidanceBackend.compile
+
+    def held(self, spec):  # type: ignore[no-untyped-def]
+        release.wait(120)
+        return real(self, spec)
+
+    monkeypatch.setattr(LLGuidanceBackend, "compile", held)
+    engine = stories_engine_factory(max_model_len=512)
+    prompt = engine.tokenizer.encode("Once upon a time, there was a little girl")
+    so = StructuredOutputsParams(choice=["yes", "no"], backend="llguidance")
+    engine.add_request("g", prompt, SamplingParams(temperature=0.0, max_tokens=5, structured_outputs=so))
+    engine.add_request("u", "Tom", SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    try:
+        for _ in range(6):
+            engine.step()
+        g = engine._seqs["g"].req
+        assert engine.guidance.has_pending and g.hold_sampling
+        assert g.num_computed_tokens == len(prompt) - 1 and g.num_output_tokens == 0
+        assert engine._seqs["u"].req.num_output_tokens >= 5  # the batch was not blocked
+    finally:
+        release.set()
+    done = run_all(engine, {})
+    assert done["g"].outputs[0].text in ("yes", "no") and done["g"].outputs[0].finish_reason == "stop"
