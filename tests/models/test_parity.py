@@ -110,7 +110,7 @@ def test_bfloat16_close_to_float32(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run scripts/device_check.sh there)")
-@pytest.mark.parametrize("arch", ["llama3", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama3", "qwen2", "qwen3", "mistral-window", "qwen2-window"])
 def test_cuda_logits_match_cpu_reference(arch: str, tmp_path: Path) -> None:
     """The same checks on the accelerator: pinned buffers, non-blocking copies, SDPA's fused kernels."""
     ref = _tiny(arch)
