@@ -20,7 +20,7 @@ import torch
 
 from tandem.config import EngineConfig
 from tandem.core.kv_blocks import BlockManager
-from tandem.core.plan import StepPlan
+from tandem.core.plan import ScheduledRequest, StepPlan
 from tandem.core.scheduler import Scheduler
 from tandem.cpu_budget import CpuBudget
 from tandem.engine.guidance import StepMasks, make_guidance
@@ -401,16 +401,27 @@ class LLMEngine:
         self.scheduler.update(plan, new_tokens)
         self._finish(finished)
         self.stats.num_generated_tokens += sum(len(t) for t in new_tokens.values())
-        self.stats.num_prompt_tokens += sum(sr.num_tokens - sr.num_draft_tokens for sr in plan.requests if sr.is_prefill)
+        self.stats.num_prompt_tokens += sum(self._prompt_positions(sr) for sr in plan.requests)
         return self._outputs(touched.values(), now)
+
+    def _prompt_positions(self, sr: ScheduledRequest) -> int:
+        """How many prompt positions this step computed for `sr` (a guided request's last prompt token comes in the
+        step after its grammar compiled, outside its prefill)."""
+        seq = self._seqs.get(sr.request_id)
+        if seq is None:
+            return 0
+        end = min(sr.start_pos + sr.num_tokens - sr.num_draft_tokens, len(seq.group.prompt_token_ids))
+        return max(0, end - sr.start_pos)
 
     def _settle(self, seq: SequenceState, toks: list[int]) -> tuple[list[int], RequestStatus | None]:
         """One sequence's emitted tokens: the ones it keeps, and its final status if it ended.
 
-        Per-request work that fails (its grammar, detokenizing) ends this sequence alone with an error."""
-        failure = self.guidance.failure(seq.request_id) or self.step_sampler.failures.get(seq.request_id)
-        if failure is not None:  # its grammar failed, or nothing was allowed: the sampled token means nothing
-            seq.group.error = failure
+        Per-request work that fails (its grammar, detokenizing) ends this sequence alone with an error, as does a
+        row where no token is allowed (after the drafts accepted before it, which it keeps)."""
+        failure = self.guidance.failure(seq.request_id)
+        no_token = self.step_sampler.failures.get(seq.request_id)
+        if failure is not None or (no_token is not None and not toks):  # the sampled token means nothing
+            seq.group.error = failure or no_token
             return [], RequestStatus.FINISHED_ERROR
         try:
             decision = seq.stop.add_tokens(toks)
@@ -423,7 +434,7 @@ class LLMEngine:
         if seq.logprobs is not None and len(kept) < len(toks):
             del seq.logprobs[len(seq.logprobs) - (len(toks) - len(kept)) :]
         terminated, grammar_error = self.guidance.accept(seq.req, kept, len(seq.req.draft_token_ids))
-        return kept, self._final_status(seq, decision, terminated, grammar_error)
+        return kept, self._final_status(seq, decision, terminated, grammar_error or no_token)
 
     def _learn_drafts(self, seq: SequenceState, emitted: list[int]) -> None:
         """Let speculation learn how the proposer's drafts fared (grammar-forced drafts are not the proposer's)."""

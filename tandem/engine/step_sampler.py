@@ -85,8 +85,9 @@ class StepSampler:
     ) -> dict[str, list[int]]:
         """Tokens per request id: one sampled token, or the verified drafts plus one. logits: [R, V].
 
-        A request for which no token was allowed (its grammar, min_tokens, stop ids, allowed ids and logit bias
-        exclude every token) gets no tokens; `failures` says why, until the next call."""
+        A request that reached a row where no token was allowed (its grammar, min_tokens, stop ids, allowed ids and
+        logit bias exclude every token) gets only the drafts accepted before that row; `failures` says why, until the
+        next call."""
         self.failures = {}
         if self.mask_mode == "cpu" and logits.device.type != "cpu" and masks.guided:
             logits = logits.cpu()  # mode (b): all logits processing and sampling on the host
@@ -138,16 +139,26 @@ class StepSampler:
             if seq is None:
                 continue
             if i in dead:
-                self._no_token(seq, tokens)
+                tokens[seq.request_id] = []
+                self._no_token(seq, 0)
                 continue
             tokens[seq.request_id] = [tok]
             self._add_logprobs(seq, [lp] if lp is not None else [])
         return tokens
 
-    def _no_token(self, seq: SequenceState, tokens: dict[str, list[int]]) -> None:
-        tokens[seq.request_id] = []
-        self.failures[seq.request_id] = ("no token is allowed here: the grammar, min_tokens, stop_token_ids, "
-                                         "allowed_token_ids and logit_bias together exclude every token")
+    def _no_token(self, seq: SequenceState, num_accepted: int) -> None:
+        """Record why `seq` got no token after its first `num_accepted` new ones: the constraints that were in force."""
+        p, done = seq.req.params, len(seq.req.output_token_ids) + num_accepted
+        causes = ["the grammar"] if p.structured_outputs is not None else []
+        if done < p.min_tokens:
+            causes.append(f"min_tokens={p.min_tokens} (EOS and stop_token_ids are banned before {p.min_tokens} "
+                          f"tokens; {done} so far)")
+        if p.allowed_token_ids is not None:
+            causes.append("allowed_token_ids")
+        if p.logit_bias and any(b == float("-inf") for b in p.logit_bias.values()):
+            causes.append("logit_bias")
+        self.failures[seq.request_id] = f"no token is allowed here: {' and '.join(causes) or 'the constraints'} " \
+                                        "exclude every token"
 
     def _verify(self, verify: list[VerifyRows], logits: torch.Tensor, bitmask: torch.Tensor | None) -> dict[str, list[int]]:
         """Rejection-sample every speculative request's drafts in one call (row j sees drafts[:j] as its history)."""
@@ -157,13 +168,11 @@ class StepSampler:
         emitted = rejection_sample(self.sampler, target, rows, [DraftRows(d, None) for _, _, d in verify], bitmask)
         tokens: dict[str, list[int]] = {}
         pos = 0
-        for (seq, _, drafts), toks in zip(verify, emitted):
-            if not toks:
-                self._no_token(seq, tokens)
-                pos += len(drafts) + 1
-                continue
+        for (seq, _, drafts), (toks, dead) in zip(verify, emitted):
             tokens[seq.request_id] = toks
-            if seq.logprobs is not None:
+            if dead:
+                self._no_token(seq, len(toks))
+            if toks and seq.logprobs is not None:
                 n = seq.req.params.logprobs or 0
                 self._add_logprobs(seq, prompt_logprobs(target[pos : pos + len(toks)], toks, n))
             pos += len(drafts) + 1

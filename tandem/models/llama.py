@@ -80,6 +80,7 @@ class LlamaModel:
         self.use_kernels = use_kernels
         self.lm_head = make_linear(head, use_kernels=use_kernels)
         self.layers = [self._layer(w, i) for i in range(cfg.num_layers)]
+        self.windows = [cfg.layer_window(i) for i in range(cfg.num_layers)]  # sliding-window attention per layer
         freqs = torch.outer(torch.arange(cfg.max_position_embeddings, dtype=torch.float32), rope_inv_freq(cfg))  # [max_pos, D / 2]
         self.ops: LayerOps = select_ops(device, freqs.cos(), freqs.sin(), dtype, use_kernels)
 
@@ -114,7 +115,7 @@ class LlamaModel:
         # the residual stream x stays float32 (norm weights too); each layer's output is added into it by the next norm
         x = F.embedding(input_ids, self.embed).float()  # [T, hidden]
         delta: torch.Tensor | None = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for layer, kv_cache, window in zip(self.layers, kv_caches, self.windows):
             h = ops.add_rms_norm(x, delta, layer.input_norm, eps, dt)
             qkv = layer.qkv(h)  # [T, (H + 2 KVH) D]
             qk = qkv[:, : self.q_size + self.kv_size].view(T, H + KVH, D)
@@ -124,7 +125,7 @@ class LlamaModel:
                     [F.rms_norm(qk[:, :H], (D,), layer.q_norm, eps), F.rms_norm(qk[:, H:], (D,), layer.k_norm, eps)], dim=1
                 )
             qk = ops.rope_write_kv(qk, v, rope, kv_cache, meta, H)  # [T, H + KVH, D], k and v now in the cache
-            attn = ops.attention(qk, v, kv_cache, meta, H, self.scale, dt)  # [T, H D]
+            attn = ops.attention(qk, v, kv_cache, meta, H, self.scale, dt, window)  # [T, H D]
             h = ops.add_rms_norm(x, layer.o(attn), layer.post_norm, eps, dt)
             delta = layer.down(ops.silu_mul(layer.gate_up(h)))  # [T, hidden]
         return ops.add_rms_norm(x, delta, self.norm, eps, dt)

@@ -45,6 +45,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=int, default=256, help="sequences that may wait beyond --max-num-seqs before 429")
     p.add_argument("--request-timeout", type=float, default=None, help="seconds before a request is aborted (504)")
     p.add_argument("--max-body-size", type=parse_size, default=1 << 20, help="request body limit (default 1MiB)")
+    p.add_argument("--shutdown-grace-period", type=float, default=30.0,
+                   help="on SIGTERM: seconds the requests in flight may run on (health and new requests: 503 draining) "
+                        "before they are failed and the server exits; 0: fail them at once (default 30)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_engine_args(p)
     p.set_defaults(func=run_serve)
@@ -60,6 +63,8 @@ def run_serve(args: argparse.Namespace) -> int:
     api_key = args.api_key if args.api_key is not None else os.environ.get("TANDEM_API_KEY") or None
     if args.max_queue < 0:
         raise SystemExit("--max-queue must be >= 0")
+    if args.shutdown_grace_period < 0:
+        raise SystemExit("--shutdown-grace-period must be >= 0")
     config = ServerConfig(
         served_model_names=served_model_names(args.model, args.served_model_name),
         api_key=api_key,
@@ -67,6 +72,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
         request_timeout_s=args.request_timeout,
         max_body_bytes=args.max_body_size,
+        shutdown_grace_period_s=args.shutdown_grace_period,
     )
     client = EngineClient(args.model, engine_kwargs_from_args(args))
     app = create_app(client, config)
