@@ -23,7 +23,6 @@ from tandem.layers.quant import QuantizedTensor
 from tandem.models.checkpoint import WeightStore
 
 
-
 @dataclass
 class _Layer:
     input_norm: torch.Tensor  # [hidden]
