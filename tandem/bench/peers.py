@@ -181,8 +181,12 @@ def _llama_cpp_generate(
 ) -> RunResult:
     from llama_cpp import Llama
 
+    from tandem.runner.memory import resident_bytes
+
+    before, _ = resident_bytes()
     ctx = max(len(p) for p in prompts) + max_tokens + 8
     llm = Llama(model_path=str(gguf_path), n_ctx=ctx, n_threads=threads, n_batch=512, verbose=False, logits_all=False)
+    after, _ = resident_bytes()
     res = RunResult(name, len(prompts), 0, 0.0)
     t0 = time.perf_counter()
     for p in prompts:
@@ -202,6 +206,9 @@ def _llama_cpp_generate(
         if n > 1 and first is not None:
             res.tpot_s.append((end - first) / (n - 1))
     res.wall_s = time.perf_counter() - t0
+    _, peak = resident_bytes()  # llama.cpp maps the file: the weights' pages count as they are read
+    res.extra = {"rss_load_mib": round(after / 2**20), "rss_peak_mib": round(peak / 2**20),
+                 "model_mib": round((after - before) / 2**20)}
     return res
 
 

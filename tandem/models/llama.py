@@ -143,6 +143,12 @@ class LlamaModel:
         )
 
     @property
+    def matmul_params(self) -> int:
+        """Parameters multiplied per token through every projection, the output one included."""
+        projections = [self.lm_head] + [x for la in self.layers for x in (la.qkv, la.o, la.gate_up, la.down)]
+        return sum(p.out_features * p.in_features for p in projections)
+
+    @property
     def weight_bytes(self) -> int:
         """Bytes the model's weights occupy as held (packed, quantized or dense; a shared table counted once)."""
         projections = {id(p): p for p in [self.lm_head, self.embed] + [x for la in self.layers for x in (la.qkv, la.o, la.gate_up, la.down)]}
