@@ -182,7 +182,8 @@ def make_linear(
     dense_dtype = dtype or next((p.dtype for p in parts if isinstance(p, torch.Tensor)), torch.bfloat16)
     if quantized:
         isa = quant_isa() if use_kernels and parts[0].device.type == "cpu" else 0
-        if isa and len(quantized) == len(parts):
+        # the kernels quantize activations in blocks of 32 (I8 included): other widths run dense
+        if isa and len(quantized) == len(parts) and parts[0].shape[1] % 32 == 0:
             return QuantProjection(_merge_same_format(quantized), bias, isa)
         parts = [p.dequantize(dense_dtype) if isinstance(p, QuantizedTensor) else p for p in parts]
     w = parts[0] if len(parts) == 1 else torch.cat(parts)  # type: ignore[arg-type]

@@ -107,10 +107,16 @@ def test_paged_attention_matches_dense_causal_attention(H: int, KVH: int) -> Non
     qkv = torch.randn(T, (H + 2 * KVH) * D)
     qk = qkv[:, : (H + KVH) * D].view(T, H + KVH, D)
     v = qkv[:, (H + KVH) * D :].view(T, KVH, D)
+    # the runner's block-major storage [2, NB, KVH, BS, D] seen as [2, KVH, NB, BS, D]: same results to the bit
+    cache_bm = torch.zeros(2, len(perm), KVH, BS, D).permute(0, 2, 1, 3, 4)
+    cache_bm.copy_(cache_k)
     rq_t = t.rope_write_kv(qk, v, t.rope_tables(meta.positions), cache_t, meta, H)
     rq_k = k.rope_write_kv(qk, v, k.rope_tables(meta.positions), cache_k, meta, H)
+    rq_bm = k.rope_write_kv(qk, v, k.rope_tables(meta.positions), cache_bm, meta, H)
+    assert torch.equal(rq_bm, rq_k) and torch.equal(cache_bm, cache_k)
     want = t.attention(rq_t, v, cache_t, meta, H, D**-0.5, torch.float32)
     got = k.attention(rq_k, v, cache_k, meta, H, D**-0.5, torch.float32)
+    assert torch.equal(k.attention(rq_bm, v, cache_bm, meta, H, D**-0.5, torch.float32), got)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
     # and against plain causal attention over each request's full sequence
     row = 0

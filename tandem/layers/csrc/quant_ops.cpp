@@ -887,7 +887,7 @@ int64_t quant_isa() { return best_isa(); }
 // Work units: (row block of kRowBlock rows, strip of kStripGroups groups of one segment). Row blocks keep a block of
 // quantized activations in L2 while strips of weights stream past; strips are the parallel grain for decode.
 constexpr int64_t kRowBlock = 64;
-constexpr int64_t kStripGroups = 4;
+constexpr int64_t kStripGroups = 2;
 
 struct Unit {
   int seg;
