@@ -55,7 +55,11 @@ def random_quantized(qtype: str, n: int, k: int, rng: np.random.Generator) -> Qu
 
 def torchao_linears(w: torch.Tensor, count: int) -> dict[str, list[Callable[[torch.Tensor], torch.Tensor]]]:
     try:
-        from torchao.quantization import Int8DynamicActivationInt8WeightConfig, Int8WeightOnlyConfig, quantize_
+        from torchao.quantization import (
+            Int8DynamicActivationInt8WeightConfig,
+            Int8WeightOnlyConfig,
+            quantize_,
+        )
     except ImportError:
         return {}
     out = {}
