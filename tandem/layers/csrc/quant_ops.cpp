@@ -512,6 +512,7 @@ struct Avx512 {
   using VF = __m512;
   static constexpr int kMaxRows = 4;
   static constexpr int kGroups = 2;  // 16-lane groups per register tile
+  static constexpr int kWideGroups = 4;  // ... of one or two rows
   static TQ_INLINE VI load(const uint8_t* p) { return _mm512_loadu_si512(p); }
   static TQ_INLINE VI zero() { return _mm512_setzero_si512(); }
   static TQ_INLINE VI set1(int32_t v) { return _mm512_set1_epi32(v); }
@@ -550,6 +551,7 @@ struct Avx2 {
   struct VF { __m256 a, b; };
   static constexpr int kMaxRows = 2;
   static constexpr int kGroups = 1;
+  static constexpr int kWideGroups = 1;
   static TQ_INLINE VI load(const uint8_t* p) {
     return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))};
   }
@@ -830,28 +832,27 @@ void tile(const Segment& sg, const Act& a, int64_t r0, int64_t g0, O* out, int64
   }
 }
 
-// Rows [r0, r1) x groups [g0, g1) of one segment; row tiles of up to kMaxRows, group tiles of kGroups.
+// Groups [g, g1) of one segment for `MR` rows at r: tiles of `NG` groups, then single groups.
+template <class V, int MR, int NG, int64_t F, typename O>
+void row_tile(const Segment& sg, const Act& a, int64_t r, int64_t g, int64_t g1, O* out, int64_t ldo) {
+  for (; g + NG <= g1; g += NG) tile<V, MR, NG, F>(sg, a, r, g, out, ldo);
+  for (; g < g1; ++g) tile<V, MR, 1, F>(sg, a, r, g, out, ldo);
+}
+
+// Rows [r0, r1) x groups [g0, g1) of one segment; row tiles of up to kMaxRows. One or two rows (decode) take 4 groups
+// per tile on AVX512 (more weight streams in flight), more rows kGroups (their accumulators fill the registers).
 template <class V, int64_t F, typename O>
 void strip(const Segment& sg, const Act& a, int64_t r0, int64_t r1, int64_t g0, int64_t g1, O* out, int64_t ldo) {
   constexpr int NG = V::kGroups;
+  constexpr int NGW = V::kWideGroups;
   for (int64_t r = r0; r < r1; r += V::kMaxRows) {
     const int mr = static_cast<int>(std::min<int64_t>(V::kMaxRows, r1 - r));
-    int64_t g = g0;
-    for (; g + NG <= g1; g += NG) {
-      switch (mr) {
-        case 4: if constexpr (V::kMaxRows >= 4) { tile<V, 4, NG, F>(sg, a, r, g, out, ldo); break; } [[fallthrough]];
-        case 3: if constexpr (V::kMaxRows >= 3) { tile<V, 3, NG, F>(sg, a, r, g, out, ldo); break; } [[fallthrough]];
-        case 2: tile<V, 2, NG, F>(sg, a, r, g, out, ldo); break;
-        default: tile<V, 1, NG, F>(sg, a, r, g, out, ldo); break;
-      }
-    }
-    for (; g < g1; ++g) {
-      if (mr >= 2) {
-        for (int64_t rr = r; rr + 2 <= r + mr; rr += 2) tile<V, 2, 1, F>(sg, a, rr, g, out, ldo);
-        if (mr % 2) tile<V, 1, 1, F>(sg, a, r + mr - 1, g, out, ldo);
-      } else {
-        tile<V, 1, 1, F>(sg, a, r, g, out, ldo);
-      }
+    switch (mr) {
+      case 4: if constexpr (V::kMaxRows >= 4) { row_tile<V, 4, NG, F>(sg, a, r, g0, g1, out, ldo); break; } [[fallthrough]];
+      case 3: if constexpr (V::kMaxRows >= 3) { row_tile<V, 3, NG, F>(sg, a, r, g0, g1, out, ldo); break; } [[fallthrough]];
+      // Q4_K / Q5_K keep three accumulators per lane group: two rows of four groups would spill (measured 1.5x slower)
+      case 2: row_tile<V, 2, (F == kQ4_K || F == kQ5_K) ? NG : NGW, F>(sg, a, r, g0, g1, out, ldo); break;
+      default: row_tile<V, 1, NGW, F>(sg, a, r, g0, g1, out, ldo); break;
     }
   }
 }
@@ -961,11 +962,15 @@ Tensor quant_linear(const Tensor& x, at::TensorList packed, at::IntArrayRef fmts
     quantize_activations<c10::BFloat16>(x, need32, need256, a32, a256);
   }
   std::vector<Unit> units;
+  int64_t groups = 0;
+  for (const auto& sg : segs) groups += (sg.N + kLanes - 1) / kLanes;
+  // strips of 4 groups (a full wide tile) unless that leaves the threads too few units to share evenly
+  const int64_t per_strip = groups >= 16 * at::get_num_threads() ? 2 * kStripGroups : kStripGroups;
   for (int64_t r0 = 0; r0 < M; r0 += kRowBlock)
     for (size_t i = 0; i < segs.size(); ++i) {
       const int64_t G = (segs[i].N + kLanes - 1) / kLanes;
-      for (int64_t g0 = 0; g0 < G; g0 += kStripGroups)
-        units.push_back({static_cast<int>(i), r0, std::min(M, r0 + kRowBlock), g0, std::min(G, g0 + kStripGroups)});
+      for (int64_t g0 = 0; g0 < G; g0 += per_strip)
+        units.push_back({static_cast<int>(i), r0, std::min(M, r0 + kRowBlock), g0, std::min(G, g0 + per_strip)});
     }
   Tensor y = at::empty({M, Ntot}, x.options());
   const Act* acts[2] = {&a32, &a256};
