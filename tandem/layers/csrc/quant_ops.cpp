@@ -13,16 +13,17 @@
 // Layout: 16 rows of W (16 output columns of y, "lanes") are interleaved so that one 64-byte load holds 4
 // consecutive k of each lane: a "chunk". One `vpdpbusd` (AVX512-VNNI) multiplies a chunk by 4 broadcast activation
 // bytes and adds the 4 products into each lane's int32. Nibble formats put k 8c..8c+3 in the low nibbles of chunk c
-// and k 8c+4..8c+7 in its high nibbles; 5th and 6th bits are bit-planes, one 64-bit mask per half-chunk, added with
-// a masked byte add. Per 16-row group and block: the scales (fp16, as stored), then the masks, then the chunks:
+// and k 8c+4..8c+7 in its high nibbles; a 5th bit is a bit-plane, one 64-bit mask per half-chunk, added with
+// a masked byte add (Q6_K: 2-bit fields, see put_q6_high_bits). Per 16-row group and block: the scales (fp16, as
+// stored), then the masks, then the chunks:
 //   Q8_0  d[16] f16 | 8 chunks of s8                               544 B = 16 x 34 (the GGUF bytes)
 //   Q4_0  d[16]     | 4 nibble chunks                              288 B = 16 x 18
 //   Q4_1  d, m      | 4 nibble chunks                              320 B = 16 x 20
 //   Q5_0  d         | 4 x (lo, hi) u64 masks | 4 nibble chunks     352 B = 16 x 22
 //   Q5_1  d, m      | masks | chunks                               384 B = 16 x 24
-//   Q4_K  d, dmin   | 6-bit scales and mins as bytes [8][16] each | 32 nibble chunks        2368 B (GGUF 2304)
-//   Q5_K  like Q4_K | 32 x (lo, hi) masks | chunks                                          2880 B (GGUF 2816)
-//   Q6_K  d         | s8 scales [16][16] | 32 x (lo4, lo5, hi4, hi5) masks | chunks         3360 B = 16 x 210
+//   Q4_K  d, dmin   | 8 x (6-bit scales, mins as bytes [16] each | 4 nibble chunks)        2368 B (GGUF 2304)
+//   Q5_K  like Q4_K, with each sub-block's 4 x (lo, hi) masks before its chunks             2880 B (GGUF 2816)
+//   Q6_K  d         | 16 x (s8 scales [16] | 64 B plane of 2-bit high parts | 2 chunks)       3360 B = 16 x 210
 //   I8    (per group: 16 float32 scales) | per block of 32: 8 chunks of s8                 512 B + 64 B per group
 // Q4_K / Q5_K unpack their 12-byte scale fields to bytes (+2.8 %) so a lane's scale is one byte load away.
 //
@@ -189,15 +190,25 @@ void decode_raw(int64_t f, const uint8_t* b, RawBlock& o) {
 }
 
 // ---- packing: 16 decoded rows of one block -> the packed group-block ----
-inline void put_nibble_chunks(uint8_t* dst, const RawBlock* r, int nchunks) {
+// Sub-blocks are stored whole, in the order a kernel reads them (one sequential stream per lane group: with the
+// scales, masks and chunks of a block in separate runs, Q6_K ran 1.4x slower at one row, measured):
+constexpr int kQ6Sub = 16 + 64 + 128;      // Q6_K, 16 k: scales, high-bit plane, 2 chunks
+constexpr int kK4Sub = 16 + 16 + 256;      // Q4_K, 32 k: scales, mins, 4 chunks
+constexpr int kK5Sub = 16 + 16 + 64 + 256;  // Q5_K, 32 k: scales, mins, masks, 4 chunks
+
+// chunk c at dst + (c / per) * sub_stride + (c % per) * 64 (all contiguous by default)
+inline void put_nibble_chunks(uint8_t* dst, const RawBlock* r, int nchunks, int per = 1 << 20, int sub_stride = 0) {
   for (int c = 0; c < nchunks; ++c)
     for (int j = 0; j < kLanes; ++j)
       for (int i = 0; i < 4; ++i)
-        dst[c * 64 + j * 4 + i] = static_cast<uint8_t>((r[j].q[8 * c + i] & 15) | ((r[j].q[8 * c + 4 + i] & 15) << 4));
+        dst[(c / per) * sub_stride + (c % per) * 64 + j * 4 + i] =
+            static_cast<uint8_t>((r[j].q[8 * c + i] & 15) | ((r[j].q[8 * c + 4 + i] & 15) << 4));
 }
 
-// bit `bit` of every q, as one u64 per half-chunk (bit 4j + i = lane j, byte i)
-inline void put_bit_masks(uint8_t* dst, const RawBlock* r, int nchunks, int bit, int stride, int off) {
+// bit `bit` of every q, as one u64 per half-chunk (bit 4j + i = lane j, byte i); chunk c's pair at
+// dst + (c / per) * sub_stride + (c % per) * stride + off
+inline void put_bit_masks(uint8_t* dst, const RawBlock* r, int nchunks, int bit, int stride, int off, int per = 1 << 20,
+                          int sub_stride = 0) {
   for (int c = 0; c < nchunks; ++c) {
     uint64_t lo = 0, hi = 0;
     for (int j = 0; j < kLanes; ++j)
@@ -205,9 +216,23 @@ inline void put_bit_masks(uint8_t* dst, const RawBlock* r, int nchunks, int bit,
         lo |= static_cast<uint64_t>((r[j].q[8 * c + i] >> bit) & 1) << (4 * j + i);
         hi |= static_cast<uint64_t>((r[j].q[8 * c + 4 + i] >> bit) & 1) << (4 * j + i);
       }
-    wr64(dst + c * stride + off, lo);
-    wr64(dst + c * stride + off + 8, hi);
+    uint8_t* at = dst + (c / per) * sub_stride + (c % per) * stride + off;
+    wr64(at, lo);
+    wr64(at + 8, hi);
   }
+}
+
+// Q6_K's two high bits: per sub-block of 16 (chunks 2s, 2s + 1) one 64-byte plane, byte 4j + i holding four 2-bit
+// fields: chunk 2s low half, its high half, chunk 2s + 1 low half, its high half (bits 0-1, 2-3, 4-5, 6-7). A field is
+// brought to bits 4-5 with one shift and one mask, then merged under the nibble with one `vpternlogd`.
+inline void put_q6_high_bits(uint8_t* dst, const RawBlock* r) {
+  for (int s = 0; s < 16; ++s)
+    for (int j = 0; j < kLanes; ++j)
+      for (int i = 0; i < 4; ++i) {
+        int byte = 0;
+        for (int f = 0; f < 4; ++f) byte |= ((r[j].q[16 * s + 8 * (f / 2) + 4 * (f % 2) + i] >> 4) & 3) << (2 * f);
+        dst[s * kQ6Sub + j * 4 + i] = static_cast<uint8_t>(byte);
+      }
 }
 
 void pack_group_block(int64_t f, const RawBlock* r, uint8_t* dst) {
@@ -233,28 +258,25 @@ void pack_group_block(int64_t f, const RawBlock* r, uint8_t* dst) {
       put_nibble_chunks(dst + 128, r, 4);
       break;
     case kQ4_K:
-    case kQ5_K: {
+    case kQ5_K: {  // per sub-block of 32: its scales, its mins, (Q5_K) its masks, its 4 chunks (read in this order)
+      const int sub = f == kQ5_K ? kK5Sub : kK4Sub;
       for (int j = 0; j < kLanes; ++j) wr16(dst + 32 + 2 * j, r[j].m);
       for (int s = 0; s < 8; ++s)
         for (int j = 0; j < kLanes; ++j) {
-          dst[64 + s * 16 + j] = static_cast<uint8_t>(r[j].sc[s]);
-          dst[192 + s * 16 + j] = static_cast<uint8_t>(r[j].mn[s]);
+          dst[64 + s * sub + j] = static_cast<uint8_t>(r[j].sc[s]);
+          dst[64 + s * sub + 16 + j] = static_cast<uint8_t>(r[j].mn[s]);
         }
-      if (f == kQ5_K) {
-        put_bit_masks(dst + 320, r, 32, 4, 16, 0);
-        put_nibble_chunks(dst + 832, r, 32);
-      } else {
-        put_nibble_chunks(dst + 320, r, 32);
-      }
+      if (f == kQ5_K) put_bit_masks(dst + 64 + 32, r, 32, 4, 16, 0, 4, sub);
+      put_nibble_chunks(dst + 64 + sub - 256, r, 32, 4, sub);
       break;
     }
-    case kQ6_K:
-      for (int s = 0; s < 16; ++s)
-        for (int j = 0; j < kLanes; ++j) dst[32 + s * 16 + j] = static_cast<uint8_t>(r[j].sc[s]);
-      // per chunk 32 B: (lo bit4, hi bit4) then (lo bit5, hi bit5)
-      put_bit_masks(dst + 288, r, 32, 4, 32, 0);
-      put_bit_masks(dst + 288, r, 32, 5, 32, 16);
-      put_nibble_chunks(dst + 1312, r, 32);
+    case kQ6_K:  // per sub-block of 16: its scales, its high-bit plane, its two nibble chunks (read in this order)
+      for (int s = 0; s < 16; ++s) {
+        uint8_t* sub = dst + 32 + s * kQ6Sub;
+        for (int j = 0; j < kLanes; ++j) sub[j] = static_cast<uint8_t>(r[j].sc[s]);
+      }
+      put_q6_high_bits(dst + 32 + 16, r);
+      put_nibble_chunks(dst + 32 + 80, r, 32, 2, kQ6Sub);
       break;
     default: TORCH_CHECK(false, "quant: unknown format id ", f);
   }
@@ -363,18 +385,22 @@ void dequant_lane(int64_t f, const uint8_t* gp, int64_t nblk, int j, float* out)
       case kQ4_K:
       case kQ5_K: {
         const float dmin = h2f(rd16(p + 32 + 2 * j));
+        const int sub_bytes = f == kQ5_K ? kK5Sub : kK4Sub;
         for (int k = 0; k < 256; ++k) {
-          const int s = k / 32;
-          int q = nib(p + (f == kQ5_K ? 832 : 320), k, j);
-          if (f == kQ5_K) q |= mask_bit(p + 320, 16, 0, k, j) << 4;
-          o[k] = (d * static_cast<float>(p[64 + s * 16 + j])) * static_cast<float>(q) - dmin * static_cast<float>(p[192 + s * 16 + j]);
+          const uint8_t* sub = p + 64 + (k / 32) * sub_bytes;
+          int q = nib(sub + sub_bytes - 256, k % 32, j);
+          if (f == kQ5_K) q |= mask_bit(sub + 32, 16, 0, k % 32, j) << 4;
+          o[k] = (d * static_cast<float>(sub[j])) * static_cast<float>(q) - dmin * static_cast<float>(sub[16 + j]);
         }
         break;
       }
       case kQ6_K:
         for (int k = 0; k < 256; ++k) {
-          const int q = nib(p + 1312, k, j) | (mask_bit(p + 288, 32, 0, k, j) << 4) | (mask_bit(p + 288, 32, 16, k, j) << 5);
-          o[k] = (d * static_cast<float>(static_cast<int8_t>(p[32 + (k / 16) * 16 + j]))) * static_cast<float>(q - 32);
+          const int field = (k % 16) / 4;  // see put_q6_high_bits
+          const uint8_t* sub = p + 32 + (k / 16) * kQ6Sub;
+          const int high = (sub[16 + j * 4 + k % 4] >> (2 * field)) & 3;
+          const int q = nib(sub + 80, k % 16, j) | (high << 4);
+          o[k] = (d * static_cast<float>(static_cast<int8_t>(sub[j]))) * static_cast<float>(q - 32);
         }
         break;
       default: TORCH_CHECK(false, "quant: unknown format id ", f);
@@ -523,6 +549,18 @@ struct Avx512 {
     return _mm512_mask_add_epi8(x, _cvtu64_mask64(rd64(mask)), x, _mm512_set1_epi8(v));
   }
   static TQ_INLINE VI dot(VI acc, VI u, VI s) { return _mm512_dpbusd_epi32(acc, u, s); }
+  static TQ_INLINE VI srl4(VI x) { return _mm512_srli_epi16(x, 4); }
+  // 2-bit field F (bits 2F..2F+1 of each byte) moved to bits 4-5, the rest zero
+  template <int F>
+  static TQ_INLINE VI field(VI x) {
+    const VI m = _mm512_set1_epi8(0x30);
+    if constexpr (F == 0) return _mm512_and_si512(_mm512_slli_epi16(x, 4), m);
+    if constexpr (F == 1) return _mm512_and_si512(_mm512_slli_epi16(x, 2), m);
+    if constexpr (F == 2) return _mm512_and_si512(x, m);
+    return _mm512_and_si512(_mm512_srli_epi16(x, 2), m);
+  }
+  // bits 0-3 of `nib`, bits 4-7 of `high` (whose bits 0-3 are zero): one vpternlogd (c ? a : b, c = 0x0F)
+  static TQ_INLINE VI merge_nib(VI nib, VI high) { return _mm512_ternarylogic_epi32(nib, high, _mm512_set1_epi8(0x0F), 0xE4); }
   // signed x signed: (w + 128) as the unsigned operand, 128 * sum(a) subtracted per block
   static constexpr bool kOffsetSigned = true;
   static TQ_INLINE VI flip_sign(VI w) { return _mm512_xor_si512(w, _mm512_set1_epi8(static_cast<char>(0x80))); }
@@ -579,6 +617,22 @@ struct Avx2 {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
   }
   static TQ_INLINE VI dot(VI acc, VI u, VI s) { return {dot1(acc.a, u.a, s.a), dot1(acc.b, u.b, s.b)}; }
+  static TQ_INLINE VI srl4(VI x) { return {_mm256_srli_epi16(x.a, 4), _mm256_srli_epi16(x.b, 4)}; }
+  template <int F>
+  static TQ_INLINE VI field(VI x) {
+    const __m256i m = _mm256_set1_epi8(0x30);
+    auto one = [&](__m256i v) {
+      if constexpr (F == 0) return _mm256_and_si256(_mm256_slli_epi16(v, 4), m);
+      if constexpr (F == 1) return _mm256_and_si256(_mm256_slli_epi16(v, 2), m);
+      if constexpr (F == 2) return _mm256_and_si256(v, m);
+      return _mm256_and_si256(_mm256_srli_epi16(v, 2), m);
+    };
+    return {one(x.a), one(x.b)};
+  }
+  static TQ_INLINE VI merge_nib(VI nib, VI high) {
+    const __m256i m = _mm256_set1_epi8(0x0F);
+    return {_mm256_or_si256(_mm256_and_si256(nib.a, m), high.a), _mm256_or_si256(_mm256_and_si256(nib.b, m), high.b)};
+  }
   static constexpr bool kOffsetSigned = false;
   static TQ_INLINE VI flip_sign(VI w) { return w; }
   static TQ_INLINE VI abs8(VI w) { return {_mm256_abs_epi8(w.a), _mm256_abs_epi8(w.b)}; }
@@ -704,7 +758,7 @@ TQ_INLINE void block_q8(const uint8_t* const* g, const Act& a, int64_t r0, int64
 template <class V, int MR, int NG, int64_t F>
 TQ_INLINE void block_k45(const uint8_t* const* g, const Act& a, int64_t r0, int64_t b, FAcc<V, MR, NG>& facc) {
   constexpr bool kFive = F == kQ5_K;
-  constexpr int moff = 320, qoff = kFive ? 832 : 320;
+  constexpr int kSub = kFive ? kK5Sub : kK4Sub, qoff = kSub - 256;  // a sub-block: scales, mins, (masks), chunks
   const int64_t nb = a.K / 256, ns = a.K / 16;
   typename V::VI iacc[MR][NG];
   for (int r = 0; r < MR; ++r)
@@ -716,11 +770,12 @@ TQ_INLINE void block_k45(const uint8_t* const* g, const Act& a, int64_t r0, int6
     for (int c = 0; c < 4; ++c) {
       const int ch = 4 * s + c;
       for (int j = 0; j < NG; ++j) {
-        const typename V::VI w = V::load(g[j] + qoff + ch * 64);
+        const uint8_t* sub = g[j] + 64 + s * kSub;
+        const typename V::VI w = V::load(sub + qoff + c * 64);
         typename V::VI l = V::lo(w), h = V::hi(w);
         if (kFive) {
-          l = V::add_bits(l, g[j] + moff + ch * 16, 16);
-          h = V::add_bits(h, g[j] + moff + ch * 16 + 8, 16);
+          l = V::add_bits(l, sub + 32 + c * 16, 16);
+          h = V::add_bits(h, sub + 32 + c * 16 + 8, 16);
         }
         for (int r = 0; r < MR; ++r) {
           const int8_t* ap = a.row(r0 + r) + b * 256 + 8 * ch;
@@ -730,7 +785,7 @@ TQ_INLINE void block_k45(const uint8_t* const* g, const Act& a, int64_t r0, int6
       }
     }
     for (int j = 0; j < NG; ++j) {
-      const typename V::VI sc = V::u8x16(g[j] + 64 + s * 16);
+      const typename V::VI sc = V::u8x16(g[j] + 64 + s * kSub);
       for (int r = 0; r < MR; ++r) iacc[r][j] = V::add(iacc[r][j], V::mullo(isum[r][j], sc));
     }
   }
@@ -739,7 +794,8 @@ TQ_INLINE void block_k45(const uint8_t* const* g, const Act& a, int64_t r0, int6
     for (int r = 0; r < MR; ++r) {
       const int32_t* bs = a.sum.data() + (r0 + r) * ns + b * 16;
       typename V::VI imin = V::zero();
-      for (int s = 0; s < 8; ++s) imin = V::add(imin, V::mullo(V::u8x16(g[j] + 192 + s * 16), V::set1(bs[2 * s] + bs[2 * s + 1])));
+      for (int s = 0; s < 8; ++s)
+        imin = V::add(imin, V::mullo(V::u8x16(g[j] + 64 + s * kSub + 16), V::set1(bs[2 * s] + bs[2 * s + 1])));
       const typename V::VF da = V::fset1(a.d[(r0 + r) * nb + b]);
       facc[r][j] = V::fma(V::fmul(d, da), V::cvt(iacc[r][j]), facc[r][j]);
       facc[r][j] = V::fma(V::fmul(dmin, V::fset1(-a.d[(r0 + r) * nb + b])), V::cvt(imin), facc[r][j]);
@@ -758,22 +814,19 @@ TQ_INLINE void block_q6k(const uint8_t* const* g, const Act& a, int64_t r0, int6
     typename V::VI isum[MR][NG];
     for (int r = 0; r < MR; ++r)
       for (int j = 0; j < NG; ++j) isum[r][j] = V::set1(-32 * a.sum[(r0 + r) * ns + b * 16 + s]);
-    for (int c = 0; c < 2; ++c) {
-      const int ch = 2 * s + c;
-      for (int j = 0; j < NG; ++j) {
-        const uint8_t* m = g[j] + 288 + ch * 32;
-        const typename V::VI w = V::load(g[j] + 1312 + ch * 64);
-        typename V::VI l = V::add_bits(V::add_bits(V::lo(w), m, 16), m + 16, 32);
-        typename V::VI h = V::add_bits(V::add_bits(V::hi(w), m + 8, 16), m + 24, 32);
-        for (int r = 0; r < MR; ++r) {
-          const int8_t* ap = a.row(r0 + r) + b * 256 + 8 * ch;
-          isum[r][j] = V::dot(isum[r][j], l, V::bcast4(ap));
-          isum[r][j] = V::dot(isum[r][j], h, V::bcast4(ap + 4));
-        }
+    for (int j = 0; j < NG; ++j) {
+      const uint8_t* sub = g[j] + 32 + s * kQ6Sub;
+      const typename V::VI hb = V::load(sub + 16);
+      const typename V::VI w0 = V::load(sub + 80), w1 = V::load(sub + 144);
+      const typename V::VI q[4] = {V::merge_nib(w0, V::template field<0>(hb)), V::merge_nib(V::srl4(w0), V::template field<1>(hb)),
+                                   V::merge_nib(w1, V::template field<2>(hb)), V::merge_nib(V::srl4(w1), V::template field<3>(hb))};
+      for (int r = 0; r < MR; ++r) {
+        const int8_t* ap = a.row(r0 + r) + b * 256 + 16 * s;
+        for (int f = 0; f < 4; ++f) isum[r][j] = V::dot(isum[r][j], q[f], V::bcast4(ap + 4 * f));
       }
     }
     for (int j = 0; j < NG; ++j) {
-      const typename V::VI sc = V::s8x16(g[j] + 32 + s * 16);
+      const typename V::VI sc = V::s8x16(g[j] + 32 + s * kQ6Sub);
       for (int r = 0; r < MR; ++r) iacc[r][j] = V::add(iacc[r][j], V::mullo(isum[r][j], sc));
     }
   }
