@@ -137,8 +137,14 @@ def test_paged_attention_matches_dense_causal_attention(
     qkv = torch.randn(T, (H + 2 * KVH) * D, generator=g).to(cache_dtype)  # the projection's output, model dtype
     qk = qkv[:, : (H + KVH) * D].view(T, H + KVH, D)
     v = qkv[:, (H + KVH) * D :].view(T, KVH, D)
+    # the runner's block-major storage [2, NB, KVH, BS, D] seen as [2, KVH, NB, BS, D]: same results to the bit
+    cache_bm = torch.zeros(2, len(perm), KVH, BS, D, dtype=cache_dtype).permute(0, 2, 1, 3, 4)
+    cache_bm.copy_(cache_k)
     rq_k = k.rope_write_kv(qk, v, k.rope_tables(meta.positions), cache_k, meta, H)
+    rq_bm = k.rope_write_kv(qk, v, k.rope_tables(meta.positions), cache_bm, meta, H)
+    assert torch.equal(rq_bm, rq_k) and torch.equal(cache_bm, cache_k)
     got = k.attention(rq_k, v, cache_k, meta, H, D**-0.5, torch.float32, window)
+    assert torch.equal(k.attention(rq_bm, v, cache_bm, meta, H, D**-0.5, torch.float32, window), got)
     refs = _dense_reference(rq_k, CpuKernelOps.to_standard_layout(cache_k), plan, news, starts, H, D, window)
     torch.testing.assert_close(got, torch.cat(refs), atol=1e-5, rtol=1e-4)
     if cache_dtype == torch.float32:  # and the torch path (its own float32 cache) gives the same

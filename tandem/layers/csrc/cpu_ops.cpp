@@ -10,7 +10,9 @@
 //   linear_bf16    y = x @ W^T (+ bias) over a VNNI-packed weight
 // Registered as torch ops (`torch.ops.tandem.*`); built on first use by `tandem/runner/kernels.py`.
 // Layouts: one layer's KV cache is [2, KVH, num_blocks, block_size * D] in the model dtype, slot = block * block_size +
-// offset; a V block is [block_size, D], a K block is stored transposed, [D, block_size] (see paged_attention).
+// offset; a V block is [block_size, D], a K block is stored transposed, [D, block_size] (see paged_attention). Blocks
+// are contiguous; heads and blocks may be strided (the runner stores a block of all heads together, [2, NB, KVH, ...],
+// so the first writes to a cache on huge pages commit one page per layer, not one per head).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -180,12 +182,13 @@ Tensor rope_write_kv(const Tensor& qk, const Tensor& v, const Tensor& positions,
                      Tensor kv_cache, const Tensor& slots, int64_t num_heads) {
   TORCH_CHECK(qk.dim() == 3 && qk.stride(2) == 1 && qk.stride(1) == qk.size(2), "rope_write_kv: qk must be [T, heads, D] with contiguous heads");
   TORCH_CHECK(v.dim() == 3 && v.stride(2) == 1 && v.stride(1) == v.size(2), "rope_write_kv: v must be [T, KVH, D] with contiguous heads");
-  TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.dim() == 5, "rope_write_kv: kv_cache must be contiguous [2, KVH, NB, BS, D]");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.stride(4) == 1 && kv_cache.stride(3) == kv_cache.size(4), "rope_write_kv: kv_cache must be [2, KVH, NB, BS, D] with contiguous blocks");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous(), "rope_write_kv: cos / sin must be contiguous float32");
   TORCH_CHECK(qk.scalar_type() == v.scalar_type(), "rope_write_kv: qk and v must share a dtype");
   const int64_t T = qk.size(0), NH = qk.size(1), D = qk.size(2), KVH = v.size(1), half = D / 2;
   TORCH_CHECK(NH == num_heads + KVH && kv_cache.size(1) == KVH && kv_cache.size(4) == D && D % 2 == 0, "rope_write_kv: head counts do not match the cache");
   const int64_t slots_per_head = kv_cache.size(2) * kv_cache.size(3), BS = kv_cache.size(3);
+  const int64_t S0 = kv_cache.stride(0), SH = kv_cache.stride(1), SB = kv_cache.stride(2);  // K -> V, head, block
   Tensor out = at::empty({T, NH, D}, qk.options().dtype(at::kFloat));
   Tensor pos = positions.to(at::kLong).contiguous();
   Tensor sl = slots.to(at::kLong).contiguous();
@@ -225,8 +228,8 @@ Tensor rope_write_kv(const Tensor& qk, const Tensor& v, const Tensor& positions,
             if (h >= num_heads) {
               const int64_t kvh = h - num_heads;
               // K block [D, BS] (key index fastest), V block [BS, D]
-              C* kc = cache + (kvh * slots_per_head + (slot / BS) * BS) * D + slot % BS;
-              C* vc = cache + ((KVH + kvh) * slots_per_head + slot) * D;
+              C* kc = cache + kvh * SH + (slot / BS) * SB + slot % BS;
+              C* vc = cache + S0 + kvh * SH + (slot / BS) * SB + (slot % BS) * D;
               const S* vx = vp + t * vs + kvh * D;
               for (int64_t i = 0; i < D; ++i) st(kc, i * BS, o[i]);
 #pragma omp simd
@@ -275,7 +278,7 @@ inline void score_tile(const float* const* q, const C* kt, int64_t BSrt, int64_t
 
 // o[r] = sc[r] * sum_{b0 BS <= t < keys} w[r][t] * V_t for RBc rows; V blocks [BS, D] of kv head `kvh` through `table`.
 template <int RBc, int64_t DC, typename C, typename O>
-inline void value_tile(const float* const* w, const float* sc, const C* vc, int64_t kvh, int64_t NB, const int64_t* table,
+inline void value_tile(const float* const* w, const float* sc, const C* vc, int64_t SB, const int64_t* table,
                        int64_t BS, int64_t Drt, int64_t b0, int64_t keys, O* const* o) {
   const int64_t D = DC > 0 ? DC : Drt;
   float acc[RBc][DC > 0 ? DC : 512];
@@ -284,7 +287,7 @@ inline void value_tile(const float* const* w, const float* sc, const C* vc, int6
     for (int64_t i = 0; i < D; ++i) acc[r][i] = 0.f;
   }
   for (int64_t b = b0; b * BS < keys; ++b) {
-    const C* vb = vc + (kvh * NB + table[b]) * BS * D;  // [BS, D]
+    const C* vb = vc + table[b] * SB;  // [BS, D]
     const int64_t te = std::min(BS, keys - b * BS);
     for (int64_t t = 0; t < te; ++t) {
       const C* v = vb + t * D;
@@ -309,7 +312,7 @@ inline void value_tile(const float* const* w, const float* sc, const C* vc, int6
 // s[r, 0:BS] += q[r, d] * K[d, 0:BS] over d: vector FMAs across keys, no horizontal sums.
 template <int64_t DC, int64_t BSC, typename C, typename O>
 void attend_item(const float* qp, int64_t qs, const C* kc, const C* vc, const int64_t* table, int64_t row0, int64_t n,
-                 int64_t start, int64_t kvh, int64_t G, int64_t H, int64_t NB, int64_t BSrt, int64_t Drt, float scale,
+                 int64_t start, int64_t kvh, int64_t G, int64_t H, int64_t SB, int64_t BSrt, int64_t Drt, float scale,
                  int64_t window, O* op, std::vector<float>& p, std::vector<float>& kbuf) {
   constexpr int64_t RB = 4;  // query rows per score tile
   const int64_t D = DC > 0 ? DC : Drt;
@@ -323,10 +326,10 @@ void attend_item(const float* qp, int64_t qs, const C* kc, const C* vc, const in
   auto qrow = [&](int64_t r) { return qp + (row0 + r / G) * qs + (kvh * G + r % G) * D; };
   const int64_t block_bytes = BS * D * static_cast<int64_t>(sizeof(C));
   for (int64_t b = b0; b < nblocks; ++b) {
-    const C* kt = kc + (kvh * NB + table[b]) * BS * D;  // [D, BS]
+    const C* kt = kc + table[b] * SB;  // [D, BS]
     if (b + 1 < nblocks) {  // blocks are scattered: the hardware prefetcher cannot guess the next one
-      const char* nk = reinterpret_cast<const char*>(kc + (kvh * NB + table[b + 1]) * BS * D);
-      const char* nv = reinterpret_cast<const char*>(vc + (kvh * NB + table[b + 1]) * BS * D);
+      const char* nk = reinterpret_cast<const char*>(kc + table[b + 1] * SB);
+      const char* nv = reinterpret_cast<const char*>(vc + table[b + 1] * SB);
       for (int64_t off = 0; off < block_bytes; off += 64) {
         __builtin_prefetch(nk + off);
         __builtin_prefetch(nv + off);
@@ -378,10 +381,10 @@ void attend_item(const float* qp, int64_t qs, const C* kc, const C* vc, const in
           sc[i] = inv[row % 64];
         }
         switch (rr) {
-          case 4: value_tile<4, DC>(w, sc, vc, kvh, NB, table, BS, D, b0, keys, o); break;
-          case 3: value_tile<3, DC>(w, sc, vc, kvh, NB, table, BS, D, b0, keys, o); break;
-          case 2: value_tile<2, DC>(w, sc, vc, kvh, NB, table, BS, D, b0, keys, o); break;
-          default: value_tile<1, DC>(w, sc, vc, kvh, NB, table, BS, D, b0, keys, o); break;
+          case 4: value_tile<4, DC>(w, sc, vc, SB, table, BS, D, b0, keys, o); break;
+          case 3: value_tile<3, DC>(w, sc, vc, SB, table, BS, D, b0, keys, o); break;
+          case 2: value_tile<2, DC>(w, sc, vc, SB, table, BS, D, b0, keys, o); break;
+          default: value_tile<1, DC>(w, sc, vc, SB, table, BS, D, b0, keys, o); break;
         }
       }
     }
@@ -390,8 +393,8 @@ void attend_item(const float* qp, int64_t qs, const C* kc, const C* vc, const in
 
 template <typename C, typename O>
 void attend(const float* qp, int64_t qs, const C* kc, const C* vc, const int64_t* info, const int64_t* tables,
-            int64_t B, int64_t MB, int64_t H, int64_t KVH, int64_t NB, int64_t BS, int64_t D, float scale, int64_t window,
-            O* op, int64_t grain) {
+            int64_t B, int64_t MB, int64_t H, int64_t KVH, int64_t SH, int64_t SB, int64_t BS, int64_t D, float scale,
+            int64_t window, O* op, int64_t grain) {
   const int64_t G = H / KVH;
   at::parallel_for(0, B * KVH, grain, [&](int64_t w0, int64_t w1) {
     std::vector<float> p, kbuf;
@@ -400,8 +403,8 @@ void attend(const float* qp, int64_t qs, const C* kc, const C* vc, const int64_t
       const int64_t row0 = info[b * 3], n = info[b * 3 + 1], start = info[b * 3 + 2];
       const int64_t* table = tables + b * MB;
       auto item = [&](auto dc, auto bsc) {
-        attend_item<decltype(dc)::value, decltype(bsc)::value>(qp, qs, kc, vc, table, row0, n, start, kvh, G, H, NB, BS, D,
-                                                               scale, window, op, p, kbuf);
+        attend_item<decltype(dc)::value, decltype(bsc)::value>(qp, qs, kc + kvh * SH, vc + kvh * SH, table, row0, n, start,
+                                                               kvh, G, H, SB, BS, D, scale, window, op, p, kbuf);
       };
       using D64 = std::integral_constant<int64_t, 64>;
       using D128 = std::integral_constant<int64_t, 128>;
@@ -421,7 +424,7 @@ void attend(const float* qp, int64_t qs, const C* kc, const C* vc, const int64_t
 void paged_attention(const Tensor& q, const Tensor& kv_cache, const Tensor& seq_info, const Tensor& block_tables, double scale,
                      Tensor out, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.stride(2) == 1 && q.stride(1) == q.size(2), "paged_attention: q must be float32 [T, H, D] with contiguous heads");
-  TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.dim() == 5, "paged_attention: kv_cache must be contiguous [2, KVH, NB, BS, D]");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.stride(4) == 1 && kv_cache.stride(3) == kv_cache.size(4), "paged_attention: kv_cache must be [2, KVH, NB, BS, D] with contiguous blocks");
   TORCH_CHECK(seq_info.scalar_type() == at::kLong && seq_info.is_contiguous() && seq_info.dim() == 2 && seq_info.size(1) == 3, "paged_attention: seq_info must be int64 [B, 3]");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() && block_tables.dim() == 2, "paged_attention: block_tables must be int64 [B, max_blocks]");
   TORCH_CHECK(out.is_contiguous() && out.size(0) == q.size(0) && out.numel() == q.size(0) * q.size(1) * q.size(2), "paged_attention: out must be contiguous [T, H * D]");
@@ -449,8 +452,8 @@ void paged_attention(const Tensor& q, const Tensor& kv_cache, const Tensor& seq_
     dispatch_float(out.scalar_type(), "paged_attention out", [&](auto otag) {
       using O = decltype(otag);
       const C* kc = kv_cache.data_ptr<C>();
-      attend<C, O>(q.data_ptr<float>(), q.stride(0), kc, kc + KVH * NB * BS * D, info, tables, B, MB, H, KVH, NB, BS, D,
-                   static_cast<float>(scale), window, out.data_ptr<O>(), grain);
+      attend<C, O>(q.data_ptr<float>(), q.stride(0), kc, kc + kv_cache.stride(0), info, tables, B, MB, H, KVH,
+                   kv_cache.stride(1), kv_cache.stride(2), BS, D, static_cast<float>(scale), window, out.data_ptr<O>(), grain);
     });
   });
 }
