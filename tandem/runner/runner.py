@@ -7,6 +7,7 @@ on an accelerator the kernels queue asynchronously), so the caller's CPU work (g
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -41,6 +42,19 @@ def available_memory(device: torch.device) -> int:
     except OSError:
         pass
     return 4 * 2**30
+
+
+def on_device(device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """`device` made the current CUDA device for the block (streams, events and graphs are per device, and the
+    tensor thread's current device is cuda:0 whatever the runner's); nothing to switch elsewhere."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def wait_for_device(device: torch.device) -> None:
+    """Block until the work queued on `device`'s current stream is done: that device's, not the current one's
+    (a runner on cuda:1 synchronizing cuda:0 would time nothing). Nothing to wait for on the host."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
 
 
 def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -191,10 +205,10 @@ class ModelRunner(Runner):
 
     @torch.inference_mode()
     def _forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, rows: torch.Tensor) -> tuple[torch.Tensor, float]:
-        hidden = self.model.forward(input_ids, meta, self.kv_caches)  # [T, hidden]
-        logits = self.model.logits(hidden[rows])  # [R, V]
-        if self.device.type == "cuda":
-            torch.cuda.current_stream().synchronize()
+        with on_device(self.device):
+            hidden = self.model.forward(input_ids, meta, self.kv_caches)  # [T, hidden]
+            logits = self.model.logits(hidden[rows])  # [R, V]
+        wait_for_device(self.device)
         return logits, time.perf_counter()
 
     def _to_device(self, values: list[int]) -> torch.Tensor:
