@@ -9,8 +9,9 @@ all layers) that splits the flattened batch into
   * one *prefill* entry per request with a longer chunk: SDPA over the chunk itself (nothing cached before it) or
     over keys gathered from its blocks.
 These torch paths keep a float32 cache on the CPU (the decode group runs as two float32 matmuls); tandem's CPU
-kernels (`ops.py`) read a cache in the model dtype and do the same float32 math without the gather. On an accelerator the decode group uses torch SDPA, which dispatches to its fused
-kernels (flash / memory-efficient attention).
+kernels (`ops.py`) read a cache in the model dtype and do the same float32 math without the gather. On CUDA the
+decode group reads the paged cache with FlexAttention (`paged_decode.py`: no key gather, no float mask; the
+gathered SDPA path stays as the fallback, `TANDEM_DECODE_ATTENTION=gather`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.core.plan import StepPlan
+from tandem.layers.paged_decode import PagedDecode, build_paged_decode, paged_decode_attention
 
 DECODE_MAX_QUERY = 16  # requests with at most this many new tokens join the padded decode group
 
@@ -49,6 +51,7 @@ class DecodeGroup:
     dense: bool = False  # every token of the step is here, q_max per request, in order: no gather / scatter
     query_pos: torch.Tensor | None = None  # [B, q_max] int64 position of each padded query (torch path)
     window_bias: dict[int, torch.Tensor] = field(default_factory=dict)  # `bias` narrowed to a sliding window, per window
+    paged: PagedDecode | None = None  # set: keys read from the paged cache by FlexAttention (no key gather, no bias)
 
 
 @dataclass
@@ -61,12 +64,15 @@ class AttentionMetadata:
 
 
 def build_metadata(
-    plan: StepPlan, block_size: int, device: torch.device, pin: bool = False, gathered_decode: bool = True
+    plan: StepPlan, block_size: int, device: torch.device, pin: bool = False, gathered_decode: bool = True,
+    paged_decode: bool = False,
 ) -> AttentionMetadata:
     """Index tensors for one step, built on the CPU from the plan and copied to `device` in one go each.
 
     `gathered_decode=False` (tandem's CPU kernels, which read `seq_info` / `block_tables` only) skips the padded
-    gather indices and the [B, q_max, L] mask of the torch decode path, ~0.5 ms per step at 32 requests."""
+    gather indices and the [B, q_max, L] mask of the torch decode path, ~0.5 ms per step at 32 requests.
+    `paged_decode=True` (FlexAttention over the paged cache, `paged_decode.py`) keeps the query indices but builds
+    block tables and query positions instead of the key gather and the mask."""
     positions: list[int] = []
     slots: list[int] = []
     prefills: list[tuple[int, int, int, list[int]]] = []  # (row0, n, start, blocks)
@@ -91,7 +97,7 @@ def build_metadata(
         key_blocks = to_dev(torch.tensor(blocks)) if start > 0 else None
         meta.prefills.append(PrefillSeq(slice(row0, row0 + n), start, key_blocks))
     if decodes:
-        meta.decode = _decode_group(decodes, block_size, to_dev, gathered_decode)
+        meta.decode = _decode_group(decodes, block_size, to_dev, gathered_decode, paged_decode)
         meta.decode.dense = not prefills and all(n == meta.decode.q_max for _, n, _, _ in decodes)
     return meta
 
@@ -101,7 +107,7 @@ _UNUSED = torch.empty(0, dtype=torch.long)  # stands for the torch-path fields w
 
 def _decode_group(
     decodes: list[tuple[int, int, int, list[int]]], block_size: int, to_dev: Callable[[torch.Tensor], torch.Tensor],
-    gathered: bool = True,
+    gathered: bool = True, paged: bool = False,
 ) -> DecodeGroup:
     q_max = max(n for _, n, _, _ in decodes)
     b_max = max(len(b) for _, _, _, b in decodes)
@@ -109,7 +115,7 @@ def _decode_group(
     B = len(decodes)
     block_tables = torch.tensor([blocks + [blocks[-1]] * (b_max - len(blocks)) for _, _, _, blocks in decodes])
     seq_info = torch.tensor([(row0, n, start) for row0, n, start, _ in decodes])
-    if not gathered:
+    if not gathered and not paged:
         return DecodeGroup(
             token_index=_UNUSED, key_blocks=_UNUSED, bias=_UNUSED, batch=B, q_max=q_max, key_len=L,
             flat_index=_UNUSED, out_rows=_UNUSED, seq_info=seq_info, block_tables=block_tables,
@@ -124,6 +130,13 @@ def _decode_group(
         flat.extend(i * q_max + j for j in range(n))
         out_rows.extend(range(row0, row0 + n))
     query_pos = torch.tensor(limits)  # [B, q_max]
+    if paged:
+        return DecodeGroup(
+            token_index=to_dev(torch.tensor(token_index)), key_blocks=_UNUSED, bias=_UNUSED, batch=B, q_max=q_max,
+            key_len=L, flat_index=to_dev(torch.tensor(flat)), out_rows=to_dev(torch.tensor(out_rows)),
+            seq_info=seq_info, block_tables=block_tables, query_pos=to_dev(query_pos),
+            paged=build_paged_decode(decodes, q_max, block_size, to_dev),
+        )
     allowed = torch.arange(L)[None, None, :] <= query_pos[:, :, None]  # [B, q_max, L]
     bias = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
     return DecodeGroup(
@@ -242,6 +255,8 @@ def _decode_attention(
     KVH = kv_cache.shape[1]
     G = H // KVH
     qb = q if g.dense else q.index_select(0, g.token_index)  # [B * q_max, H, D]
+    if g.paged is not None:
+        return paged_decode_attention(qb, kv_cache, g.paged, scale, window)
     kv = kv_cache.index_select(2, g.key_blocks).view(2, KVH, B, L, D)
     if q.is_cuda:
         qs = qb.view(B, q_max, H, D).transpose(1, 2)  # [B, H, q_max, D]

@@ -10,12 +10,14 @@ attention over the paged cache, SiLU-and-multiply. Two implementations:
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 
 import torch
 import torch.nn.functional as F
 
 from tandem.layers.attention import AttentionMetadata, paged_attention, prefill_attention, write_kv
+from tandem.layers.paged_decode import flex_available
 
 SILU_KERNEL_MAX_ROWS = 8  # from here on torch's SiLU (Sleef, 512-bit) outruns the fused kernel on this CPU
 
@@ -26,6 +28,7 @@ class LayerOps(ABC):
     name: str
     kv_cache_dtype: torch.dtype  # what the KV cache holds for these operations
     gathered_decode: bool  # whether `attention` needs the torch decode path's gather indices and mask
+    paged_decode: bool = False  # whether decode attention reads the paged cache with FlexAttention (block tables)
 
     @abstractmethod
     def add_rms_norm(
@@ -61,7 +64,9 @@ class TorchOps(LayerOps):
     name = "torch"
     gathered_decode = True
 
-    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, kv_cache_dtype: torch.dtype) -> None:
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, kv_cache_dtype: torch.dtype, paged_decode: bool = False) -> None:
+        self.paged_decode = paged_decode
+        self.gathered_decode = not paged_decode
         self.cos = cos  # [max_pos, D] = [cos, cos], model dtype
         self.sin = sin  # [max_pos, D] = [-sin, sin]
         # float32 on the CPU: the torch attention there is matmuls in the cache's dtype, and bf16 matmuls would round
@@ -178,4 +183,13 @@ def select_ops(device: torch.device, cos_half: torch.Tensor, sin_half: torch.Ten
             return CpuKernelOps(cos_half, sin_half, dtype)
     cos = torch.cat([cos_half, cos_half], dim=-1).to(device=device, dtype=dtype)
     sin = torch.cat([-sin_half, sin_half], dim=-1).to(device=device, dtype=dtype)
-    return TorchOps(cos, sin, torch.float32 if device.type == "cpu" else dtype)
+    return TorchOps(cos, sin, torch.float32 if device.type == "cpu" else dtype, paged_decode=use_paged_decode(device))
+
+
+def use_paged_decode(device: torch.device) -> bool:
+    """FlexAttention over the paged cache for decode on CUDA (when this torch has it); the gathered SDPA path
+    elsewhere, or anywhere with TANDEM_DECODE_ATTENTION=gather (=paged forces FlexAttention, eager off CUDA)."""
+    choice = os.environ.get("TANDEM_DECODE_ATTENTION", "auto")
+    if choice == "gather" or not flex_available():
+        return False
+    return choice == "paged" or device.type == "cuda"

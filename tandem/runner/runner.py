@@ -187,7 +187,9 @@ class ModelRunner(Runner):
     def launch(self, plan: StepPlan) -> ForwardHandle:
         """Start the forward of `plan` and return at once; the CPU is free until `collect`."""
         input_ids = self._to_device([t for r in plan.requests for t in r.input_ids])
-        meta = build_metadata(plan, self.block_size, self.device, pin=self._pin, gathered_decode=self.model.ops.gathered_decode)
+        ops = self.model.ops
+        meta = build_metadata(plan, self.block_size, self.device, pin=self._pin, gathered_decode=ops.gathered_decode,
+                              paged_decode=ops.paged_decode)
         rows = self._to_device(self._logits_rows(plan))
         fut = self._host.submit(self._forward, input_ids, meta, rows)
         return ForwardHandle(fut, plan.num_logits_rows)
