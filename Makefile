@@ -10,7 +10,7 @@ LLAMA_CPP_VERSION ?= 0.3.36
 # llama.cpp for the CPU it is built on, without the parts the peer does not use
 LLAMA_CPP_CMAKE ?= -DGGML_NATIVE=ON -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF
 
-.PHONY: setup demo test test-fast lint typecheck bench draft device-check clean llama-cpp bench-quant memory-check
+.PHONY: setup demo test test-fast lint typecheck bench draft device-check device-wheels clean llama-cpp bench-quant memory-check
 
 setup: $(STAMP)
 
@@ -57,8 +57,13 @@ memory-check: setup
 draft: setup
 	$(PY) scripts/train_draft.py
 
+# on the lent accelerator machine (offline, its own Python and torch): carry .device, see docs/benchmarks.md
 device-check:
 	bash scripts/device_check.sh
+
+# here, before a loan: the wheels the device lacks and the GPT-2 tokenizer into .device/ (ignored, < 64 MiB)
+device-wheels: setup
+	bash scripts/device_wheels.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -1,20 +1,28 @@
 #!/usr/bin/env bash
-# One prepared run on a lent accelerator machine (see the developers' guide): CUDA parity tests and the benchmarks,
-# a few minutes in all, a short table at the end. Results go to $OUT (or ./out). Changes no device setting.
+# The one prepared run on a lent accelerator machine, offline, on its own Python and torch (docs/benchmarks.md):
+#   here:   make device-wheels          (.device/: the missing wheels and the GPT-2 tokenizer, ignored, < 64 MiB)
+#   there:  run with carry [".device"]:  bash scripts/device_check.sh
+# Installs the carried wheels into a venv that sees the machine's own packages (its torch and triton), then runs
+# the CUDA tests and `python -m tandem.bench.device_check`; writes device_check.md / .json and the logs to $OUT.
+# Changes no device setting. Well under 10 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
 mkdir -p "$OUT"
-export TANDEM_HOME=${TANDEM_HOME:-$OUT/tandem-home}
-make setup > "$OUT/setup.log" 2>&1 || { tail -20 "$OUT/setup.log"; exit 1; }
-PY=.venv/bin/python
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
-$PY -m pytest -q tests/models/test_parity.py -k cuda 2>&1 | tail -3 | tee "$OUT/parity.txt"
-timeout 150 .venv/bin/tandem bench throughput --device cuda --concurrency 1,32 --prompts-per-level 4,64 \
-    --output-len 128 --peers hf --json "$OUT/throughput.json" > "$OUT/throughput.txt" 2>&1
-timeout 150 .venv/bin/tandem bench structured --device cuda --concurrency 1,64 --prompts-per-level 4,64 \
-    --peers none --mask-vocab o200k_base --json "$OUT/structured.json" > "$OUT/structured.txt" 2>&1
-timeout 150 .venv/bin/tandem bench spec --device cuda --methods ngram,suffix,draft_model --ks 0,4,adaptive \
-    --batches 1,32 --workloads copy,mt_bench --peers none --plot "$OUT/spec.png" --json "$OUT/spec.json" \
-    --draft-threads 8 > "$OUT/spec.txt" 2>&1
-for f in throughput structured spec; do echo "== $f"; grep "^|" "$OUT/$f.txt" | tail -14; done
+export TANDEM_HOME=${TANDEM_HOME:-/tmp/tandem-home} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+VENV=/tmp/tandem-device-venv
+test -d .device/wheels || { echo "no .device/wheels: run 'make device-wheels' here and carry .device" >&2; exit 2; }
+python3 -m venv --system-site-packages "$VENV"
+"$VENV/bin/python" -m pip install -q --no-index --no-deps --no-compile --find-links .device/wheels .device/wheels/*.whl \
+    > "$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 1; }
+PY="$VENV/bin/python"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+timeout 240 "$PY" -m pytest -q -p no:randomly -p no:cacheprovider -k cuda \
+    tests/layers/test_paged_decode.py tests/runner tests/models/test_parity.py tests/layers/test_quant.py \
+    tests/sampling/test_bitmask_triton.py > "$OUT/cuda_tests.txt" 2>&1
+echo "cuda tests: $(tail -1 "$OUT/cuda_tests.txt")"
+timeout 420 "$PY" -m tandem.bench.device_check --device cuda --out "$OUT" 2> "$OUT/device_check.log"
+status=$?
+tail -5 "$OUT/device_check.log"
+exit $status

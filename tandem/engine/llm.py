@@ -37,7 +37,7 @@ ChatMessages = list[dict[str, str]]
 
 
 def build_engine(
-    model: str | os.PathLike[str] | None = None,
+    model: str | os.PathLike[str] | Checkpoint | None = None,
     *,
     tokenizer: str | os.PathLike[str] | None = None,
     dtype: str = "auto",
@@ -61,14 +61,17 @@ def build_engine(
     quantization: str | None = None,
     progress: bool = True,
 ) -> LLMEngine:
-    """Load a checkpoint (the built-in demo model when `model` is None) and build an engine around it.
+    """Load a checkpoint (the built-in demo model when `model` is None; a `Checkpoint` as it is) and build an engine.
 
     `quantization`: None keeps a GGUF's quantized blocks as stored (CPU kernels; dequantized on an accelerator),
     "none" dequantizes them to `dtype`, "int8" stores dense matrices (safetensors) as per-channel int8.
     """
-    path, dtype = _resolve_model(model, dtype)
     _check_device(device)
-    ckpt = on_tensor_thread(_load, path, dtype, progress, quantization)
+    if isinstance(model, Checkpoint):  # built in memory (random weights generated on the device, tests)
+        path, ckpt = Path(f"<{model.source}>"), model
+    else:
+        path, dtype = _resolve_model(model, dtype)
+        ckpt = on_tensor_thread(_load, path, dtype, progress, quantization)
     torch_dtype = ckpt.weights.dtype
     cache = CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory, memory_fraction=memory_fraction,
                         enable_prefix_caching=enable_prefix_caching, num_blocks=num_kv_blocks)

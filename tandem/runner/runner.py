@@ -24,6 +24,7 @@ from tandem.models.llama import LlamaModel
 from tandem.runner.base import ForwardHandle, Runner
 from tandem.runner.memory import huge_page_zeros, release_freed_memory, resident_bytes
 from tandem.runner.tensor_thread import tensor_thread
+from tandem.runner.timeline import DeviceTimeline
 
 T = TypeVar("T")
 logger = logging.getLogger("tandem")
@@ -134,6 +135,7 @@ class ModelRunner(Runner):
         self.block_size = cache_config.block_size
         self._host = tensor_thread()
         self._pin = self.device.type == "cuda"
+        self.timeline: DeviceTimeline | None = None  # set to mark each forward's start and end (the device check)
         # built on the tensor thread: weight packing and cache allocation are parallel regions, and a second OpenMP
         # team (on the caller's thread) would slow every later forward (see tandem/runner/tensor_thread.py)
         self._host.run(self._build, weights, cache_config, scheduler_config, num_threads, use_kernels)
@@ -207,9 +209,14 @@ class ModelRunner(Runner):
 
     @torch.inference_mode()
     def _forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, rows: torch.Tensor) -> tuple[torch.Tensor, float]:
+        timeline = self.timeline
         with on_device(self.device):
+            if timeline is not None:
+                timeline.record_start()
             hidden = self.model.forward(input_ids, meta, self.kv_caches)  # [T, hidden]
             logits = self.model.logits(hidden[rows])  # [R, V]
+            if timeline is not None:
+                timeline.record_end()
         wait_for_device(self.device)
         return logits, time.perf_counter()
 

@@ -1,0 +1,150 @@
+"""The timed sections of the device check (`device_check.py`): decode rates, guided vs unguided, suffix
+speculation on a copy workload, kernel launches per decode step. Each takes a built, warmed engine and returns plain
+figures for the report."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tandem.bench.common import RunResult, drive, percentile
+from tandem.bench.schemas import distinct_schemas
+from tandem.engine.engine import LLMEngine
+from tandem.models.shapes import ModelShape
+from tandem.params import SamplingParams, StructuredOutputsParams
+from tandem.runner.runner import ModelRunner
+from tandem.runner.timeline import DeviceTimeline
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How much work each section does."""
+
+    shape: ModelShape
+    concurrency: int
+    prompt_len: int
+    output_len: int
+    num_schemas: int
+    profile_steps: int
+
+
+def random_prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
+    """Token ids of ordinary GPT-2 tokens (the padded ids above 50,256 never appear in a prompt)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(300, 50000) for _ in range(length)] for _ in range(n)]
+
+
+def _runner(engine: LLMEngine) -> ModelRunner:
+    runner = engine.runner
+    assert isinstance(runner, ModelRunner)
+    return runner
+
+
+def timed(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams] | SamplingParams,
+          concurrency: int, name: str) -> tuple[RunResult, dict[str, float]]:
+    """One run through the engine with the device's timeline marked (each forward's start and end)."""
+    runner = _runner(engine)
+    runner.timeline = DeviceTimeline(runner.device)
+    try:
+        res = drive(engine, prompts, params, concurrency, name)
+        return res, runner.timeline.summary()
+    finally:
+        runner.timeline = None
+
+
+def _row(res: RunResult, idle: dict[str, float]) -> dict[str, Any]:
+    return {"requests": res.num_requests, "out_tokens": res.output_tokens, "tok_s": round(res.tok_per_s, 1),
+            "tpot_p50_ms": round(percentile(res.tpot_s, 50) * 1e3, 2), "device_idle_fraction": idle["idle_fraction"],
+            "device_idle_per_step_ms": idle["idle_per_step_ms"]}
+
+
+def decode_rates(engine: LLMEngine, sizes: Sizes, bandwidth: float) -> dict[str, Any]:
+    """Batch 1 (one request, 2 x output_len tokens) and `concurrency` requests at once; batch 1's per-token time
+    against the memory-bandwidth limit (every weight read once per token)."""
+    params = SamplingParams(max_tokens=sizes.output_len * 2, ignore_eos=True, temperature=0.0)
+    one, idle1 = timed(engine, random_prompts(1, sizes.prompt_len, seed=1), params, 1, "b1")
+    params_n = SamplingParams(max_tokens=sizes.output_len, ignore_eos=True, temperature=0.0)
+    many, idle_n = timed(engine, random_prompts(sizes.concurrency, sizes.prompt_len, seed=2), params_n,
+                         sizes.concurrency, "bn")
+    weight_bytes = _runner(engine).weight_bytes
+    limit_tok_s = bandwidth / weight_bytes
+    tpot = percentile(one.tpot_s, 50)
+    return {
+        "batch_1": {**_row(one, idle1), "bandwidth_limit_tok_s": round(limit_tok_s, 1),
+                    "fraction_of_limit": round((1 / tpot) / limit_tok_s, 3) if tpot > 0 else 0.0},
+        f"concurrent_{sizes.concurrency}": _row(many, idle_n),
+        "weight_gib": round(weight_bytes / 2**30, 2),
+    }
+
+
+def guided_vs_unguided(engine: LLMEngine, sizes: Sizes) -> dict[str, Any]:
+    """`concurrency` requests, each with its own JSON schema, against the same requests unguided; the device's idle
+    share per step is what the host's grammar work costs it."""
+    n = sizes.concurrency
+    prompts = random_prompts(n, sizes.prompt_len, seed=3)
+    schemas = distinct_schemas(sizes.num_schemas, seed=0)
+    guided = [SamplingParams(max_tokens=sizes.output_len, temperature=0.0,
+                             structured_outputs=StructuredOutputsParams(json=schemas[i % len(schemas)])) for i in range(n)]
+    plain = SamplingParams(max_tokens=sizes.output_len, ignore_eos=True, temperature=0.0)
+    warm = [SamplingParams(max_tokens=2, temperature=0.0, structured_outputs=p.structured_outputs) for p in guided]
+    drive(engine, prompts, warm, n, "guided-warm")  # schemas compiled (and cached) before the timed run
+    g_res, g_idle = timed(engine, prompts, guided, n, "guided")
+    u_res, u_idle = timed(engine, prompts, plain, n, "unguided")
+    stats = engine.get_stats()
+    return {"guided": _row(g_res, g_idle), "unguided": _row(u_res, u_idle), "schemas": len(schemas),
+            "refused": len(g_res.refused), "grammar_exposed_s": stats.get("grammar_exposed_s")}
+
+
+def copy_prompts(n: int, length: int) -> list[list[int]]:
+    """A copy workload: each prompt is a random passage written out 3 times, so the continuation that repeats it
+    is in the prompt (a trained model copies it; random weights loop on their own, which suffix decoding also
+    catches)."""
+    return [p * 3 for p in random_prompts(n, max(4, length // 3), seed=4)]
+
+
+def speculation_copy(engine: LLMEngine, sizes: Sizes) -> dict[str, Any]:
+    """Suffix decoding (K=4, adaptive) against none, batch 1 and `concurrency`."""
+    out: dict[str, Any] = {}
+    params = SamplingParams(max_tokens=sizes.output_len, ignore_eos=True, temperature=0.0)
+    for batch in (1, sizes.concurrency):
+        prompts = copy_prompts(batch, sizes.prompt_len)
+        for method in ("none", "suffix"):
+            engine.set_speculation(None if method == "none" else {"method": "suffix", "num_speculative_tokens": 4})
+            res, idle = timed(engine, prompts, params, batch, f"spec-{method}-{batch}")
+            stats = engine.get_stats()
+            out[f"{method}_batch_{batch}"] = {**_row(res, idle), "acceptance": stats.get("spec_acceptance_rate"),
+                                              "mean_accepted_length": stats.get("spec_mean_accepted_length")}
+    engine.set_speculation(None)
+    return out
+
+
+def kernel_launches(engine: LLMEngine, sizes: Sizes) -> dict[str, Any]:
+    """Kernels (and the host's launch calls) per decode step at `concurrency`, from the torch profiler over a few
+    steady decode steps; on the host, operators per step instead."""
+    from torch.profiler import ProfilerActivity, profile
+
+    n = sizes.concurrency
+    for i, p in enumerate(random_prompts(n, sizes.prompt_len, seed=5)):
+        engine.add_request(f"prof-{i}", p, SamplingParams(max_tokens=sizes.profile_steps + 8, ignore_eos=True, temperature=0.0))
+    for _ in range(4):  # prefill and the first decode steps, untimed
+        engine.step()
+    cuda = _runner(engine).device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        for _ in range(sizes.profile_steps):
+            engine.step()
+        if cuda:
+            torch.cuda.synchronize()
+    while engine.has_unfinished_requests():
+        engine.step()
+    events = prof.events()
+    steps = sizes.profile_steps
+    kernels = sum(1 for e in events if cuda and str(e.device_type).endswith("CUDA"))
+    launches = sum(1 for e in events if "LaunchKernel" in e.name)
+    graphs = sum(1 for e in events if "GraphLaunch" in e.name)
+    ops = sum(1 for e in events if e.name.startswith("aten::"))
+    return {"steps": steps, "kernels_per_step": round(kernels / steps, 1), "launch_calls_per_step": round(launches / steps, 1),
+            "graph_launches_per_step": round(graphs / steps, 1), "aten_ops_per_step": round(ops / steps, 1)}

@@ -1,0 +1,34 @@
+"""The device check's dry run on this CPU (tiny sizes, the same code as on the lent accelerator), so that it cannot
+rot between loans: every section runs, every parity check passes, the report and its JSON are written."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tandem.bench import device_check
+
+
+def test_device_check_dry_run_on_cpu(tmp_path: Path, shared_data: Path) -> None:
+    pytest.importorskip("xgrammar")
+    code = device_check.main(["--device", "cpu", "--out", str(tmp_path), "--tokenizer", str(shared_data / "tokenizers" / "gpt2")])
+    results = json.loads((tmp_path / "device_check.json").read_text())
+    errors = {k: v["error"] for k, v in results.items() if isinstance(v, dict) and "error" in v}
+    assert not errors
+    assert [r["check"] for r in results["parity"]] == ["bitmask", "sampler", "verification", "model logits (float32)"]
+    assert all(r["ok"] for r in results["parity"])
+    assert results["decode"]["batch_1"]["out_tokens"] > 0 and results["guided"]["guided"]["out_tokens"] > 0
+    assert results["launches"]["aten_ops_per_step"] > 0
+    assert code == 0 and results["ok"]
+    assert (tmp_path / "device_check.md").read_text().startswith("# tandem device check: PASS")
+
+
+def test_padded_tokenizer_decodes_every_model_id(tmp_path: Path, shared_data: Path) -> None:
+    from tandem.tokenizer import Tokenizer
+
+    folder = device_check.padded_tokenizer(shared_data / "tokenizers" / "gpt2", 50304, tmp_path)
+    tok = Tokenizer.from_path(folder)
+    assert tok.vocab_size == 50304
+    assert tok.hf.decode([50303]) == "<unused50303>"
