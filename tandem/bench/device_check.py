@@ -104,7 +104,7 @@ def environment(device: torch.device) -> dict[str, Any]:
         except ImportError as e:
             env[name] = f"missing ({e})"
     env["decode_attention"] = "flex (paged)" if use_paged_decode(device) else "sdpa (gathered)"
-    env["cuda_graphs"] = graphs_enabled(device)
+    env["cuda_graphs"] = graphs_enabled(device)  # and the decode attention is paged (the runner checks both)
     return env
 
 

@@ -62,19 +62,27 @@ def _row(res: RunResult, idle: dict[str, float]) -> dict[str, Any]:
 
 
 def decode_rates(engine: LLMEngine, sizes: Sizes, bandwidth: float) -> dict[str, Any]:
-    """Batch 1 (one request, 2 x output_len tokens) and `concurrency` requests at once; batch 1's per-token time
-    against the memory-bandwidth limit (every weight read once per token)."""
+    """Batch 1 (one request, 2 x output_len tokens; with CUDA graphs and without) and `concurrency` requests at
+    once; batch 1's per-token time against the memory-bandwidth limit (every weight read once per token)."""
     params = SamplingParams(max_tokens=sizes.output_len * 2, ignore_eos=True, temperature=0.0)
     one, idle1 = timed(engine, random_prompts(1, sizes.prompt_len, seed=1), params, 1, "b1")
+    runner = _runner(engine)
+    graphed = runner.cuda_graphs
+    runner.set_cuda_graphs(False)
+    try:
+        eager, idle_e = timed(engine, random_prompts(1, sizes.prompt_len, seed=1), params, 1, "b1-eager")
+    finally:
+        runner.set_cuda_graphs(True)
     params_n = SamplingParams(max_tokens=sizes.output_len, ignore_eos=True, temperature=0.0)
     many, idle_n = timed(engine, random_prompts(sizes.concurrency, sizes.prompt_len, seed=2), params_n,
                          sizes.concurrency, "bn")
-    weight_bytes = _runner(engine).weight_bytes
+    weight_bytes = runner.weight_bytes
     limit_tok_s = bandwidth / weight_bytes
     tpot = percentile(one.tpot_s, 50)
     return {
         "batch_1": {**_row(one, idle1), "bandwidth_limit_tok_s": round(limit_tok_s, 1),
                     "fraction_of_limit": round((1 / tpot) / limit_tok_s, 3) if tpot > 0 else 0.0},
+        "batch_1_without_graphs": _row(eager, idle_e) if graphed else "graphs off: as batch_1",
         f"concurrent_{sizes.concurrency}": _row(many, idle_n),
         "weight_gib": round(weight_bytes / 2**30, 2),
     }

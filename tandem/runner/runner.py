@@ -22,6 +22,13 @@ from tandem.core.plan import StepPlan
 from tandem.layers.attention import AttentionMetadata, build_metadata
 from tandem.models.llama import LlamaModel
 from tandem.runner.base import ForwardHandle, Runner
+from tandem.runner.cuda_graphs import (
+    GraphedSteps,
+    GraphInputs,
+    capture_cuda_graph,
+    capture_eagerly,
+    graphs_enabled,
+)
 from tandem.runner.memory import huge_page_zeros, release_freed_memory, resident_bytes
 from tandem.runner.tensor_thread import tensor_thread
 from tandem.runner.timeline import DeviceTimeline
@@ -128,6 +135,7 @@ class ModelRunner(Runner):
         scheduler_config: SchedulerConfig,
         num_threads: int | None = None,
         use_kernels: bool = True,
+        cuda_graphs: bool | None = None,
     ) -> None:
         self.device = torch.device(device)
         self.model_config = model_config
@@ -138,7 +146,11 @@ class ModelRunner(Runner):
         self.timeline: DeviceTimeline | None = None  # set to mark each forward's start and end (the device check)
         # built on the tensor thread: weight packing and cache allocation are parallel regions, and a second OpenMP
         # team (on the caller's thread) would slow every later forward (see tandem/runner/tensor_thread.py)
+        self._graphs: GraphedSteps | None = None
+        self._graphs_paused = False
+        self._want_graphs = graphs_enabled(self.device) if cuda_graphs is None else cuda_graphs
         self._host.run(self._build, weights, cache_config, scheduler_config, num_threads, use_kernels)
+        self._graphs = self._graphed_steps(scheduler_config.max_model_len)
 
     def _build(
         self, weights: Mapping[str, torch.Tensor], cache_config: CacheConfig, scheduler_config: SchedulerConfig,
@@ -153,7 +165,8 @@ class ModelRunner(Runner):
         self.kv_dtype = self.model.ops.kv_cache_dtype
         self.kv_plan = plan_kv_cache(model_config, cache_config, scheduler_config, self.kv_dtype, self.device)
         self.num_blocks = self.kv_plan.num_blocks
-        shape = self.model.kv_cache_shape(self.num_blocks, self.block_size)
+        # with CUDA graphs, one block beyond the scheduler's: the scratch block their padding rows write and read
+        shape = self.model.kv_cache_shape(self.num_blocks + int(self._want_graphs), self.block_size)
         # zero-filled: padded key slots are masked, but 0 * NaN from uninitialised memory would still poison the output.
         # On the host the zeros are fresh anonymous pages, resident only once a block is written.
         if self.device.type == "cpu":
@@ -188,6 +201,9 @@ class ModelRunner(Runner):
 
     def launch(self, plan: StepPlan) -> ForwardHandle:
         """Start the forward of `plan` and return at once; the CPU is free until `collect`."""
+        graph_inputs = self._graphs.prepare(plan) if self.cuda_graphs and self._graphs is not None else None
+        if graph_inputs is not None:
+            return ForwardHandle(self._host.submit(self._replay, graph_inputs), plan.num_logits_rows)
         input_ids = self._to_device([t for r in plan.requests for t in r.input_ids])
         ops = self.model.ops
         meta = build_metadata(plan, self.block_size, self.device, pin=self._pin, gathered_decode=ops.gathered_decode,
@@ -219,6 +235,40 @@ class ModelRunner(Runner):
                 timeline.record_end()
         wait_for_device(self.device)
         return logits, time.perf_counter()
+
+    @torch.inference_mode()
+    def _replay(self, inputs: GraphInputs) -> tuple[torch.Tensor, float]:
+        """A decode / verification step through its CUDA graph (captured on first use of its bucket)."""
+        assert self._graphs is not None
+        with on_device(self.device):
+            if self.timeline is not None:
+                self.timeline.record_start()
+            logits = self._graphs.run(inputs)  # [R, V]
+            if self.timeline is not None:
+                self.timeline.record_end()
+        wait_for_device(self.device)
+        return logits, time.perf_counter()
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """Whether decode / verification steps run through CUDA graphs now."""
+        return self._graphs is not None and not self._graphs_paused
+
+    def set_cuda_graphs(self, enabled: bool) -> None:
+        """Pause (or resume) the graphs: paused, every step runs eagerly; captured graphs are kept for resuming."""
+        self._graphs_paused = not enabled
+
+    def _graphed_steps(self, max_model_len: int) -> GraphedSteps | None:
+        """CUDA graphs for decode / verification steps when on (default: on CUDA, with the paged decode attention)."""
+        if not self._want_graphs or not self.model.ops.paged_decode:
+            return None
+        capture = capture_cuda_graph(torch.cuda.graph_pool_handle()) if self.device.type == "cuda" else capture_eagerly
+        model = self.model
+        return GraphedSteps(
+            forward=lambda ids, meta: model.logits(model.forward(ids, meta, self.kv_caches)),
+            capture=capture, device=self.device, block_size=self.block_size, scratch_block=self.num_blocks,
+            max_blocks=-(-max_model_len // self.block_size) + 1,
+        )
 
     def _to_device(self, values: list[int]) -> torch.Tensor:
         t = torch.tensor(values, dtype=torch.int64)
