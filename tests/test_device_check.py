@@ -21,6 +21,8 @@ def test_device_check_dry_run_on_cpu(tmp_path: Path, shared_data: Path) -> None:
     assert all(r["ok"] for r in results["parity"])
     assert results["decode"]["batch_1"]["out_tokens"] > 0 and results["guided"]["guided"]["out_tokens"] > 0
     assert results["launches"]["aten_ops_per_step"] > 0
+    assert results["environment"]["decode_attention"] == "flex (paged)"  # the CUDA path's code, run on the host
+    assert results["decode"]["graphs"]["graph_steps"] > 0
     assert code == 0 and results["ok"]
     assert (tmp_path / "device_check.md").read_text().startswith("# tandem device check: PASS")
 

@@ -18,13 +18,14 @@ Each section that fails is reported as failed and the others still run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -112,7 +113,7 @@ def build(sizes: Sizes, device: torch.device, dtype: torch.dtype, tokenizer: Pat
     ckpt = random_checkpoint(sizes.shape, device, dtype, tokenizer)
     return build_engine(
         ckpt, device=str(device), max_model_len=sizes.prompt_len * 4 + sizes.output_len * 2,
-        max_num_seqs=sizes.concurrency, memory_fraction=0.5, progress=False,
+        max_num_seqs=sizes.concurrency, memory_fraction=0.5, progress=False, cpu_kernels=device.type != "cpu",
         structured_outputs_config={"backend": "xgrammar"},
     )
 
@@ -190,6 +191,24 @@ def write_report(results: dict[str, Any], out: Path) -> str:
     return text
 
 
+@contextlib.contextmanager
+def cuda_path(on_host: bool) -> Iterator[None]:
+    """On the host (the dry run), the CUDA path's code for the run: paged decode attention (eager FlexAttention)
+    and the graphs' bookkeeping (eager stand-in); the environment is restored after."""
+    keys = ("TANDEM_DECODE_ATTENTION", "TANDEM_CUDA_GRAPHS")
+    saved = {k: os.environ.get(k) for k in keys}
+    if on_host:
+        os.environ.update({"TANDEM_DECODE_ATTENTION": "paged", "TANDEM_CUDA_GRAPHS": "1"})
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tandem.bench.device_check", description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda")
@@ -204,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results = run(device, sizes, dtype, Path(args.tokenizer) if args.tokenizer else default_tokenizer(), out)
+    with cuda_path(device.type == "cpu"):
+        results = run(device, sizes, dtype, Path(args.tokenizer) if args.tokenizer else default_tokenizer(), out)
     text = write_report(results, out)
     print(text, flush=True)
     return 0 if results.get("ok") else 1

@@ -84,7 +84,7 @@ def decode_rates(engine: LLMEngine, sizes: Sizes, bandwidth: float) -> dict[str,
                     "fraction_of_limit": round((1 / tpot) / limit_tok_s, 3) if tpot > 0 else 0.0},
         "batch_1_without_graphs": _row(eager, idle_e) if graphed else "graphs off: as batch_1",
         f"concurrent_{sizes.concurrency}": _row(many, idle_n),
-        "weight_gib": round(weight_bytes / 2**30, 2),
+        "weight_gib": round(weight_bytes / 2**30, 2), "graphs": runner.graph_stats(),
     }
 
 

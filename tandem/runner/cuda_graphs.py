@@ -32,8 +32,10 @@ _NONE = torch.empty(0, dtype=torch.long)
 
 
 def graphs_enabled(device: torch.device) -> bool:
-    """CUDA graphs on for a CUDA runner unless TANDEM_CUDA_GRAPHS=0."""
-    return device.type == "cuda" and os.environ.get("TANDEM_CUDA_GRAPHS", "1") != "0"
+    """CUDA graphs on for a CUDA runner unless TANDEM_CUDA_GRAPHS=0; =1 turns the same path on for any device
+    (off CUDA with the eager stand-in: the device check's dry run exercises the bookkeeping so)."""
+    choice = os.environ.get("TANDEM_CUDA_GRAPHS", "auto")
+    return choice == "1" or (choice != "0" and device.type == "cuda")
 
 
 def bucket_for(batch: int, q: int) -> int | None:

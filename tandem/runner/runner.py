@@ -254,6 +254,11 @@ class ModelRunner(Runner):
         """Whether decode / verification steps run through CUDA graphs now."""
         return self._graphs is not None and not self._graphs_paused
 
+    def graph_stats(self) -> dict[str, int]:
+        """Graphs captured and steps replayed through them so far."""
+        steps = self._graphs.steps.values() if self._graphs is not None else []
+        return {"graphs_captured": len(steps), "graph_steps": sum(s.replays for s in steps)}
+
     def set_cuda_graphs(self, enabled: bool) -> None:
         """Pause (or resume) the graphs: paused, every step runs eagerly; captured graphs are kept for resuming."""
         self._graphs_paused = not enabled
