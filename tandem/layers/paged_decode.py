@@ -15,6 +15,7 @@ implementation that materializes the scores (fine for tests, never the CPU's ser
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,6 +23,9 @@ from typing import Any
 
 import torch
 
+# one query block holds every query of a request (q_max <= 16); the compiled decoding kernel needs the sparse query
+# block to be a multiple of its BLOCK_M (the next power of 2 of q x the GQA group, at least 16)
+Q_BLOCK = 128
 _COMPILED: dict[str, Callable[..., Any]] = {}  # device type -> flex_attention, compiled once per process
 
 
@@ -68,7 +72,7 @@ class PagedDecode:
         kv_indices[:, 0, 0, :b_max] = self.block_tables
         mask_mod = paged_mask_mod(block_logical, self.query_pos, self.block_size, window)
         return BlockMask.from_kv_blocks(
-            self.num_blocks.view(B, 1, 1), kv_indices, BLOCK_SIZE=(max(q_max, 1), self.block_size),
+            self.num_blocks.view(B, 1, 1), kv_indices, BLOCK_SIZE=(Q_BLOCK, self.block_size),
             mask_mod=mask_mod, seq_lengths=(q_max, cache_blocks * self.block_size), compute_q_blocks=False,
         )
 
@@ -103,13 +107,20 @@ def build_paged_decode(
     return PagedDecode(to_dev(counts), to_dev(tables), to_dev(query_pos), block_size)
 
 
+def compile_mode() -> bool | None:
+    """torch.compile's `dynamic` for FlexAttention on CUDA, from TANDEM_FLEX_COMPILE: "auto" (the default: the
+    first shape compiled static, which picks the decoding kernel for it, later shapes one dynamic compile),
+    "static" (a compile per batch bucket and q: the decoding kernel everywhere, more compile time) or "dynamic"."""
+    return {"static": False, "dynamic": True}.get(os.environ.get("TANDEM_FLEX_COMPILE", "auto"))
+
+
 def _flex_attention(device_type: str) -> Callable[..., Any]:
-    """flex_attention compiled for CUDA (dynamic shapes: one compile for every batch), eager elsewhere."""
+    """flex_attention compiled for CUDA, eager elsewhere."""
     fn = _COMPILED.get(device_type)
     if fn is None:
         from torch.nn.attention.flex_attention import flex_attention
 
-        fn = torch.compile(flex_attention, dynamic=True) if device_type == "cuda" else flex_attention
+        fn = torch.compile(flex_attention, dynamic=compile_mode()) if device_type == "cuda" else flex_attention
         _COMPILED[device_type] = fn
     return fn
 
