@@ -147,8 +147,14 @@ def run(device: torch.device, sizes: Sizes, dtype: torch.dtype, tokenizer: Path,
         device, sizes.shape.vocab, ModelConfig.from_hf(parity_shape.hf_config()),
         lambda d, dt: random_weights(parity_shape, d, dt, seed=1), dtype))
     engine = build(sizes, device, dtype, tok)
+    section(results, "warm_up", lambda: warm_up(engine, sizes))
+    if isinstance(results["warm_up"], dict) and device.type == "cuda":  # the CUDA path failed: measure the fallback
+        engine.shutdown()
+        os.environ.update({"TANDEM_DECODE_ATTENTION": "gather", "TANDEM_CUDA_GRAPHS": "0"})
+        results["fallback"] = "warm-up failed: the rest ran with the gathered SDPA decode and no graphs"
+        engine = build(sizes, device, dtype, tok)
+        section(results, "warm_up_fallback", lambda: warm_up(engine, sizes))
     try:
-        section(results, "warm_up", lambda: warm_up(engine, sizes))
         section(results, "decode", lambda: decode_rates(engine, sizes, HBM_BYTES_PER_S))
         section(results, "guided", lambda: guided_vs_unguided(engine, sizes))
         section(results, "speculation", lambda: speculation_copy(engine, sizes))

@@ -120,9 +120,22 @@ def _flex_attention(device_type: str) -> Callable[..., Any]:
     if fn is None:
         from torch.nn.attention.flex_attention import flex_attention
 
-        fn = torch.compile(flex_attention, dynamic=compile_mode()) if device_type == "cuda" else flex_attention
+        if device_type == "cuda":
+            _raise_recompile_limit(64)  # a shape per batch bucket and q, and the models of the device check
+            fn = torch.compile(flex_attention, dynamic=compile_mode())
+        else:
+            fn = flex_attention
         _COMPILED[device_type] = fn
     return fn
+
+
+def _raise_recompile_limit(n: int) -> None:
+    import torch._dynamo
+
+    for name in ("recompile_limit", "cache_size_limit"):  # the newer name, the older one
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, max(n, getattr(torch._dynamo.config, name)))
+            return
 
 
 def paged_decode_attention(
