@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from tandem.bench import device_check
 
@@ -34,3 +35,22 @@ def test_padded_tokenizer_decodes_every_model_id(tmp_path: Path, shared_data: Pa
     tok = Tokenizer.from_path(folder)
     assert tok.vocab_size == 50304
     assert tok.hf.decode([50303]) == "<unused50303>"
+
+
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")),
+])
+def test_parity_checks_at_batch_8(device: str) -> None:
+    """The device check's parity rows as a test: bitmask (Triton on CUDA), sampler, verification, model logits
+    (bf16 on CUDA: paged decode attention, CUDA graphs) against the CPU reference."""
+    from dataclasses import replace
+
+    from tandem.bench.device_parity import run_parity
+    from tandem.config import ModelConfig
+
+    shape = replace(device_check.TINY, vocab=1000)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    rows = run_parity(torch.device(device), shape.vocab, ModelConfig.from_hf(shape.hf_config()),
+                      lambda d, dt: device_check.random_weights(shape, d, dt, seed=1), dtype)
+    assert [r["check"] for r in rows][:3] == ["bitmask", "sampler", "verification"]
+    assert all(r["ok"] for r in rows), rows

@@ -136,10 +136,13 @@ def section(results: dict[str, Any], name: str, fn: Callable[[], Any]) -> None:
         results[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-2000:]}
     results.setdefault("seconds", {})[name] = round(time.perf_counter() - t0, 1)
     print(f"device_check: {name} done in {results['seconds'][name]} s", file=sys.stderr, flush=True)
+    out = results.get("out")
+    if out:  # what ran so far survives a run stopped at its time limit
+        Path(out, "device_check.partial.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
 
 
 def run(device: torch.device, sizes: Sizes, dtype: torch.dtype, tokenizer: Path, out: Path) -> dict[str, Any]:
-    results: dict[str, Any] = {"sizes": {**vars(sizes), "shape": sizes.shape.name}}
+    results: dict[str, Any] = {"sizes": {**vars(sizes), "shape": sizes.shape.name}, "out": str(out)}
     section(results, "environment", lambda: environment(device))
     tok = padded_tokenizer(tokenizer, sizes.shape.vocab, Path(tempfile.mkdtemp(prefix="tandem-tok-")))
     parity_shape = replace(TINY, vocab=sizes.shape.vocab)
@@ -166,7 +169,7 @@ def run(device: torch.device, sizes: Sizes, dtype: torch.dtype, tokenizer: Path,
 
 def verdict(results: dict[str, Any]) -> bool:
     """Every section ran and every parity check passed."""
-    sections = [v for k, v in results.items() if k not in ("sizes", "seconds")]
+    sections = [v for k, v in results.items() if k not in ("sizes", "seconds", "out")]
     failed = any(isinstance(v, dict) and "error" in v for v in sections)
     parity = results.get("parity")
     return not failed and isinstance(parity, list) and all(row["ok"] for row in parity)
@@ -186,7 +189,7 @@ def write_report(results: dict[str, Any], out: Path) -> str:
     for row in results.get("parity", []) if isinstance(results.get("parity"), list) else []:
         lines.append(f"| parity: {row['check']} | {'ok' if row['ok'] else 'FAIL'}: {row['detail']} |")
     for name, value in results.items():
-        if name in ("parity", "ok", "sizes"):
+        if name in ("parity", "ok", "sizes", "out"):
             continue
         if isinstance(value, dict) and any(isinstance(v, dict) for v in value.values()) and "error" not in value:
             lines += [f"| {name}: {k} | {_cells(v)} |" for k, v in value.items()]
