@@ -272,7 +272,7 @@ class ModelRunner(Runner):
         return GraphedSteps(
             forward=lambda ids, meta: model.logits(model.forward(ids, meta, self.kv_caches)),
             capture=capture, device=self.device, block_size=self.block_size, scratch_block=self.num_blocks,
-            max_blocks=-(-max_model_len // self.block_size) + 1,
+            max_blocks=min(-(-max_model_len // self.block_size) + 1, self.num_blocks),  # no request holds more
         )
 
     def _to_device(self, values: list[int]) -> torch.Tensor:

@@ -5,6 +5,7 @@ bookkeeping, the step rerun into the static output); on CUDA the real graphs' lo
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -102,3 +103,36 @@ def test_cuda_graph_replay_matches_eager(monkeypatch: pytest.MonkeyPatch) -> Non
     for got, want in pairs:
         torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
     assert graphed._graphs is not None and sorted(graphed._graphs.steps) == [(2, 1), (4, 1), (4, 3)]
+
+
+@pytest.mark.skipif(not flex_available(), reason="this torch has no FlexAttention")
+@pytest.mark.parametrize("speculative", [False, True])
+def test_engine_greedy_tokens_same_with_the_cuda_path_on_the_host(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, speculative: bool
+) -> None:
+    """The whole engine, greedy, with the CUDA path's code on the host (paged decode, graphs' bookkeeping with the
+    eager stand-in) gives the tokens of the gathered path; verification steps (n-gram drafts) replay graphs too."""
+    from tandem.bench.common import drive
+    from tandem.engine.llm import build_engine
+    from tandem.params import SamplingParams
+    from tests.tiny import save_tiny, tiny_model
+
+    folder = save_tiny(tmp_path / "m", tiny_model("llama", seed=3))
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False} if speculative else None
+    prompts = [[1 + (i * 7 + j) % 5 for j in range(12)] for i in range(5)]  # repetitive: the n-gram drafts
+    outs = []
+    for attention, graphs in (("gather", "0"), ("paged", "1")):
+        monkeypatch.setenv("TANDEM_DECODE_ATTENTION", attention)
+        monkeypatch.setenv("TANDEM_CUDA_GRAPHS", graphs)
+        engine = build_engine(str(folder), dtype="float32", progress=False, cpu_kernels=False, max_num_seqs=8,
+                              num_kv_blocks=64, block_size=4, speculative_config=spec)
+        got: dict[str, list[int]] = {}
+        drive(engine, prompts, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True), 5, "g",
+              on_output=lambda o: got.__setitem__(o.request_id, list(o.outputs[0].token_ids)))
+        outs.append(got)
+        runner = engine.runner
+        assert isinstance(runner, ModelRunner)
+        stats = runner.graph_stats()
+        engine.shutdown()
+    assert outs[0] == outs[1]
+    assert stats["graph_steps"] > 0
