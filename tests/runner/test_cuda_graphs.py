@@ -128,7 +128,7 @@ def test_engine_greedy_tokens_same_with_the_cuda_path_on_the_host(
                               num_kv_blocks=64, block_size=4, speculative_config=spec)
         got: dict[str, list[int]] = {}
         drive(engine, prompts, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True), 5, "g",
-              on_output=lambda o: got.__setitem__(o.request_id, list(o.outputs[0].token_ids)))
+              on_output=lambda o, got=got: got.__setitem__(o.request_id, list(o.outputs[0].token_ids)))
         outs.append(got)
         runner = engine.runner
         assert isinstance(runner, ModelRunner)
