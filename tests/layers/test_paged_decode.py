@@ -4,6 +4,8 @@ the metadata it reads, and the dispatch. On the CPU FlexAttention runs eagerly; 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -93,3 +95,22 @@ def test_cuda_bf16_paged_decode_matches_the_gathered_path(window: int | None) ->
     want = _attention(plan, paged=False, dtype=torch.bfloat16, device="cuda", window=window).float()
     got = _attention(plan, paged=True, dtype=torch.bfloat16, device="cuda", window=window).float()
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(os.environ.get("TANDEM_COMPILE_TESTS") != "1", reason="compiles FlexAttention (~80 s on 2 cores): TANDEM_COMPILE_TESTS=1")
+@pytest.mark.parametrize("window", [None, 3])
+def test_compiled_paged_decode_traces_and_matches(window: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The block mask and mask function through torch.compile (inductor's CPU FlexAttention), compiled from a worker
+    thread as the tensor thread does: what the CUDA path compiles, checked without a device."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from tandem.layers import paged_decode
+
+    monkeypatch.setitem(paged_decode._COMPILED, "cpu", torch.compile(flex_attention))
+    plan = _step()
+    want = _attention(plan, paged=False, dtype=torch.float32, device="cpu", window=window)
+    with ThreadPoolExecutor(1) as pool:
+        got = pool.submit(_attention, plan, True, torch.float32, "cpu", window).result()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
