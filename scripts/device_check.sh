@@ -18,7 +18,7 @@ python3 -m venv --system-site-packages "$VENV"
 PY="$VENV/bin/python"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-timeout 180 "$PY" -m pytest -q -p no:randomly -p no:cacheprovider -k cuda \
+timeout 180 "$PY" -m pytest -q -p no:randomly -p no:cacheprovider -m cuda \
     tests/layers/test_paged_decode.py tests/runner tests/models/test_parity.py tests/layers/test_quant.py \
     tests/test_device_check.py > "$OUT/cuda_tests.txt" 2>&1
 echo "cuda tests: $(tail -1 "$OUT/cuda_tests.txt")"

@@ -38,7 +38,7 @@ def test_padded_tokenizer_decodes_every_model_id(tmp_path: Path, shared_data: Pa
 
 
 @pytest.mark.parametrize("device", [
-    "cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")),
+    "cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]),
 ])
 def test_parity_checks_at_batch_8(device: str) -> None:
     """The device check's parity rows as a test: bitmask (Triton on CUDA), sampler, verification, model logits

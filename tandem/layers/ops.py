@@ -30,6 +30,11 @@ class LayerOps(ABC):
     gathered_decode: bool  # whether `attention` needs the torch decode path's gather indices and mask
     paged_decode: bool = False  # whether decode attention reads the paged cache with FlexAttention (block tables)
 
+    def use_gathered_decode(self) -> None:
+        """Decode attention on the gathered path from now on (no paged decode: e.g. KV blocks too small for it)."""
+        if self.paged_decode:
+            self.paged_decode, self.gathered_decode = False, True
+
     @abstractmethod
     def add_rms_norm(
         self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, dtype: torch.dtype

@@ -34,6 +34,7 @@ from tandem.runner.tensor_thread import tensor_thread
 from tandem.runner.timeline import DeviceTimeline
 
 T = TypeVar("T")
+MIN_PAGED_BLOCK = 16  # the smallest KV block FlexAttention's compiled CUDA kernels take as a sparse block
 logger = logging.getLogger("tandem")
 
 
@@ -161,6 +162,8 @@ class ModelRunner(Runner):
         self._num_threads = torch.get_num_threads()
         model_config, dtype = self.model_config, self.dtype
         self.model = LlamaModel(model_config, weights, dtype, self.device, use_kernels=use_kernels)
+        if self.device.type == "cuda" and self.block_size < MIN_PAGED_BLOCK:
+            self.model.ops.use_gathered_decode()  # the compiled kernel's tiles are at least 16 keys: one block each
         release_freed_memory()  # the load's temporaries are gone; hand their pages back before sizing the cache
         self.kv_dtype = self.model.ops.kv_cache_dtype
         self.kv_plan = plan_kv_cache(model_config, cache_config, scheduler_config, self.kv_dtype, self.device)

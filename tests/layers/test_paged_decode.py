@@ -30,10 +30,23 @@ def _step() -> StepPlan:
     ])
 
 
-def _attention(plan: StepPlan, paged: bool, dtype: torch.dtype, device: str, window: int | None) -> torch.Tensor:
+def _step_16() -> StepPlan:
+    """The same mix with blocks of 16 (the compiled CUDA kernels take blocks of at least 16 keys)."""
+    return StepPlan(0, [
+        ScheduledRequest("a", [1], 37, [5, 7, 2]),
+        ScheduledRequest("p", [1] * 6, 0, [10]),
+        ScheduledRequest("b", [1], 21, [5, 3]),
+        ScheduledRequest("v", [1] * 4, 26, [8, 9]),
+        ScheduledRequest("c", [1] * 3, 16, [13, 14]),
+    ])
+
+
+def _attention(
+    plan: StepPlan, paged: bool, dtype: torch.dtype, device: str, window: int | None, bs: int = BS
+) -> torch.Tensor:
     g = torch.Generator().manual_seed(0)
-    cache = (torch.randn(2, KVH, NB, BS, D, generator=g) / 2).to(device=device, dtype=dtype)
-    meta = build_metadata(plan, BS, torch.device(device), gathered_decode=not paged, paged_decode=paged)
+    cache = (torch.randn(2, KVH, NB, bs, D, generator=g) / 2).to(device=device, dtype=dtype)
+    meta = build_metadata(plan, bs, torch.device(device), gathered_decode=not paged, paged_decode=paged)
     T = meta.num_tokens
     q = torch.randn(T, H, D, generator=g).to(device=device, dtype=dtype)
     k = torch.randn(T, KVH, D, generator=g).to(device=device, dtype=dtype)
@@ -43,10 +56,11 @@ def _attention(plan: StepPlan, paged: bool, dtype: torch.dtype, device: str, win
 
 
 @pytest.mark.parametrize("window", [None, 3])
-def test_paged_decode_matches_the_gathered_path(window: int | None) -> None:
-    plan = _step()
-    want = _attention(plan, paged=False, dtype=torch.float32, device="cpu", window=window)
-    got = _attention(plan, paged=True, dtype=torch.float32, device="cpu", window=window)
+@pytest.mark.parametrize("bs", [BS, 16])
+def test_paged_decode_matches_the_gathered_path(window: int | None, bs: int) -> None:
+    plan = _step() if bs == BS else _step_16()
+    want = _attention(plan, paged=False, dtype=torch.float32, device="cpu", window=window, bs=bs)
+    got = _attention(plan, paged=True, dtype=torch.float32, device="cpu", window=window, bs=bs)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
@@ -86,14 +100,19 @@ def test_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TANDEM_DECODE_ATTENTION", "auto")
     t = ops_mod.select_ops(cpu, cos, sin, torch.float32, use_kernels=False)
     assert isinstance(t, ops_mod.TorchOps) and t.gathered_decode and not t.paged_decode
+    paged = ops_mod.TorchOps(cos, sin, torch.float32, paged_decode=True)  # as select_ops makes it on CUDA
+    assert paged.paged_decode and not paged.gathered_decode
+    paged.use_gathered_decode()  # what a CUDA runner with blocks under 16 keys does
+    assert paged.gathered_decode and not paged.paged_decode
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("window", [None, 3])
 def test_cuda_bf16_paged_decode_matches_the_gathered_path(window: int | None) -> None:
-    plan = _step()
-    want = _attention(plan, paged=False, dtype=torch.bfloat16, device="cuda", window=window).float()
-    got = _attention(plan, paged=True, dtype=torch.bfloat16, device="cuda", window=window).float()
+    plan = _step_16()
+    want = _attention(plan, paged=False, dtype=torch.bfloat16, device="cuda", window=window, bs=16).float()
+    got = _attention(plan, paged=True, dtype=torch.bfloat16, device="cuda", window=window, bs=16).float()
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
 
 

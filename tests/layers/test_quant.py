@@ -150,6 +150,7 @@ def test_quantized_weights_without_kernels_are_dequantized() -> None:
     torch.testing.assert_close(proj(x), x @ torch.cat([w.dequantize()] * 3).T)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("qtype", [*GGUF_FORMATS, "I8"])
 def test_dequantize_on_the_device(qtype: str) -> None:

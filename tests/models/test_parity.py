@@ -109,6 +109,7 @@ def test_bfloat16_close_to_float32(tmp_path: Path) -> None:
     assert (outs[0] - outs[1]).abs().max() < 0.1
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run scripts/device_check.sh there)")
 @pytest.mark.parametrize("arch", ["llama3", "qwen2", "qwen3", "mistral-window", "qwen2-window"])
 def test_cuda_logits_match_cpu_reference(arch: str, tmp_path: Path) -> None:

@@ -49,6 +49,7 @@ def test_on_device_switches_to_the_runners_device_only_for_cuda(monkeypatch: pyt
     assert entered == [torch.device("cuda:1")]
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_wait_for_device_on_cuda_leaves_no_work_queued() -> None:
     device = torch.device("cuda", torch.cuda.device_count() - 1)  # the last device: not the current one when > 1
