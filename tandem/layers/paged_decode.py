@@ -129,6 +129,12 @@ def _flex_attention(device_type: str) -> Callable[..., Any]:
     return fn
 
 
+def kernel_options(block_size: int) -> dict[str, int]:
+    """The key tile of the compiled kernels must divide the sparse block (one cache block): the decoding kernel clamps
+    its own, the general one (dynamic batch shapes) does not and would find no valid tile for blocks under 64."""
+    return {"BLOCK_N": min(block_size, 64)}
+
+
 def _raise_recompile_limit(n: int) -> None:
     import torch._dynamo
 
@@ -151,5 +157,6 @@ def paged_decode_attention(
     mask = paged.block_mask(NB, window)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # eager FlexAttention warns that it is unfused: known, only tests run it
-        o = _flex_attention(q.device.type)(qs, keys, values, block_mask=mask, scale=scale, enable_gqa=H != KVH)
+        o = _flex_attention(q.device.type)(qs, keys, values, block_mask=mask, scale=scale, enable_gqa=H != KVH,
+                                           kernel_options=kernel_options(BS))
     return o.transpose(1, 2).reshape(B * q_max, H, D).to(q.dtype)
