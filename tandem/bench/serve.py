@@ -22,6 +22,7 @@ import json
 import math
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -30,6 +31,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from tandem.bench.schemas import distinct_schemas
 
 try:  # the openai client's HTTP library; plain httpx exposes the same API
     import httpx2 as httpx
@@ -85,10 +88,11 @@ def load_prompts(data_dir: Path) -> tuple[list[str], list[str]]:
 
 def make_workload(
     questions: Sequence[str], code: Sequence[str], count: int, json_share: float, copy_share: float,
-    max_tokens: int, model: str | None, seed: int, bomb_every: int = 0,
+    max_tokens: int, model: str | None, seed: int, bomb_every: int = 0, schemas: Sequence[dict[str, Any]] = (),
 ) -> list[BenchRequest]:
     """`count` chat requests: a json_share of JSON-schema ones, a copy_share of copy/edit ones, the rest plain;
-    with `bomb_every` N > 0, requests N-1, 2N-1, ... are replaced by compile bombs (kind "bomb")."""
+    with `bomb_every` N > 0, requests N-1, 2N-1, ... are replaced by compile bombs (kind "bomb"). JSON requests use
+    `schemas` in turn (request i the i-th, modulo) when given, else one shared summary schema."""
     if not questions and not code:
         raise SystemExit("no prompts found: pass --data-dir (../shared/data/prompts)")
     rng = random.Random(seed)
@@ -108,8 +112,9 @@ def make_workload(
         if u < json_share:
             q = rng.choice(plain_pool)
             msg = f"Summarize the following request as JSON with a title, a rating from 1 to 10 and keywords:\n{q}"
+            schema = schemas[i % len(schemas)] if schemas else JSON_SCHEMA
             body = {**base, "messages": [{"role": "user", "content": msg}],
-                    "response_format": {"type": "json_schema", "json_schema": {"name": "summary", "schema": JSON_SCHEMA, "strict": True}}}
+                    "response_format": {"type": "json_schema", "json_schema": {"name": "summary", "schema": schema, "strict": True}}}
             out.append(BenchRequest("json", body))
         elif u < json_share + copy_share:
             src = rng.choice(copy_pool)
@@ -338,8 +343,9 @@ def summarize(results: Sequence[RequestResult], wall_s: float, rss: Sequence[Rss
 async def run_load(args: argparse.Namespace, base_url: str, server_pid: int | None) -> dict[str, Any]:
     questions, code = load_prompts(Path(args.data_dir))
     count = args.num_requests if args.duration is None else max(args.num_requests, 100_000)
+    schemas = distinct_schemas(args.distinct_schemas, seed=args.seed) if args.distinct_schemas else ()
     workload = make_workload(questions, code, count, args.json_share, args.copy_share, args.max_tokens, args.model, args.seed,
-                             args.bomb_every)
+                             args.bomb_every, schemas)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     url = f"{base_url}/v1/chat/completions"
     limits = httpx.Limits(max_connections=max(args.concurrency or 0, 256), max_keepalive_connections=64)
@@ -350,6 +356,8 @@ async def run_load(args: argparse.Namespace, base_url: str, server_pid: int | No
     async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout), limits=limits) as client:
         sampler = asyncio.create_task(sample_rss(client, base_url, server_pid, args.rss_interval, rss, stop)) \
             if (args.duration is not None or server_pid is not None) else None
+        killer = asyncio.create_task(kill_core_later(client, base_url, args.kill_core_after)) \
+            if args.kill_core_after is not None else None
         t0 = time.perf_counter()
         if args.concurrency:
             await _closed_loop(client, url, workload, headers, args.concurrency, deadline, results)
@@ -359,8 +367,27 @@ async def run_load(args: argparse.Namespace, base_url: str, server_pid: int | No
         stop.set()
         if sampler is not None:
             await sampler
+        kill = await killer if killer is not None else None
     warmup = args.warmup if args.warmup is not None else (0.1 * args.duration if args.duration else 0.0)
-    return summarize(results, wall, rss, warmup)
+    report = summarize(results, wall, rss, warmup)
+    if kill is not None:
+        report["core_kill"] = kill
+    return report
+
+
+async def kill_core_later(client: httpx.AsyncClient, base_url: str, after_s: float) -> dict[str, Any]:
+    """SIGKILL the server's engine core `after_s` seconds into the load (the server must run on this machine), then
+    time how long until /health answers 200 from a new core."""
+    await asyncio.sleep(after_s)
+    pid = int((await client.get(f"{base_url}/health")).json()["engine_core_pid"])
+    os.kill(pid, signal.SIGKILL)
+    t0 = time.perf_counter()
+    while True:
+        r = await client.get(f"{base_url}/health")
+        if r.status_code == 200 and r.json().get("engine_core_pid") != pid:
+            return {"killed_pid": pid, "at_s": after_s, "restart_s": round(time.perf_counter() - t0, 2),
+                    "restarts": r.json().get("engine_restarts")}
+        await asyncio.sleep(0.1)
 
 
 async def _closed_loop(client: httpx.AsyncClient, url: str, workload: Sequence[BenchRequest], headers: dict[str, str],
@@ -448,6 +475,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     load.add_argument("--concurrency", type=int, default=None, help="closed loop with this many clients")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--json-share", type=float, default=0.0, help="fraction of JSON-schema requests")
+    p.add_argument("--kill-core-after", type=float, default=None, metavar="S",
+                   help="SIGKILL the engine core S seconds into the load and report the time until it serves again")
+    p.add_argument("--distinct-schemas", type=int, default=0, metavar="N",
+                   help="JSON requests take N distinct schemas in turn (0: one shared schema)")
     p.add_argument("--copy-share", type=float, default=0.0, help="fraction of copy/edit (speculative-friendly) requests")
     p.add_argument("--bomb-every", type=int, default=0, metavar="N",
                    help="make every Nth request a compile-bomb JSON schema (reported apart; 0: none)")
