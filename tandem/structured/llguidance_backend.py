@@ -1,4 +1,5 @@
-"""llguidance backend: JSON schema, any JSON object, regex (Rust `regex` syntax), choice, Lark and GBNF grammars.
+"""llguidance backend: JSON schema, any JSON object, regex (Rust `regex` syntax), choice, Lark and GBNF grammars,
+and structural tags (translated to Lark: `StructuralTagLark`).
 
 llguidance computes masks lazily (a derivative-based lexer over a token trie plus an Earley parser), so its
 "compile" is cheap: we translate the spec to llguidance's grammar JSON and build one prototype `LLMatcher`, which
@@ -15,6 +16,9 @@ Choices made here:
 - GBNF is converted to Lark, where rules made only of terminals become greedy lexemes: llama.cpp's
   arithmetic.gbnf (`num ::= [0-9]+ ws`, `ws ::= [ \t\n]*`, then a literal "\n") can never end, because the
   final newline is swallowed by the NUM lexeme. xgrammar (a pure CFG) accepts it.
+- Structural tags: free text before a trigger is one lazy lexeme `TAG_TEXT "trigger"` (it ends at the trigger's
+  first occurrence, so the text can never run past a trigger unconstrained); the JSON inside a tag uses the
+  separators ", " and ": " with no other whitespace (xgrammar's structural tags allow any JSON whitespace).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from tandem.structured.backend import (
     GrammarSpec,
     TiktokenVocab,
     backend_reason,
+    check_structural_tag,
     fill_only,
 )
 
@@ -168,6 +173,7 @@ class LLGuidanceBackend:
             "regex": lambda s: llguidance.LLMatcher.grammar_from_regex(s.text),
             "choice": self._choice_grammar,
             "grammar": lambda s: llguidance.grammar_from("grammar", s.text),
+            "structural_tag": lambda s: llguidance.LLMatcher.grammar_from_lark(StructuralTagLark.translate(s.text)),
         }
 
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
@@ -207,3 +213,99 @@ class LLGuidanceBackend:
             raise GrammarError(self.name, str(e)) from e
         lark = "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in literals)
         return llguidance.LLMatcher.grammar_from_lark(lark)
+
+
+_TAG_JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def _lit(text: str) -> str:
+    """A Lark string literal (JSON escapes are Lark escapes in llguidance); '' for the empty string."""
+    return json.dumps(text, ensure_ascii=False) if text else ""
+
+
+class StructuralTagLark:
+    """Translates a structural tag (the formats of STRUCTURAL_TAG_FORMATS) into one llguidance Lark grammar."""
+
+    def __init__(self) -> None:
+        self.rules: list[str] = []
+        self.uses_text = False
+
+    @classmethod
+    def translate(cls, text: str) -> str:
+        """The Lark grammar of the structural tag `text`; ValueError when it uses an unsupported format."""
+        self = cls()
+        start = self.expr(check_structural_tag(text)["format"])
+        if not start:
+            raise ValueError("the structural tag matches only the empty string")
+        lines = ["%llguidance {}", f"start: {start}", *self.rules]
+        if self.uses_text:
+            lines.append(r"TAG_TEXT: /(.|\n)*/")
+        return "\n".join(lines) + "\n"
+
+    def rule(self, body: str, attrs: str = "") -> str:
+        """A new rule `rN[attrs]: body`; its name."""
+        name = f"r{len(self.rules)}"
+        self.rules.append(f"{name}{attrs}: {body}")
+        return name
+
+    def expr(self, fmt: dict[str, Any]) -> str:
+        """A Lark expression for `fmt` ('' when it matches only the empty string)."""
+        kind = fmt["type"]
+        if kind == "const_string":
+            return _lit(fmt["value"])
+        if kind == "json_schema":
+            schema = fmt["json_schema"]
+            if isinstance(schema, dict):
+                schema = {**schema, "x-guidance": _TAG_JSON_STYLE}
+            return "%json " + json.dumps(schema)
+        if kind == "any_text":
+            self.uses_text = True
+            return "TAG_TEXT"
+        if kind == "sequence":
+            return " ".join(e for e in (self.expr(x) for x in fmt["elements"]) if e)
+        if kind == "or":
+            return self.alternatives([self.expr(x) for x in fmt["elements"]])
+        if kind == "tag":
+            return self.tag(fmt, fmt["begin"])
+        if kind == "tags_with_separator":
+            return self.tags_with_separator(fmt)
+        return self.triggered_tags(fmt)
+
+    def alternatives(self, exprs: list[str]) -> str:
+        """(a | b | ...), optional when one of them is empty."""
+        filled = list(dict.fromkeys(e for e in exprs if e))
+        if not filled:
+            return ""
+        body = self.rule(" | ".join(filled))
+        return f"{body}?" if len(filled) < len(exprs) else body
+
+    def tag(self, tag: dict[str, Any], begin: str) -> str:
+        """`begin content end` (end: one string or alternatives)."""
+        ends = tag["end"] if isinstance(tag["end"], list) else [tag["end"]]
+        end = self.alternatives([_lit(e) for e in ends]) if len(ends) > 1 else _lit(ends[0])
+        return " ".join(p for p in (_lit(begin), self.expr(tag["content"]), end) if p)
+
+    def tags_with_separator(self, fmt: dict[str, Any]) -> str:
+        """Tags with `separator` between them and nothing else; `at_least_one`, `stop_after_first` as in xgrammar."""
+        one = self.alternatives([self.tag(t, t["begin"]) for t in fmt["tags"]])
+        sep = _lit(fmt["separator"])
+        many = one if fmt.get("stop_after_first") else self.rule(f"{one} ({sep} {one})*" if sep else f"{one}+")
+        return many if fmt.get("at_least_one") else f"{many}?"
+
+    def triggered_tags(self, fmt: dict[str, Any]) -> str:
+        """Free text until a trigger (a lazy lexeme ending at its first occurrence), then one of the tags that begin
+        with that trigger, then free text again (unless `stop_after_first`)."""
+        self.uses_text = True
+        triggers = sorted(fmt["triggers"], key=len, reverse=True)
+        calls: list[str] = []
+        for trigger in triggers:
+            tags = [t for t in fmt["tags"] if t["begin"].startswith(trigger)
+                    and trigger == next(x for x in triggers if t["begin"].startswith(x))]
+            if tags:
+                head = self.rule(f"TAG_TEXT {_lit(trigger)}", "[lazy]")
+                calls.append(f"{head} {self.alternatives([self.tag(t, t['begin'][len(trigger):]) for t in tags])}")
+        call = self.alternatives(calls)
+        at_least_one, stop = bool(fmt.get("at_least_one")), bool(fmt.get("stop_after_first"))
+        if stop:
+            return call if at_least_one else self.rule(f"TAG_TEXT | {call}")
+        return self.rule(f"{call}{'+' if at_least_one else '*'} TAG_TEXT")
