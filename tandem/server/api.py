@@ -66,6 +66,7 @@ from tandem.server.protocol import (
     UsageInfo,
     random_id,
 )
+from tandem.server.responses import ResponseBuilder, ResponsesRequest, usage_dict
 from tandem.server.tool_parsers import ToolCallDelta, ToolCallStream, ToolParser
 from tandem.server.tools import ToolError, ToolPlan, choose_parser, fallback_messages, hf_messages
 
@@ -474,6 +475,16 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
         fmt = _ChatFormat(state, body, rid, plan.parser if plan is not None and plan.constrained else None)
         return await _serve(state, request, rid, [prompt], params, body.stream, fmt)
 
+    @app.post("/v1/responses", responses=_ERRORS)
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        chat = body.chat_request()
+        plan = tool_plan(state, chat.tool_dicts(), chat.tool_choice_value(), chat.parallel_tool_calls)
+        params = _prepare(state, chat.model, lambda: with_tools(chat.sampling_params(), plan))
+        prompt = chat_prompt(state, chat.conversation(), plan, True)
+        rid = random_id("resp")
+        fmt = _ResponsesFormat(state, body, rid, plan.parser if plan is not None and plan.constrained else None)
+        return await _serve(state, request, rid, [prompt], params, body.stream, fmt)
+
     @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         params = _prepare(state, body.model, body.sampling_params)
@@ -627,8 +638,8 @@ async def _stream_events(
             async for i, delta in _merged(gens, firsts):
                 for chunk in fmt.stream_chunks(i, delta):
                     yield _sse(chunk)
-            if fmt.include_usage:
-                yield _sse(fmt.usage_chunk(_usage(gens)))
+            for chunk in fmt.stream_end(_usage(gens)):
+                yield _sse(chunk)
         except APIError as e:
             yield _sse(e.body())
         yield "data: [DONE]\n\n"
@@ -659,6 +670,10 @@ class _Format(abc.ABC):
     @abc.abstractmethod
     def usage_chunk(self, usage: UsageInfo) -> dict[str, Any]:
         """The final usage chunk (stream_options.include_usage)."""
+
+    def stream_end(self, usage: UsageInfo) -> list[dict[str, Any]]:
+        """Chunks after the last delta: the usage chunk when asked for."""
+        return [self.usage_chunk(usage)] if self.include_usage else []
 
 
 class _ChatFormat(_Format):
@@ -745,6 +760,52 @@ def _tool_call_deltas(pieces: list[ToolCallDelta]) -> list[DeltaToolCall]:
         out.append(DeltaToolCall(index=p.index, id=p.id, type="function" if p.id else None,
                                  function=DeltaFunctionCall(name=p.name, arguments=p.arguments)))
     return out
+
+
+class _ResponsesFormat(_Format):
+    """Response objects and the Responses API's typed stream events (one choice)."""
+
+    def __init__(self, state: ServerState, body: ResponsesRequest, rid: str, parser: ToolParser | None) -> None:
+        self.n = 1
+        self.include_usage = True  # the final response.completed event carries the usage
+        self.parser = parser
+        self.builder = ResponseBuilder(rid, state.model_name if body.model is None else body.model, body, parser)
+        self._stream: ToolCallStream | None = parser.stream() if parser is not None else None
+        self._finish: str | None = None
+
+    def full_response(self, choices: list[_Choice], usage: UsageInfo) -> dict[str, Any]:
+        c = choices[0]
+        if self.parser is not None:
+            parsed = self.parser.parse(c.text)
+            content, calls = parsed.content, parsed.tool_calls
+        else:
+            content, calls = c.text, []
+        status = "incomplete" if c.finish_reason == "length" else "completed"
+        b = self.builder
+        return b.response(b.output(content, calls), status, usage_dict(usage.prompt_tokens, usage.completion_tokens))
+
+    def stream_start(self, num_prompts: int) -> list[dict[str, Any]]:
+        return self.builder.start_events()
+
+    def stream_chunks(self, prompt_index: int, delta: RequestDelta) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for c in delta.outputs:
+            text = c.text
+            if self._stream is not None:
+                text = self._stream.feed(c.text) + (self._stream.finish() if c.finish_reason is not None else "")
+            out += self.builder.text_events(text)
+            if self._stream is not None:
+                out += self.builder.call_events(self._stream.take_deltas())
+            self._finish = c.finish_reason or self._finish
+        return out
+
+    def usage_chunk(self, usage: UsageInfo) -> dict[str, Any]:
+        raise AssertionError("the Responses stream ends with stream_end")
+
+    def stream_end(self, usage: UsageInfo) -> list[dict[str, Any]]:
+        status = "incomplete" if self._finish == "length" else "completed"
+        calls = self._stream.calls() if self._stream is not None else []
+        return self.builder.done_events(status, usage_dict(usage.prompt_tokens, usage.completion_tokens), calls)
 
 
 def _echo_logprobs(echo: PromptEcho, k: int) -> CompletionLogprobs:
