@@ -1,11 +1,14 @@
 """tandem: an LLM inference engine in which the host CPU works beside the accelerator.
 
-Public face (vLLM-shaped): `LLM`, `SamplingParams`, `StructuredOutputsParams`.
+Public face (vLLM-shaped): `LLM`, `SamplingParams`, `StructuredOutputsParams`. The engine (and torch) is imported
+on first use of `LLM` / `build_engine`, so helper processes that import one tandem module (a grammar compile
+worker) stay small.
 """
 
 from __future__ import annotations
 
-from tandem.engine.llm import LLM, build_engine
+from typing import Any
+
 from tandem.params import ParamError, SamplingParams, StructuredOutputsParams
 from tandem.request import CompletionOutput, RequestOutput
 
@@ -19,3 +22,11 @@ __all__ = [
     "build_engine",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("LLM", "build_engine"):
+        from tandem.engine import llm
+
+        return getattr(llm, name)
+    raise AttributeError(f"module 'tandem' has no attribute {name!r}")

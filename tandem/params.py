@@ -17,6 +17,10 @@ class ParamError(ValueError):
     """A request parameter has a value outside its allowed range; the message names both."""
 
 
+class EngineOverloaded(ParamError):
+    """The engine cannot take this request now (e.g. the grammar compile queue is full); retry later (HTTP 429)."""
+
+
 def _check(cond: bool, msg: str) -> None:
     if not cond:
         raise ParamError(msg)
@@ -78,6 +82,7 @@ class StructuredOutputsParams:
             v = getattr(self, name)
             if v is not None:
                 _check(isinstance(v, str) and v.strip() != "", f"{name} must be a non-empty string")
+        _check(_is_unicode(self.grammar_text), f"{self.kind} holds characters that are not valid Unicode (lone surrogates)")
 
     @property
     def kind(self) -> str:
@@ -117,21 +122,31 @@ def _structural_tag_text(value: Any) -> str:
     return text
 
 
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _schema_text(value: Any) -> str:
     """A JSON schema given as dict, JSON text or pydantic model class -> canonical JSON text."""
-    if isinstance(value, str):
-        try:
+    try:
+        if isinstance(value, str):
             json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ParamError(f"json schema is not valid JSON: {e}") from e
-        return value
-    if isinstance(value, Mapping):
-        return json.dumps(value)
-    schema_fn = getattr(value, "model_json_schema", None)
-    if callable(schema_fn):
-        return json.dumps(schema_fn())
-    if isinstance(value, bool):
-        return json.dumps(value)
+            return value
+        if isinstance(value, (Mapping, bool)):
+            return json.dumps(value)
+        schema_fn = getattr(value, "model_json_schema", None)
+        if callable(schema_fn):
+            return json.dumps(schema_fn())
+    except json.JSONDecodeError as e:
+        raise ParamError(f"json schema is not valid JSON: {e}") from e
+    except RecursionError as e:  # hostile nesting: Python's own limit, long before any grammar library is asked
+        raise ParamError("json schema is nested too deeply") from e
+    except (TypeError, ValueError) as e:
+        raise ParamError(f"json schema cannot be serialised as JSON: {e}") from e
     raise ParamError(f"json must be a schema dict, JSON text or a pydantic model class, got {type(value).__name__}")
 
 

@@ -129,6 +129,7 @@ class RequestMetrics:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     grammar_backend: str | None = None
+    grammar_backend_reason: str | None = None  # why that backend serves it (auto routes by cost)
 
 
 @dataclass

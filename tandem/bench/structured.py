@@ -143,7 +143,7 @@ def _row(workload: str, level: int, name: str, res: RunResult, base: RunResult,
 def mask_fill_table(engine: LLMEngine, vocab_name: str) -> list[dict[str, Any]]:
     """Per-row mask fill time for the engine's vocabulary and a large tiktoken one (random-walk through the grammar)."""
     from tandem.structured.backend import GrammarSpec
-    from tandem.structured.manager import measure_mask_fill
+    from tandem.structured.measure import measure_mask_fill
 
     out = []
     m = engine.guidance.manager

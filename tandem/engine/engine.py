@@ -236,18 +236,29 @@ class LLMEngine:
 
     def _poll_grammars(self) -> None:
         """Lift the hold of requests whose grammar compiled; fail those whose compile failed."""
+        self._share_cores_with_compiles()
         if not self.guidance.has_pending:
             return
         ready, failed = self.guidance.poll()
-        for rid, backend in ready:
+        for rid, backend, reason in ready:
             seq = self._seqs.get(rid)
             if seq is not None:
                 seq.req.hold_sampling = False
                 seq.group.metrics.grammar_backend = backend
+                seq.group.metrics.grammar_backend_reason = reason
         for rid, reason in failed:
             seq = self._seqs.get(rid)
             if seq is not None:
                 self._fail(seq, reason)
+
+    def _share_cores_with_compiles(self) -> None:
+        """While grammars compile, the forward on the CPU gives up as many threads as compiles run (up to the
+        budget's grammar threads), so a compile gets a core instead of starving behind spinning OpenMP threads."""
+        budget = self.cpu_budget
+        if budget is None or self.runner.device.type != "cpu":
+            return
+        lent = min(self.guidance.num_compiling, budget.grammar_threads, budget.forward_threads - 1)
+        self.runner.set_num_threads(budget.forward_threads - max(0, lent))
 
     def _fail(self, seq: SequenceState, reason: str) -> None:
         """End one sequence with an error (its group reports it); the rest of the batch is untouched."""
@@ -272,6 +283,9 @@ class LLMEngine:
             if seq.group.metrics.first_token_time is None:
                 seq.group.metrics.first_token_time = now
             touched[seq.group.request_id] = seq.group
+        for rid in [rid for rid, toks in new_tokens.items() if not toks]:  # failed before emitting anything
+            del new_tokens[rid]
+            self.scheduler.finish(rid, finished[rid])
         self.scheduler.update(plan, new_tokens)
         self._finish(finished)
         self.stats.num_generated_tokens += sum(len(t) for t in new_tokens.values())
@@ -279,7 +293,13 @@ class LLMEngine:
         return self._outputs(touched.values(), now)
 
     def _settle(self, seq: SequenceState, toks: list[int]) -> tuple[list[int], RequestStatus | None]:
-        """One sequence's emitted tokens: the ones it keeps, and its final status if it ended."""
+        """One sequence's emitted tokens: the ones it keeps, and its final status if it ended.
+
+        Per-request work that fails (its grammar, detokenizing) ends this sequence alone with an error."""
+        failure = self.guidance.failure(seq.request_id) or self.step_sampler.failures.get(seq.request_id)
+        if failure is not None:  # its grammar failed, or nothing was allowed: the sampled token means nothing
+            seq.group.error = failure
+            return [], RequestStatus.FINISHED_ERROR
         try:
             decision = seq.stop.add_tokens(toks)
         except Exception as e:  # noqa: BLE001 - one broken request must not take the batch down
@@ -314,6 +334,7 @@ class LLMEngine:
         return RequestStatus.FINISHED_STOPPED if terminated else None
 
     def _finish(self, finished: Mapping[str, RequestStatus]) -> None:
+        """Final statuses; the scheduler frees the blocks of those it still holds."""
         for rid, status in finished.items():
             if self.scheduler.get(rid) is not None:
                 self.scheduler.finish(rid, status)

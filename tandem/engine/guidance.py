@@ -12,6 +12,7 @@ proposed as drafts (free: the mask makes the target put all its mass on them, so
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -19,10 +20,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from tandem.core.plan import StepPlan
-from tandem.params import ParamError, StructuredOutputsParams
+from tandem.params import EngineOverloaded, ParamError, StructuredOutputsParams
 from tandem.request import Request
-from tandem.structured.backend import GrammarError, bitmask_words
+from tandem.structured.backend import GrammarError, GrammarQueueFull, bitmask_words
 from tandem.structured.manager import StructuredOutputConfig, StructuredOutputManager
+
+logger = logging.getLogger("tandem")
+MAX_FORCED_DRAFTS = 16  # forced tokens proposed per step: a long forced run (a 30 KB const) goes in chunks
 
 
 @dataclass
@@ -58,7 +62,11 @@ class GuidanceStats:
 
 
 class Guidance:
-    """The engine's view of structured outputs; the manager is built on first use (tokenizer info once per engine)."""
+    """The engine's view of structured outputs; the manager is built on first use (tokenizer info once per engine).
+
+    Fault isolation: an error from grammar work on one request (a matcher that fails to fill, accept, validate or
+    roll back) is recorded in `failure(rid)`; the engine then ends that request alone with finish_reason "error".
+    """
 
     def __init__(self, make_manager: Callable[[], StructuredOutputManager], vocab_size: int) -> None:
         self._make_manager = make_manager
@@ -69,6 +77,7 @@ class Guidance:
         self._pending: set[str] = set()
         self._ready: set[str] = set()
         self._forced: dict[str, int] = {}  # request -> number of its scheduled drafts that are grammar-forced
+        self._failed: dict[str, str] = {}  # request -> why its grammar work failed (it ends at the next advance)
 
     @property
     def manager(self) -> StructuredOutputManager:
@@ -82,29 +91,48 @@ class Guidance:
     def is_ready(self, request_id: str) -> bool:
         return request_id in self._ready
 
+    def failure(self, request_id: str) -> str | None:
+        """Why the request's grammar failed during this step, or None."""
+        return self._failed.get(request_id)
+
+    @property
+    def num_compiling(self) -> int:
+        """Grammar compiles running now (0 before the first guided request)."""
+        return self._manager.num_compiling if self._manager is not None else 0
+
+    def _fail(self, request_id: str, reason: str) -> None:
+        logger.warning("request %s: grammar failed: %s", request_id, reason)
+        self._failed[request_id] = reason
+        self._ready.discard(request_id)
+
     # ---------------------------------------------------------------------------------------------- arrival
     def submit(self, req: Request, params: StructuredOutputsParams) -> None:
-        """Start compiling for `req` and hold its sampling until ready. ParamError for this request alone."""
+        """Start compiling for `req` and hold its sampling until ready. ParamError for this request alone
+        (EngineOverloaded when the compile queue is full)."""
         try:
             self.manager.submit(req.request_id, params)
+        except GrammarQueueFull as e:
+            raise EngineOverloaded(str(e)) from e
         except GrammarError as e:
             raise ParamError(str(e)) from e
         req.hold_sampling = True
         self._pending.add(req.request_id)
 
-    def poll(self) -> tuple[list[tuple[str, str | None]], list[tuple[str, str]]]:
-        """Lift the hold of requests whose grammar is ready; return (ready [(id, backend)], failed [(id, reason)])."""
-        ready: list[tuple[str, str | None]] = []
+    def poll(self) -> tuple[list[tuple[str, str | None, str | None]], list[tuple[str, str]]]:
+        """Lift the hold of requests whose grammar is ready; return (ready [(id, backend, why that backend)],
+        failed [(id, reason)])."""
+        ready: list[tuple[str, str | None, str | None]] = []
         failed: list[tuple[str, str]] = []
+        m = self.manager
         for rid in list(self._pending):
-            state = self.manager.poll(rid)
+            state = m.poll(rid)
             if state == "ready":
                 self._pending.discard(rid)
                 self._ready.add(rid)
-                ready.append((rid, self.manager.backend_of(rid)))
+                ready.append((rid, m.backend_of(rid), m.reason_of(rid)))
             elif state == "failed":
                 self._pending.discard(rid)
-                failed.append((rid, self.manager.error(rid) or "grammar compilation failed"))
+                failed.append((rid, m.error(rid) or "grammar compilation failed"))
         return ready, failed
 
     @property
@@ -116,18 +144,23 @@ class Guidance:
         """Cut guided drafts at their first invalid token; without drafts, propose the grammar's forced tokens."""
         self._forced.clear()
         for req in running:
-            rid = req.request_id
-            if rid not in self._ready or req.num_computed_tokens != req.num_tokens - 1:
-                continue
-            m = self.manager
-            if req.draft_token_ids:
-                ok = m.validate_draft(rid, req.draft_token_ids)
-                req.draft_token_ids = req.draft_token_ids[:ok]
-            if not req.draft_token_ids:
-                forced = m.forced_tokens(rid)[: max_drafts(req)]
-                if forced:
-                    req.draft_token_ids = forced
-                    self._forced[rid] = len(forced)
+            if req.request_id in self._ready and req.num_computed_tokens == req.num_tokens - 1:
+                try:
+                    self._constrain(req, max_drafts)
+                except Exception as e:  # noqa: BLE001 - this request's grammar failed; the others go on
+                    req.draft_token_ids = []
+                    self._fail(req.request_id, f"checking drafts failed: {type(e).__name__}: {e}")
+
+    def _constrain(self, req: Request, max_drafts: Callable[[Request], int]) -> None:
+        rid, m = req.request_id, self.manager
+        if req.draft_token_ids:
+            ok = m.validate_draft(rid, req.draft_token_ids)
+            req.draft_token_ids = req.draft_token_ids[:ok]
+        if not req.draft_token_ids:
+            forced = m.forced_tokens(rid, min(MAX_FORCED_DRAFTS, max_drafts(req)))
+            if forced:
+                req.draft_token_ids = forced
+                self._forced[rid] = len(forced)
 
     def drafts_were_forced(self, request_id: str) -> bool:
         """This step's drafts of the request came from the grammar, not from a proposer."""
@@ -135,34 +168,43 @@ class Guidance:
 
     # ------------------------------------------------------------------------------------------------ masks
     def fill(self, plan: StepPlan) -> StepMasks:
-        """Bitmasks for this step's sampled rows (call while the forward runs). Unguided rows allow everything."""
+        """Bitmasks for this step's sampled rows (call while the forward runs). Unguided rows allow everything;
+        a request whose fill fails is recorded in `failure` (its rows are then irrelevant)."""
         t0 = time.perf_counter()
         sampled_ids, sampled_rows, verify_jobs = [], [], []
         n_sampled = n_verify = 0
         for sr in plan.requests:
             if not sr.needs_logits:
                 continue
+            guided = sr.request_id in self._ready
             k = sr.num_draft_tokens
             if k:
-                if sr.request_id in self._ready:
+                if guided:
                     verify_jobs.append((sr.request_id, n_verify, sr.input_ids[-k:]))
                 n_verify += k + 1
             else:
-                if sr.request_id in self._ready:
+                if guided:
                     sampled_ids.append(sr.request_id)
                     sampled_rows.append(n_sampled)
                 n_sampled += 1
         sample_mask = verify_mask = None
         if sampled_ids:
             sample_mask = np.full((n_sampled, self.words), -1, dtype=np.int32)
-            self.manager.fill_bitmask(sampled_ids, sample_mask, sampled_rows)
+            for rid, reason in self.manager.fill_bitmask(sampled_ids, sample_mask, sampled_rows).items():
+                self._fail(rid, reason)
         if verify_jobs:
             verify_mask = np.full((n_verify, self.words), -1, dtype=np.int32)
             for rid, row0, drafts in verify_jobs:
-                self.manager.fill_draft_bitmasks(rid, drafts, verify_mask, row0)
+                self._fill_verify_rows(rid, drafts, verify_mask, row0)
         dt = time.perf_counter() - t0
         self.stats.mask_fill_s += dt
         return StepMasks(sample_mask, verify_mask, dt)
+
+    def _fill_verify_rows(self, rid: str, drafts: list[int], mask: np.ndarray, row0: int) -> None:
+        try:
+            self.manager.fill_draft_bitmasks(rid, drafts, mask, row0)
+        except Exception as e:  # noqa: BLE001 - this request's grammar failed; the others go on
+            self._fail(rid, f"mask computation failed: {type(e).__name__}: {e}")
 
     def record_wait(self, masks: StepMasks, filled_at: float, forward_done_at: float) -> None:
         """Count the mask work that outlasted the forward (perf_counter times) as time the device waited."""
@@ -176,19 +218,25 @@ class Guidance:
         if rid not in self._ready or not tokens:
             return False, None
         m = self.manager
-        n = m.accept(rid, tokens)
+        try:
+            n = m.accept(rid, tokens)
+            terminated = m.is_terminated(rid)
+        except Exception as e:  # noqa: BLE001 - e.g. llguidance's lexer limits on a hostile regex: this request ends
+            self._fail(rid, f"{m.backend_of(rid)}: {type(e).__name__}: {e}")
+            return False, self._failed[rid]
         self.stats.num_guided_tokens += len(tokens)
         forced = self._forced.pop(rid, 0)
         if forced and num_scheduled_drafts:
             self.stats.num_forced_tokens += min(forced, len(tokens) - 1)
         if n != len(tokens):
             return False, f"token {tokens[n]} was sampled but the grammar rejects it"
-        return m.is_terminated(rid), None
+        return terminated, None
 
     def release(self, request_id: str) -> None:
         self._pending.discard(request_id)
         self._ready.discard(request_id)
         self._forced.pop(request_id, None)
+        self._failed.pop(request_id, None)
         if self._manager is not None:
             self._manager.release(request_id)
 

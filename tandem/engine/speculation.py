@@ -15,6 +15,8 @@ Per step, for every running request in steady decode:
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -27,6 +29,7 @@ from tandem.spec_decode.adaptive import AdaptiveK
 from tandem.spec_decode.config import SpeculativeConfig
 from tandem.spec_decode.proposer import DraftRequest, Drafts, Proposer
 
+logger = logging.getLogger("tandem")
 MaxDrafts = Callable[[Request], int]  # drafts a request may take this step (max_tokens / max_model_len room)
 
 
@@ -44,6 +47,7 @@ class SpecStats:
     lookahead_s: float = 0.0  # drafting hidden behind the forward
     lookahead_hits: int = 0
     lookahead_misses: int = 0
+    draft_errors: int = 0  # requests whose drafting failed (they went on without drafts)
 
     @property
     def acceptance_rate(self) -> float:
@@ -66,6 +70,7 @@ class SpecStats:
             "spec_lookahead_s": round(self.lookahead_s, 4),
             "spec_lookahead_hits": self.lookahead_hits,
             "spec_lookahead_misses": self.lookahead_misses,
+            "spec_draft_errors": self.draft_errors,
         }
 
 
@@ -170,11 +175,30 @@ class SpeculativeDecoder(Speculation):
                 self.stats.lookahead_misses += 1
             batch.append(DraftRequest(rid, req.token_ids, req.num_prompt_tokens, k + 1))
         if batch:
-            proposals = self.proposer.propose(batch)
+            proposals = self._propose(batch)
             by_id = {r.request_id: r for r in decoding}
             for dr in batch:
                 self._set(by_id[dr.request_id], proposals.get(dr.request_id, Drafts([])).token_ids, ks[dr.request_id])
         self.stats.draft_wait_s += time.perf_counter() - t0
+
+    def _propose(self, batch: list[DraftRequest]) -> dict[str, Drafts]:
+        """The proposer's drafts; when it fails, each request is retried alone and the ones that still fail go on
+        without drafts (drafting only ever speeds a request up: its output does not depend on it)."""
+        try:
+            return self.proposer.propose(batch)
+        except Exception:  # noqa: BLE001 - one request's drafting must not stop the engine
+            logger.exception("drafting failed for a batch of %d; retrying request by request", len(batch))
+        out: dict[str, Drafts] = {}
+        for dr in batch:
+            try:
+                out.update(self.proposer.propose([dr]))
+            except Exception as e:  # noqa: BLE001
+                self.stats.draft_errors += 1
+                logger.warning("request %s: drafting failed (%s: %s); it continues without drafts", dr.request_id,
+                               type(e).__name__, e)
+                with contextlib.suppress(Exception):
+                    self.proposer.release(dr.request_id)
+        return out
 
     def _choose_k(self, rid: str, batch_size: int) -> int:
         return self.adaptive.choose(rid, batch_size) if self.adaptive is not None else self.k_max

@@ -31,11 +31,16 @@ class StepSampler:
         self.tokenizer = tokenizer
         # (a) "device": bitmask copied to the device and applied there; (b) "cpu": logits brought to the host
         self.mask_mode = mask_mode
+        self.failures: dict[str, str] = {}  # request -> why it got no token in the last `sample`
 
     def sample(
         self, plan: StepPlan, logits: torch.Tensor, masks: StepMasks, seqs: Mapping[str, SequenceState]
     ) -> dict[str, list[int]]:
-        """Tokens per request id: one sampled token, or the verified drafts plus one. logits: [R, V]."""
+        """Tokens per request id: one sampled token, or the verified drafts plus one. logits: [R, V].
+
+        A request for which no token was allowed (its grammar, min_tokens, stop ids, allowed ids and logit bias
+        exclude every token) gets no tokens; `failures` says why, until the next call."""
+        self.failures = {}
         if self.mask_mode == "cpu" and logits.device.type != "cpu" and masks.guided:
             logits = logits.cpu()  # mode (b): all logits processing and sampling on the host
         plain, verify = self._split_rows(plan, logits, seqs)
@@ -76,10 +81,19 @@ class StepSampler:
             x = logits.index_select(0, torch.tensor(picked, device=logits.device))
         out = self.sampler.sample(x, rows, bitmask)
         tokens: dict[str, list[int]] = {}
-        for (seq, _), tok, lp in zip(plain, out.token_ids, out.logprobs):
+        dead = set(out.dead_rows)
+        for i, ((seq, _), tok, lp) in enumerate(zip(plain, out.token_ids, out.logprobs)):
+            if i in dead:
+                self._no_token(seq, tokens)
+                continue
             tokens[seq.request_id] = [tok]
             self._add_logprobs(seq, [lp] if lp is not None else [])
         return tokens
+
+    def _no_token(self, seq: SequenceState, tokens: dict[str, list[int]]) -> None:
+        tokens[seq.request_id] = []
+        self.failures[seq.request_id] = ("no token is allowed here: the grammar, min_tokens, stop_token_ids, "
+                                         "allowed_token_ids and logit_bias together exclude every token")
 
     def _verify(self, verify: list[VerifyRows], logits: torch.Tensor, bitmask: torch.Tensor | None) -> dict[str, list[int]]:
         """Rejection-sample every speculative request's drafts in one call (row j sees drafts[:j] as its history)."""
@@ -90,6 +104,10 @@ class StepSampler:
         tokens: dict[str, list[int]] = {}
         pos = 0
         for (seq, _, drafts), toks in zip(verify, emitted):
+            if not toks:
+                self._no_token(seq, tokens)
+                pos += len(drafts) + 1
+                continue
             tokens[seq.request_id] = toks
             if seq.logprobs is not None:
                 n = seq.req.params.logprobs or 0

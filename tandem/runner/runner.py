@@ -108,6 +108,7 @@ class ModelRunner:
     ) -> None:
         if self.device.type == "cpu":
             torch.set_num_threads(num_threads or len(os.sched_getaffinity(0)))
+        self._num_threads = torch.get_num_threads()
         model_config, dtype = self.model_config, self.dtype
         self.model = LlamaModel(model_config, weights, dtype, self.device, use_kernels=use_kernels)
         self.kv_dtype = self.model.ops.kv_cache_dtype
@@ -141,6 +142,12 @@ class ModelRunner:
         """Run `fn(*args)` where the forward runs (the process's tensor thread) and wait for it: host-side tensor work
         (sampling, verification) belongs there, not on the caller's thread (see tandem/runner/tensor_thread.py)."""
         return self._host.run(fn, *args)
+
+    def set_num_threads(self, n: int) -> None:
+        """Threads of the forward on the CPU from the next step on (no-op when unchanged)."""
+        if n != self._num_threads:
+            self._num_threads = n
+            self._host.run(torch.set_num_threads, n)
 
     def execute(self, plan: StepPlan) -> torch.Tensor:
         return self.collect(self.launch(plan))

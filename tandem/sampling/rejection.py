@@ -82,7 +82,8 @@ def rejection_sample(
     drafts: Sequence[DraftRows],
     bitmask: Tensor | None = None,
 ) -> list[list[int]]:
-    """Verify each request's drafts; returns per request the emitted tokens (accepted drafts + one more).
+    """Verify each request's drafts; returns per request the emitted tokens (accepted drafts + one more), or no
+    token at all for a request with a row where nothing is allowed (see `Sampler.dead_rows`).
 
     target_logits [sum(k_i + 1), V]: request i owns k_i + 1 consecutive rows (its last real token's position, then
     each draft's); `rows` and `bitmask` match those rows one to one. Seeded requests draw, in order, k uniforms,
@@ -124,7 +125,9 @@ def rejection_sample(
         bonus_p = p[_index([bonus_rows[i] for i in rand_req], dev)]  # [n_rand, V]
         bonus[idx] = exponential_race(bonus_p, [heads[i].generator for i in rand_req])
 
-    return _accept_walk(drafts, accept.tolist(), recovered.tolist(), bonus.tolist())
+    emitted = _accept_walk(drafts, accept.tolist(), recovered.tolist(), bonus.tolist())
+    dead = (p.sum(dim=-1) == 0).tolist()  # [N] rows with nothing allowed come out of `probs` all zero
+    return [[] if any(dead[s : s + n]) else e for e, s, n in zip(emitted, starts, sizes, strict=True)]
 
 
 def _accept_walk(

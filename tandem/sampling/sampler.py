@@ -17,7 +17,7 @@ needs it (no penalties -> no counts tensor, all greedy -> no softmax, no top-k/t
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -55,6 +55,7 @@ class RowLogprobs:
 class SamplerOutput:
     token_ids: list[int]  # one per row
     logprobs: list[RowLogprobs | None]  # None where params.logprobs is None
+    dead_rows: list[int] = field(default_factory=list)  # rows where no token was allowed (their token means nothing)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -342,9 +343,22 @@ class Sampler:
             x = apply_top_k_top_p(x, top_k, top_p)
         return x.softmax(dim=-1)
 
+    @staticmethod
+    def dead_rows(x: Tensor) -> list[int]:
+        """Rows of processed logits `x` [R, V] where every token is -inf (a grammar, min_tokens, stop ids, allowed
+        ids and logit bias that together exclude everything). They are set to 0 in place, so what is drawn from
+        them is finite and harmless: the caller must discard it."""
+        dead = torch.isneginf(x).all(dim=-1)  # [R]
+        if not bool(dead.any()):
+            return []
+        x[dead] = 0.0
+        return dead.nonzero().flatten().tolist()
+
     def probs(self, logits: Tensor, rows: Sequence[SamplingRow], bitmask: Tensor | None = None) -> Tensor:
-        """[R, V] the distribution each row samples from; greedy rows are one-hot at the argmax."""
+        """[R, V] the distribution each row samples from; greedy rows are one-hot at the argmax. A row where no
+        token is allowed comes out all zero."""
         x = self.processed_logits(logits, rows, bitmask)
+        dead = self.dead_rows(x)
         greedy = [i for i, r in enumerate(rows) if r.params.greedy]
         rand = [i for i, r in enumerate(rows) if not r.params.greedy]
         out = torch.zeros_like(x)  # [R, V]
@@ -355,6 +369,8 @@ class Sampler:
         if rand:
             p = self._random_probs(_select_rows(x, rand), [rows[i] for i in rand])  # [n_rand, V]
             out.index_copy_(0, _index(rand, x.device), p)
+        if dead:
+            out[_index(dead, x.device)] = 0.0
         return out
 
     def sample(self, logits: Tensor, rows: Sequence[SamplingRow], bitmask: Tensor | None = None) -> SamplerOutput:
@@ -364,6 +380,7 @@ class Sampler:
             tokens = logits.argmax(dim=-1)
             return SamplerOutput(token_ids=tokens.tolist(), logprobs=self._logprobs(logits, tokens, rows))
         x = self.processed_logits(logits, rows, bitmask)
+        dead = self.dead_rows(x)
         greedy = [i for i, r in enumerate(rows) if r.params.greedy]
         rand = [i for i, r in enumerate(rows) if not r.params.greedy]
         if not rand:
@@ -378,7 +395,7 @@ class Sampler:
                 tokens = torch.empty(len(rows), dtype=torch.long, device=x.device)
                 tokens.index_copy_(0, _index(rand, x.device), drawn)
                 tokens.index_copy_(0, _index(greedy, x.device), _select_rows(x, greedy).argmax(dim=-1))
-        return SamplerOutput(token_ids=tokens.tolist(), logprobs=self._logprobs(logits, tokens, rows))
+        return SamplerOutput(token_ids=tokens.tolist(), logprobs=self._logprobs(logits, tokens, rows), dead_rows=dead)
 
     def _plain_greedy(self, logits: Tensor, rows: Sequence[SamplingRow], bitmask: Tensor | None) -> bool:
         """True when every row is greedy and no processing step of `processed_logits` would change a value."""

@@ -124,8 +124,9 @@ def error_response(e: APIError) -> JSONResponse:
 
 
 def _engine_error(e: EngineDeadError, in_flight: bool) -> APIError:
+    """503 either way: the engine core died (a new one is starting) or the server is shutting down; retry later."""
     if in_flight:
-        return APIError(f"the request failed: {e}", 500 if "shutting down" not in str(e) else 503, type="server_error", code="engine_dead")
+        return APIError(f"the request failed: {e}; retry", 503, type="server_error", code="engine_dead")
     return APIError(f"the engine is unavailable: {e}", 503, type="server_error", code="engine_unavailable")
 
 
@@ -234,14 +235,15 @@ class Generation:
             self.stream.abort()
             raise APIError("the request timed out", 504, type="timeout_error", code="request_timeout") from None
         except RequestRefused as e:
-            raise APIError(e.message, e.status, type="invalid_request_error" if e.status < 500 else "server_error") from None
+            kind = "rate_limit_error" if e.status == 429 else "invalid_request_error" if e.status < 500 else "server_error"
+            raise APIError(e.message, e.status, type=kind) from None
         except EngineDeadError as e:
             raise _engine_error(e, in_flight=True) from None
         self._record(delta)
-        if delta.error is not None:
+        if delta.error is not None:  # this request's own work failed (its grammar, ...): the engine goes on
             if self.num_generated == 0:
                 raise APIError(delta.error, 400)
-            raise APIError(f"generation failed: {delta.error}", 500, type="server_error")
+            raise APIError(f"generation failed after {self.num_generated} tokens: {delta.error}", 400, code="generation_failed")
         return delta
 
     def _record(self, delta: RequestDelta) -> None:
@@ -392,7 +394,8 @@ def _chunk_dict(chunk: ChatCompletionChunk | CompletionResponse) -> dict[str, An
 # ------------------------------------------------------------------------------------------------------ the app
 def create_app(client: EngineClient, config: ServerConfig) -> FastAPI:
     """The FastAPI app over `client`; its lifespan starts the engine core and shuts it down."""
-    metrics = ServerMetrics(EngineStatsCollector(lambda: client.stats, lambda: client.alive, lambda: client.core_pid))
+    metrics = ServerMetrics(EngineStatsCollector(lambda: client.stats, lambda: client.alive, lambda: client.core_pid,
+                                                 lambda: client.restarts))
     state = ServerState(client=client, config=config, metrics=metrics)
 
     @asynccontextmanager
@@ -451,11 +454,15 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        if client.restarting:
+            return error_response(APIError(f"engine core is restarting ({client.restarts} restarts so far): {client.dead_reason}",
+                                           503, type="server_error", code="engine_restarting"))
         if client.dead_reason is not None:
             return error_response(APIError(f"engine core is down: {client.dead_reason}", 503, type="server_error", code="engine_dead"))
         if state.shutting_down:
             return error_response(APIError("the server is shutting down", 503, type="server_error", code="shutting_down"))
-        return JSONResponse({"status": "ok", "engine_core_pid": client.core_pid, "in_flight": client.num_in_flight})
+        return JSONResponse({"status": "ok", "engine_core_pid": client.core_pid, "in_flight": client.num_in_flight,
+                             "engine_restarts": client.restarts})
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

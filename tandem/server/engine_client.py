@@ -8,8 +8,9 @@ Because the engine's visible text only grows (see tandem/engine/stop.py), deltas
 
 Client (HTTP process, asyncio): `EngineClient.add()` registers a per-request asyncio queue and sends the command;
 one reader callback (loop.add_reader on the output pipe) dispatches every message to those queues, and a second
-callback on the child's process sentinel notices its death at once: every in-flight request then fails with a 5xx
-and new ones are refused with 503.
+callback on the child's process sentinel notices its death at once: every in-flight request then fails with 503,
+and the client starts a new engine core (crash-only recovery, with back-off when cores keep dying); until it is
+ready, new requests are refused with 503 and /health says the engine is restarting.
 
 Messages child -> parent: ("ready", info) | ("failed", reason) | ("step", events, stats) | ("fatal", reason).
 Commands parent -> child: ("add", request_id, prompt, SamplingParams) | ("abort", [ids]) | ("shutdown",).
@@ -32,14 +33,17 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
-from tandem.params import SamplingParams
+from tandem.params import EngineOverloaded, SamplingParams
 from tandem.request import RequestOutput
 
 logger = logging.getLogger("tandem.server")
 
 IDLE_POLL_S = 1.0  # idle core: how often it checks that its parent is still alive
 _MAX_MESSAGES_PER_WAKEUP = 64
-PENDING_POLL_S = 0.002  # unfinished requests but nothing scheduled (e.g. a grammar compiling): wait this long for commands
+PENDING_POLL_S = 0.002
+RESTART_BASE_DELAY_S = 1.0  # a core that dies again within RESTART_WINDOW_S waits 1, 2, 4 ... s before restarting
+RESTART_MAX_DELAY_S = 30.0
+RESTART_WINDOW_S = 60.0  # unfinished requests but nothing scheduled (e.g. a grammar compiling): wait this long for commands
 
 # Exceptions from add_request / chat templating that mean "this request is invalid" (400), not "the server broke".
 _BAD_REQUEST_ERRORS: tuple[type[BaseException], ...] = (ValueError, TypeError, OverflowError, KeyError)
@@ -200,6 +204,8 @@ def _apply(engine: Any, tracker: _DeltaTracker, cmd: tuple[Any, ...]) -> list[tu
             prompt = engine.tokenizer.encode(prompt)  # tokenized here once, to check its length
         _check_context(engine, prompt, params)
         engine.add_request(rid, prompt, params)
+    except EngineOverloaded as e:  # e.g. the grammar compile queue is full: the client may retry
+        return [("error", rid, 429, str(e))]
     except _BAD_REQUEST_ERRORS as e:  # ParamError and ConfigError are ValueErrors
         return [("error", rid, 400, str(e))]
     except Exception as e:  # noqa: BLE001 - e.g. a Jinja template error: this request alone fails
@@ -321,10 +327,21 @@ class EngineClient:
         self._results: Connection | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready: asyncio.Future[ModelInfo] | None = None
+        self._start_timeout_s = 900.0
+        self.restarts = 0  # engine cores started after the first one died
+        self.restarting = False
+        self._restart_task: asyncio.Task[None] | None = None
+        self._deaths: list[float] = []  # monotonic times of recent unexpected deaths (back-off)
 
     # ---- lifecycle ----------------------------------------------------------------------------------------------
     async def start(self, timeout_s: float = 900.0) -> ModelInfo:
         """Spawn the engine core and wait until its engine is built; raises EngineDeadError if it fails to start."""
+        self._start_timeout_s = timeout_s
+        return await self._spawn()
+
+    async def _spawn(self) -> ModelInfo:
+        """Start one engine-core process and wait for its 'ready'."""
+        timeout_s = self._start_timeout_s
         ctx = mp.get_context("spawn")
         self._loop = asyncio.get_running_loop()
         cmd_reader, cmd_writer = ctx.Pipe(duplex=False)
@@ -349,7 +366,44 @@ class EngineClient:
             self._mark_dead(f"engine core did not start within {timeout_s:.0f} s")
             self._kill()
             raise EngineDeadError(self.dead_reason) from None
+        self.dead_reason = None  # serving (again)
         return self.info
+
+    def _schedule_restart(self) -> None:
+        """The core died unexpectedly: start a new one (after a back-off when deaths come in quick succession)."""
+        if self._closing or self._loop is None or self._restart_task is not None:
+            return
+        self.restarting = True
+        self._restart_task = self._loop.create_task(self._restart())
+
+    async def _restart(self) -> None:
+        now = time.monotonic()
+        self._deaths = [t for t in self._deaths if now - t < RESTART_WINDOW_S] + [now]
+        delay = min(RESTART_MAX_DELAY_S, RESTART_BASE_DELAY_S * 2 ** (len(self._deaths) - 1)) if len(self._deaths) > 1 else 0.0
+        try:
+            while not self._closing:
+                await asyncio.sleep(delay)
+                if self._closing:
+                    return
+                self._old_pipes_closed()
+                try:
+                    await self._spawn()
+                except EngineDeadError as e:
+                    logger.error("engine core restart failed: %s", e)
+                    delay = min(RESTART_MAX_DELAY_S, max(1.0, 2 * delay))
+                    continue
+                self.restarts += 1
+                logger.warning("engine core restarted (pid %s); serving again", self.core_pid)
+                return
+        finally:
+            self.restarting = False
+            self._restart_task = None
+
+    def _old_pipes_closed(self) -> None:
+        if self._commands is not None:
+            self._commands.close(0.1)
+            self._commands = None
+        self._detach()
 
     @property
     def core_pid(self) -> int | None:
@@ -367,6 +421,8 @@ class EngineClient:
         """Abort everything in flight, ask the core to exit, and wait for it (killing it after `timeout_s`)."""
         self.accepting = False
         self._closing = True
+        if self._restart_task is not None:
+            self._restart_task.cancel()
         self.abort_all("the server is shutting down")
         if self._proc is None:
             return
@@ -481,6 +537,8 @@ class EngineClient:
                 reason = f"engine core process was killed by {signal.Signals(-code).name}"
         self._mark_dead(reason)
         self._detach()
+        if not self._closing and self.info is not None:
+            self._schedule_restart()
 
     def _on_readable_final(self) -> None:
         """Read what the core sent before dying (e.g. its 'fatal' reason)."""

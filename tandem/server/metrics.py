@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -42,16 +42,26 @@ def _metric_suffix(key: str) -> str:
 class EngineStatsCollector(Collector):
     """Gauges from the latest engine stats snapshot (`stats()`), plus liveness and the core's RSS."""
 
-    def __init__(self, stats: Callable[[], Mapping[str, Any]], alive: Callable[[], bool], core_pid: Callable[[], int | None]) -> None:
+    def __init__(
+        self,
+        stats: Callable[[], Mapping[str, Any]],
+        alive: Callable[[], bool],
+        core_pid: Callable[[], int | None],
+        restarts: Callable[[], int] = lambda: 0,
+    ) -> None:
         self._stats = stats
         self._alive = alive
         self._core_pid = core_pid
+        self._restarts = restarts
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         stats = self._stats()
         alive = GaugeMetricFamily("tandem_engine_core_alive", "1 while the engine-core process runs")
         alive.add_metric([], 1.0 if self._alive() else 0.0)
         yield alive
+        restarts = CounterMetricFamily("tandem_engine_core_restarts", "Engine cores started after one died")
+        restarts.add_metric([], float(self._restarts()))
+        yield restarts
         rss = core_rss_bytes(self._core_pid())
         if rss is not None:
             g = GaugeMetricFamily("tandem_engine_core_resident_memory_bytes", "Resident memory of the engine-core process")

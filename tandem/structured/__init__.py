@@ -11,6 +11,7 @@ from tandem.structured.backend import (
     CompiledGrammar,
     GrammarBackend,
     GrammarError,
+    GrammarQueueFull,
     GrammarSpec,
     Matcher,
     TiktokenVocab,
@@ -20,18 +21,16 @@ from tandem.structured.backend import (
     is_allowed,
     load_tiktoken,
 )
-from tandem.structured.manager import (
-    GrammarCache,
-    StructuredOutputConfig,
-    StructuredOutputManager,
-    measure_mask_fill,
-)
+from tandem.structured.cache import GrammarCache
+from tandem.structured.manager import StructuredOutputConfig, StructuredOutputManager
+from tandem.structured.measure import measure_mask_fill
 
 __all__ = [
     "CompiledGrammar",
     "GrammarBackend",
     "GrammarCache",
     "GrammarError",
+    "GrammarQueueFull",
     "GrammarSpec",
     "Matcher",
     "StructuredOutputConfig",

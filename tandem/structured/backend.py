@@ -44,6 +44,10 @@ class GrammarError(ValueError):
         self.reason = reason
 
 
+class GrammarQueueFull(GrammarError):
+    """Too many distinct grammars are waiting for a compile; the request is refused, not queued without bound."""
+
+
 @dataclass(frozen=True)
 class GrammarSpec:
     """One constraint as plain strings: `kind` in KINDS, `text` its schema / regex / grammar / choice list,
@@ -109,8 +113,9 @@ class Matcher(Protocol):
         """True once EOS has been accepted."""
         ...
 
-    def forced_tokens(self) -> list[int]:
-        """Tokens the grammar forces next (empty when more than one continuation is possible). State is unchanged."""
+    def forced_tokens(self, limit: int) -> list[int]:
+        """At most `limit` tokens the grammar forces next (empty when more than one continuation is possible).
+        State is unchanged."""
         ...
 
     def validate(self, tokens: Sequence[int]) -> int:
@@ -130,6 +135,10 @@ class GrammarBackend(Protocol):
 
     def matcher(self, grammar: CompiledGrammar) -> Matcher:
         """A fresh matcher at the grammar's start (cheap)."""
+        ...
+
+    def close(self) -> None:
+        """Stop what the backend runs besides the caller's threads (compile worker processes); idempotent."""
         ...
 
 
@@ -200,6 +209,11 @@ def allowed_tokens(bitmask: np.ndarray, row: int, vocab_size: int) -> np.ndarray
 def is_allowed(bitmask: np.ndarray, row: int, token: int) -> bool:
     """Whether `token`'s bit is set in `bitmask[row]`."""
     return bool((int(bitmask[row, token >> 5]) >> (token & 31)) & 1)
+
+
+def popcount(row: np.ndarray) -> int:
+    """How many tokens a bitmask row ([W] int32) allows."""
+    return int(np.bitwise_count(np.ascontiguousarray(row).view(np.uint32)).sum())
 
 
 def fill_only(bitmask: np.ndarray, row: int, tokens: Sequence[int]) -> None:

@@ -122,10 +122,10 @@ class LLGuidanceMatcher:
     def is_terminated(self) -> bool:
         return self._terminated
 
-    def forced_tokens(self) -> list[int]:
-        if self._terminated:
+    def forced_tokens(self, limit: int) -> list[int]:
+        if self._terminated or limit <= 0:
             return []
-        return [int(t) for t in self._matcher.compute_ff_tokens()]
+        return [int(t) for t in self._matcher.compute_ff_tokens()[:limit]]
 
     def _split_at_eos(self, tokens: Sequence[int]) -> tuple[list[int], bool]:
         """(the tokens before the first EOS, whether an EOS follows them)."""
@@ -194,6 +194,9 @@ class LLGuidanceBackend:
     def matcher(self, grammar: CompiledGrammar) -> LLGuidanceMatcher:
         assert isinstance(grammar, LLGuidanceCompiled), "a grammar compiled by another backend"
         return LLGuidanceMatcher(grammar, self.eos_token_ids)
+
+    def close(self) -> None:
+        """Nothing to stop: compiles run on the caller's threads."""
 
     def tokenize(self, text: str) -> list[int]:
         """llguidance's own tokenization of `text` (for tests and benchmarks)."""

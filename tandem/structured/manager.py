@@ -2,18 +2,24 @@
 
 Life of a guided request:
 
-    submit(rid, params)   size check at once; cache hit -> ready at once, else a compile job on the compile pool
+    submit(rid, params)   size check; route to a backend (routing.py); cache hit -> ready at once, else a compile
+                          job (GrammarQueueFull when too many distinct grammars already wait: the caller says 429)
     poll(rid)             'pending' | 'ready' | 'failed'  (ready: a matcher has been made; failed: error(rid) says why)
-    fill_bitmask(...)     each step, for the ready requests of the batch (parallel over chunks on the fill pool)
+    fill_bitmask(...)     each step, for the ready requests of the batch (parallel over chunks on the fill pool);
+                          returns the requests whose fill failed, so the engine ends those alone
     fill_draft_bitmasks   speculative steps: one row per draft position, the matcher walks the drafts and rolls back
     accept / rollback / validate_draft / forced_tokens / is_terminated
     release(rid)
 
-Compiled grammars live in a byte-bounded LRU cache keyed by (backend, kind, spec, whitespace). Compile jobs never
+Compiled grammars live in a byte-bounded LRU cache keyed by (backend, kind, text, whitespace). Compile jobs never
 touch request state: they only put results into the cache (and rejections into a small negative cache), and the
-engine thread picks them up in `poll`. So a compile that outlives `compile_timeout_s` fails only its own request
-(the worker thread cannot be killed); when it finishes, its grammar enters the cache under the same byte bound and
-no request is half-built.
+engine thread picks them up in `poll`.
+
+Hostile input: a compile may use at most `compile_timeout_s` of its own CPU time (time spent queued or preempted
+does not count). llguidance compiles run on the compile threads (they take ~1 ms and llguidance bounds its own
+work); xgrammar compiles run in worker processes that are killed at the limit (compile_worker.py). A mask fill that
+fails ends only its request; one slower than `max_fill_ms` moves its request to llguidance (replaying the tokens it
+accepted), or ends it when that is impossible.
 
 Two thread pools: compiles on one, mask fills on the other, so a slow compile can never delay a decoding step.
 Both libraries release the GIL in their native code, so the pools run truly in parallel with the engine loop.
@@ -21,14 +27,12 @@ Both libraries release the GIL in their native code, so the pools run truly in p
 
 from __future__ import annotations
 
-import contextlib
-import os
 import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -38,79 +42,76 @@ from tandem.structured.backend import (
     CompiledGrammar,
     GrammarBackend,
     GrammarError,
+    GrammarQueueFull,
     GrammarSpec,
     Matcher,
     allowed_tokens,
     bitmask_words,
     check_bitmask,
+    fill_only,
 )
+from tandem.structured.cache import CacheKey, GrammarCache
+from tandem.structured.measure import percentile
+from tandem.structured.routing import BackendRouter, Route, TextKey
 
 BACKENDS = ("xgrammar", "llguidance")
-AUTO_ORDER = ("xgrammar", "llguidance")  # 'auto': the first that accepts the spec
-
 PENDING, READY, FAILED = "pending", "ready", "failed"
-CacheKey = tuple[str, str, str, str]  # (backend, kind, text, whitespace)
 
 
 @dataclass
 class StructuredOutputConfig:
     """Engine-wide settings of the structured-output layer."""
 
-    backend: str = "auto"  # used when a request names none: 'auto' | 'xgrammar' | 'llguidance'
-    compile_timeout_s: float = 10.0  # a request still pending this long after submit fails
-    max_grammar_bytes: int = 64 * 1024  # larger specs are refused at submit
+    backend: str = "auto"  # used when a request names none: 'auto' (by cost, see routing.py) | 'xgrammar' | 'llguidance'
+    compile_timeout_s: float = 10.0  # CPU seconds one compile may use (its own: time queued does not count)
+    max_grammar_bytes: int = 64 * 1024  # larger schemas / regexes / grammars are refused at submit
     cache_bytes: int = 64 * 2**20  # bound on the compiled grammars' memory_bytes in the cache
-    num_threads: int = 2  # compile workers; also the parallelism of a large mask fill
+    num_threads: int = 2  # compile threads (and xgrammar worker processes); also the parallelism of a large mask fill
+    max_queued_compiles: int = 256  # distinct grammars waiting for or in compilation; beyond: GrammarQueueFull
     min_rows_per_chunk: int = 8  # fills of fewer than 2x this many rows stay on the calling thread
     rejected_entries: int = 1024  # negative cache (specs a backend rejected), bounded by count
     stats_window: int = 10_000  # durations kept for percentiles
+    promote_after: int = 4  # auto: a grammar asked for this often also gets xgrammar's precompiled masks (0: never)
+    max_fill_ms: float = 100.0  # a mask fill slower than this moves its request to llguidance, or ends it
+    isolate_compiles: bool = True  # xgrammar compiles in worker processes that are killed at compile_timeout_s
 
     def __post_init__(self) -> None:
         if self.backend not in ("auto", *BACKENDS):
             raise ValueError(f"backend must be 'auto', 'xgrammar' or 'llguidance', got {self.backend!r}")
-        if self.compile_timeout_s <= 0 or self.max_grammar_bytes <= 0 or self.cache_bytes < 0 or self.num_threads < 1:
+        if (self.compile_timeout_s <= 0 or self.max_grammar_bytes <= 0 or self.cache_bytes < 0 or self.num_threads < 1
+                or self.max_queued_compiles < 1 or self.max_fill_ms <= 0 or self.promote_after < 0):
             raise ValueError(f"invalid structured-output config {self}")
 
 
-class GrammarCache:
-    """An LRU map of compiled grammars bounded by the sum of their `memory_bytes` (thread-safe).
+class _JobClock:
+    """The CPU clock of the thread running one compile job (read from the engine's thread)."""
 
-    Invariant: `bytes_used <= capacity` after every call; a grammar larger than the whole capacity is not stored.
-    """
+    def __init__(self) -> None:
+        self._clock: int | None = None
+        self._start = 0.0
 
-    def __init__(self, capacity_bytes: int) -> None:
-        self.capacity = capacity_bytes
-        self.bytes_used = 0
-        self.evictions = 0
-        self._entries: OrderedDict[CacheKey, CompiledGrammar] = OrderedDict()
-        self._lock = threading.Lock()
+    def begin(self) -> None:
+        self._clock = time.pthread_getcpuclockid(threading.get_ident())
+        self._start = time.clock_gettime(self._clock)
 
-    def get(self, key: CacheKey) -> CompiledGrammar | None:
-        """The grammar for `key` (marked most recently used), or None."""
-        with self._lock:
-            grammar = self._entries.get(key)
-            if grammar is not None:
-                self._entries.move_to_end(key)
-            return grammar
+    def cpu_seconds(self) -> float:
+        return 0.0 if self._clock is None else time.clock_gettime(self._clock) - self._start
 
-    def put(self, key: CacheKey, grammar: CompiledGrammar) -> None:
-        """Insert (or refresh) `key`, then evict least recently used entries until within capacity."""
-        size = int(grammar.memory_bytes)
-        with self._lock:
-            old = self._entries.pop(key, None)
-            if old is not None:
-                self.bytes_used -= int(old.memory_bytes)
-            if size > self.capacity:
-                return
-            self._entries[key] = grammar
-            self.bytes_used += size
-            while self.bytes_used > self.capacity:
-                _, evicted = self._entries.popitem(last=False)
-                self.bytes_used -= int(evicted.memory_bytes)
-                self.evictions += 1
+    def exclude(self, work: Callable[[], Any]) -> Any:
+        """Run `work` without counting its CPU time (building a backend is not the compile's cost)."""
+        before = self.cpu_seconds()
+        try:
+            return work()
+        finally:
+            self._start += self.cpu_seconds() - before
 
-    def __len__(self) -> int:
-        return len(self._entries)
+
+@dataclass(eq=False)
+class _Job:
+    """One compile on the pool, shared by every request waiting for the same (route, spec)."""
+
+    future: Future[CompiledGrammar]
+    clock: _JobClock
 
 
 @dataclass
@@ -119,16 +120,21 @@ class _Request:
 
     requested: str  # 'auto' | 'xgrammar' | 'llguidance'
     spec: GrammarSpec
-    submitted_at: float
+    route: Route
     state: str = PENDING
-    future: Future[CompiledGrammar] | None = None
+    job: _Job | None = None
     grammar: CompiledGrammar | None = None  # set with state READY (cache hit or finished job)
     matcher: Matcher | None = None
     error: str | None = None
+    reason: str | None = None  # why its backend serves it
+    tokens: list[int] = field(default_factory=list)  # accepted so far (replayed when it moves to another backend)
+
+    @property
+    def text_key(self) -> TextKey:
+        return (self.spec.kind, self.spec.text, self.spec.whitespace)
 
 
-def _percentile(values: Sequence[float], q: float) -> float:
-    return float(np.percentile(np.asarray(values, dtype=np.float64), q)) if len(values) else 0.0
+_Work = tuple[str, Matcher, int]  # (request id, matcher, bitmask row)
 
 
 class StructuredOutputManager:
@@ -145,79 +151,99 @@ class StructuredOutputManager:
     ) -> None:
         """Backends are built lazily from `hf_tokenizer` on first use (~0.3 s each); `backend_factories` overrides
         how (e.g. a backend over a raw vocabulary)."""
-        self.config = config or StructuredOutputConfig()
+        self.config = cfg = config or StructuredOutputConfig()
         self.vocab_size = vocab_size
         self.eos_token_ids = [int(t) for t in eos_token_ids]
         self._factories: dict[str, Callable[[], GrammarBackend]] = {
-            "xgrammar": lambda: _xgrammar(hf_tokenizer, vocab_size, self.eos_token_ids, self.config.num_threads),
+            "xgrammar": lambda: _xgrammar(hf_tokenizer, vocab_size, self.eos_token_ids, cfg),
             "llguidance": lambda: _llguidance(hf_tokenizer, vocab_size, self.eos_token_ids),
         }
         self._factories.update(backend_factories or {})
         self._backends: dict[str, GrammarBackend] = {}
         self._backend_lock = threading.Lock()
-        self._cache = GrammarCache(self.config.cache_bytes)
+        self._cache = GrammarCache(cfg.cache_bytes)
+        self._router = BackendRouter(cfg.promote_after)
         self._rejected: OrderedDict[CacheKey, GrammarError] = OrderedDict()  # why a backend rejected a key
-        self._inflight: dict[tuple[str, GrammarSpec], Future[CompiledGrammar]] = {}
+        self._inflight: dict[tuple[tuple[str, ...], GrammarSpec], _Job] = {}
         self._lock = threading.Lock()  # guards _rejected, _inflight and the counters below
         self._requests: dict[str, _Request] = {}
-        # compiles run at the lowest priority: a slow (or hostile) grammar must never take cores from the forward
-        self._compile_pool = ThreadPoolExecutor(
-            self.config.num_threads, thread_name_prefix="grammar-compile", initializer=_lower_thread_priority
-        )
-        self._fill_pool = ThreadPoolExecutor(self.config.num_threads, thread_name_prefix="grammar-mask")
-        window = self.config.stats_window
-        self._compile_s: deque[float] = deque(maxlen=window)
-        self._fill_row_s: deque[float] = deque(maxlen=window)
-        self._counts = {"compiles": 0, "compile_errors": 0, "cache_hits": 0, "cache_misses": 0, "coalesced": 0,
-                        "timeouts": 0, "forced_tokens": 0, "rows_filled": 0}
+        self._compile_pool = ThreadPoolExecutor(cfg.num_threads, thread_name_prefix="grammar-compile")
+        self._fill_pool = ThreadPoolExecutor(cfg.num_threads, thread_name_prefix="grammar-mask")
+        self._compile_s: dict[str, deque[float]] = {b: deque(maxlen=cfg.stats_window) for b in BACKENDS}
+        self._fill_row_s: deque[float] = deque(maxlen=cfg.stats_window)
+        self._running = 0  # compile jobs running now
+        self._counts = {k: 0 for k in (
+            "compiles", "compile_errors", "cache_hits", "cache_misses", "coalesced", "timeouts", "forced_tokens",
+            "rows_filled", "queue_full", "fill_errors", "slow_fills", "switches", "promotions", "fallbacks",
+            "served_xgrammar", "served_llguidance")}
 
     # --- submit / poll ------------------------------------------------------------------------------------------
 
     def submit(self, request_id: str, params: StructuredOutputsParams) -> None:
-        """Register `request_id`; never blocks on a compile. Raises GrammarError if the spec is over the size limit
-        (nothing is registered then) and ValueError if the id is already registered."""
+        """Register `request_id`; never blocks on a compile. Nothing is registered when it raises: GrammarError if
+        the spec is over the size limit, GrammarQueueFull if too many compiles wait, ValueError for a duplicate id."""
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already registered")
         spec = GrammarSpec.from_params(params)
         requested = params.backend or self.config.backend
         if spec.size_bytes > self.config.max_grammar_bytes:
-            raise GrammarError(requested, f"{spec.kind} spec is {spec.size_bytes} bytes, over the limit of {self.config.max_grammar_bytes}")
-        request = _Request(requested=requested, spec=spec, submitted_at=time.monotonic())
-        self._requests[request_id] = request
-        cached = self._cached(requested, spec)
+            raise GrammarError(requested, f"{spec.kind} is {spec.size_bytes} bytes, over the limit of {self.config.max_grammar_bytes}")
+        route = self._router.route(requested, (spec.kind, spec.text, spec.whitespace),
+                                   lambda b: self._cache.get(_key(b, spec)) is not None)
+        request = _Request(requested=requested, spec=spec, route=route)
+        cached = self._cached(route, spec)
         if cached is not None:
             self._count("cache_hits")
             request.state, request.grammar = READY, cached
-            return
-        known = self._known_rejection(requested, spec)
-        if known is not None:  # every candidate backend rejected this spec before: fail at once, no compile
+        elif (known := self._known_rejection(route, spec)) is not None:  # every candidate rejected it before
             self._count("cache_hits")
             request.state, request.error = FAILED, known
-            return
-        request.future = self._compile_future(requested, spec)
+        else:
+            request.job = self._compile_job(route.backends, spec)
+        self._requests[request_id] = request
+        self._maybe_promote(request)
 
     def poll(self, request_id: str) -> str:
         """'ready' | 'pending' | 'failed'. Moves a finished compile into the request (making its matcher), and fails
-        a request still pending `compile_timeout_s` after submit."""
+        a request whose compile has used `compile_timeout_s` of CPU time."""
         request = self._request(request_id)
-        if request.state == PENDING and request.future is not None and request.future.done():
+        job = request.job
+        if request.state == PENDING and job is not None and job.future.done():
+            request.job = None
             try:
-                request.grammar = request.future.result()
+                request.grammar = job.future.result()
                 request.state = READY
             except GrammarError as e:
                 request.state, request.error = FAILED, str(e)
             except Exception as e:  # a backend that could not be built, or a library bug: fail this request only
                 request.state, request.error = FAILED, f"{request.requested}: {type(e).__name__}: {e}"
-            request.future = None
-        if request.state == PENDING and time.monotonic() - request.submitted_at > self.config.compile_timeout_s:
+        elif request.state == PENDING and job is not None and job.clock.cpu_seconds() > self.config.compile_timeout_s:
             self._count("timeouts")
             request.state = FAILED
-            request.error = f"{request.requested}: grammar compilation timed out after {self.config.compile_timeout_s:g} s"
+            request.error = (f"{request.route.backends[0]}: grammar compilation timed out "
+                             f"(used more than {self.config.compile_timeout_s:g} s of CPU time)")
             self._abandon(request)
         if request.state == READY and request.matcher is None:
-            assert request.grammar is not None
-            request.matcher = self.backend(request.grammar.backend).matcher(request.grammar)
+            self._make_matcher(request)
         return request.state
+
+    def _make_matcher(self, request: _Request) -> None:
+        grammar = request.grammar
+        assert grammar is not None
+        try:
+            request.matcher = self.backend(grammar.backend).matcher(grammar)
+        except Exception as e:  # noqa: BLE001 - a library failure on one grammar fails that request alone
+            request.state, request.error = FAILED, f"{grammar.backend}: cannot start a matcher: {type(e).__name__}: {e}"
+            return
+        first = request.route.backends[0]
+        if grammar.backend == first:
+            request.reason = request.route.reason
+        else:
+            self._count("fallbacks")
+            with self._lock:
+                why = self._rejected.get(_key(first, request.spec))
+            request.reason = f"{grammar.backend}: fallback, {first} rejected it ({why.reason if why else 'unknown'})"
+        self._count(f"served_{grammar.backend}")
 
     def error(self, request_id: str) -> str | None:
         """Why the request failed ('<backend>: <reason>'), for the user; None unless failed."""
@@ -228,69 +254,90 @@ class StructuredOutputManager:
         grammar = self._request(request_id).grammar
         return grammar.backend if grammar is not None else None
 
+    def reason_of(self, request_id: str) -> str | None:
+        """Why that backend serves the request (routing by cost, a fallback, a move after a slow fill)."""
+        return self._request(request_id).reason
+
+    @property
+    def num_compiling(self) -> int:
+        """Compile jobs running right now (the engine gives them cores from the forward's share)."""
+        with self._lock:
+            return self._running
+
     # --- per-step calls (ready requests only) ------------------------------------------------------------------
 
-    def fill_bitmask(self, request_ids: Sequence[str], bitmask: np.ndarray, rows: Sequence[int]) -> None:
+    def fill_bitmask(self, request_ids: Sequence[str], bitmask: np.ndarray, rows: Sequence[int]) -> dict[str, str]:
         """Overwrite `bitmask[rows[i]]` with the allowed tokens of `request_ids[i]`; other rows are not touched.
 
         bitmask: int32 [R, ceil(V/32)], C-contiguous. Large batches are split into chunks filled concurrently on
-        the fill pool and the calling thread (rows are disjoint, so the writes never overlap).
+        the fill pool and the calling thread (rows are disjoint, so the writes never overlap). Returns
+        {request id: reason} for the requests whose fill failed (their rows then allow only EOS); the manager has
+        nothing more to do for them but `release`.
         """
         if len(request_ids) != len(rows):
             raise ValueError(f"{len(request_ids)} request ids but {len(rows)} rows")
         check_bitmask(bitmask, self.vocab_size)
         if len(set(rows)) != len(rows) or any(not 0 <= r < bitmask.shape[0] for r in rows):
             raise ValueError(f"rows must be distinct and in [0, {bitmask.shape[0]})")
-        work = [(self._matcher(rid), int(row)) for rid, row in zip(request_ids, rows, strict=True)]
+        work = [(rid, self._matcher(rid), int(row)) for rid, row in zip(request_ids, rows, strict=True)]
         chunks = self._chunks(work)
-        futures = [self._fill_pool.submit(_fill_chunk, chunk, bitmask) for chunk in chunks[1:]]
-        durations = _fill_chunk(chunks[0], bitmask) if chunks else []
+        futures = [self._fill_pool.submit(_fill_chunk, chunk, bitmask, self.eos_token_ids) for chunk in chunks[1:]]
+        results = _fill_chunk(chunks[0], bitmask, self.eos_token_ids) if chunks else []
         for future in futures:
-            durations.extend(future.result())
-        with self._lock:
-            self._fill_row_s.extend(durations)
-            self._counts["rows_filled"] += len(durations)
+            results.extend(future.result())
+        return self._after_fills(results)
 
     def fill_draft_bitmasks(self, request_id: str, draft_tokens: Sequence[int], bitmask: np.ndarray, first_row: int) -> int:
         """Speculative decoding: row first_row + j gets the mask after draft_tokens[:j], j = 0..len(drafts).
 
         Stops after the row at the first draft token the grammar rejects (later rows are not touched, the target
         cannot accept past it anyway). Returns the number of rows filled. The matcher ends where it started.
+        Raises on a failure inside the grammar library (the caller ends that request).
         """
         check_bitmask(bitmask, self.vocab_size)
         if first_row < 0 or first_row + len(draft_tokens) >= bitmask.shape[0]:
             raise ValueError(f"rows {first_row}..{first_row + len(draft_tokens)} do not fit a bitmask of {bitmask.shape[0]} rows")
         matcher = self._matcher(request_id)
-        durations: list[float] = []
+        results: list[tuple[str, float, str | None]] = []
         accepted = 0
-        for j in range(len(draft_tokens) + 1):
-            started = time.perf_counter()
-            matcher.fill_bitmask(bitmask, first_row + j)
-            durations.append(time.perf_counter() - started)
-            if j == len(draft_tokens) or matcher.accept([int(draft_tokens[j])]) != 1:
-                break
-            accepted += 1
-        matcher.rollback(accepted)
-        with self._lock:
-            self._fill_row_s.extend(durations)
-            self._counts["rows_filled"] += len(durations)
-        return len(durations)
+        try:
+            for j in range(len(draft_tokens) + 1):
+                started = time.perf_counter()
+                matcher.fill_bitmask(bitmask, first_row + j)
+                results.append((request_id, time.perf_counter() - started, None))
+                if j == len(draft_tokens) or matcher.accept([int(draft_tokens[j])]) != 1:
+                    break
+                accepted += 1
+        finally:
+            matcher.rollback(accepted)
+        failures = self._after_fills(results)
+        if failures:
+            raise GrammarError(self.backend_of(request_id) or "grammar", failures[request_id])
+        return len(results)
 
     def accept(self, request_id: str, tokens: Sequence[int]) -> int:
         """Advance the request's matcher over `tokens`; returns how many were accepted (stops at the first invalid)."""
-        return self._matcher(request_id).accept([int(t) for t in tokens])
+        request = self._requests.get(request_id)
+        toks = [int(t) for t in tokens]
+        n = self._matcher(request_id).accept(toks)
+        if request is not None:
+            request.tokens.extend(toks[:n])
+        return n
 
     def rollback(self, request_id: str, n: int) -> None:
         """Undo the last `n` accepted tokens (rejected draft tokens)."""
         self._matcher(request_id).rollback(int(n))
+        request = self._requests[request_id]
+        if n > 0:
+            del request.tokens[max(0, len(request.tokens) - int(n)) :]
 
     def validate_draft(self, request_id: str, tokens: Sequence[int]) -> int:
         """How many leading draft `tokens` the grammar would accept; the matcher is unchanged."""
         return self._matcher(request_id).validate([int(t) for t in tokens])
 
-    def forced_tokens(self, request_id: str) -> list[int]:
-        """Tokens the grammar forces next (empty if it allows a choice); the matcher is unchanged."""
-        forced = self._matcher(request_id).forced_tokens()
+    def forced_tokens(self, request_id: str, limit: int = 16) -> list[int]:
+        """At most `limit` tokens the grammar forces next (empty if it allows a choice); the matcher is unchanged."""
+        forced = self._matcher(request_id).forced_tokens(limit)
         if forced:
             self._count("forced_tokens", len(forced))
         return forced
@@ -314,8 +361,21 @@ class StructuredOutputManager:
 
     def warm_up(self) -> None:
         """Build the default backend(s) now (about 0.3-1 s each) instead of on the first compile."""
-        for name in self._candidates(self.config.backend):
+        for name in BACKENDS if self.config.backend == "auto" else (self.config.backend,):
             self.backend(name)
+
+    def backend(self, name: str) -> GrammarBackend:
+        """The backend called `name`, built on first use (thread-safe)."""
+        backend = self._backends.get(name)
+        if backend is None:
+            with self._backend_lock:
+                backend = self._backends.get(name)
+                if backend is None:
+                    backend = self._factories[name]()
+                    if backend.vocab_size != self.vocab_size:
+                        raise ValueError(f"backend {name} has vocab_size {backend.vocab_size}, manager {self.vocab_size}")
+                    self._backends[name] = backend
+        return backend
 
     # --- stats / shutdown -------------------------------------------------------------------------------------
 
@@ -323,30 +383,40 @@ class StructuredOutputManager:
         """Counters and percentiles as plain numbers (times in milliseconds / microseconds as named)."""
         with self._lock:
             counts = dict(self._counts)
-            compile_s = list(self._compile_s)
+            per_backend = {b: list(d) for b, d in self._compile_s.items()}
             fill_s = list(self._fill_row_s)
-        return {
+            queued, running = len(self._inflight), self._running
+        every = [s for d in per_backend.values() for s in d]
+        out = {
             **{k: float(v) for k, v in counts.items()},
-            "compile_ms_p50": 1e3 * _percentile(compile_s, 50),
-            "compile_ms_p99": 1e3 * _percentile(compile_s, 99),
+            "compile_ms_p50": 1e3 * percentile(every, 50),
+            "compile_ms_p99": 1e3 * percentile(every, 99),
+            "compile_queue": float(queued),
+            "compiling": float(running),
             "cache_entries": float(len(self._cache)),
             "cache_bytes": float(self._cache.bytes_used),
             "cache_capacity_bytes": float(self._cache.capacity),
             "cache_evictions": float(self._cache.evictions),
-            "mask_fill_us_per_row_p50": 1e6 * _percentile(fill_s, 50),
-            "mask_fill_us_per_row_p99": 1e6 * _percentile(fill_s, 99),
+            "mask_fill_us_per_row_p50": 1e6 * percentile(fill_s, 50),
+            "mask_fill_us_per_row_p99": 1e6 * percentile(fill_s, 99),
             "requests": float(len(self._requests)),
         }
+        for b, durations in per_backend.items():
+            out[f"compile_ms_p50_{b}"] = 1e3 * percentile(durations, 50)
+            out[f"compile_ms_p99_{b}"] = 1e3 * percentile(durations, 99)
+        return out
 
-    def compile_durations_s(self) -> list[float]:
-        """The recent compile durations (seconds), oldest first."""
+    def compile_durations_s(self, backend: str | None = None) -> list[float]:
+        """The recent compile durations (seconds) of one backend, or of both; oldest first per backend."""
         with self._lock:
-            return list(self._compile_s)
+            return [s for b, d in self._compile_s.items() if backend in (None, b) for s in d]
 
     def shutdown(self) -> None:
-        """Stop both pools (queued compiles are cancelled; running ones are not waited for)."""
+        """Stop both pools (queued compiles are cancelled; running ones are not waited for) and the workers."""
         self._compile_pool.shutdown(wait=False, cancel_futures=True)
         self._fill_pool.shutdown(wait=False, cancel_futures=True)
+        for backend in list(self._backends.values()):
+            backend.close()
 
     # --- internals ----------------------------------------------------------------------------------------------
 
@@ -367,32 +437,53 @@ class StructuredOutputManager:
         with self._lock:
             self._counts[name] += n
 
-    def backend(self, name: str) -> GrammarBackend:
-        """The backend called `name`, built on first use (thread-safe)."""
-        backend = self._backends.get(name)
-        if backend is None:
-            with self._backend_lock:
-                backend = self._backends.get(name)
-                if backend is None:
-                    backend = self._factories[name]()
-                    if backend.vocab_size != self.vocab_size:
-                        raise ValueError(f"backend {name} has vocab_size {backend.vocab_size}, manager {self.vocab_size}")
-                    self._backends[name] = backend
-        return backend
+    def _after_fills(self, results: list[tuple[str, float, str | None]]) -> dict[str, str]:
+        """Record fill times (overall and per grammar); move or fail requests whose fill was too slow or failed."""
+        failures = {rid: err for rid, _, err in results if err is not None}
+        slow: dict[str, float] = {}
+        for rid, seconds, err in results:
+            request = self._requests.get(rid)
+            if err is None and request is not None and request.grammar is not None:
+                self._router.record_fill(request.grammar.backend, request.text_key, seconds)
+                if seconds * 1e3 > self.config.max_fill_ms:
+                    slow[rid] = max(slow.get(rid, 0.0), seconds)
+        with self._lock:
+            self._fill_row_s.extend(s for _, s, err in results if err is None)
+            self._counts["rows_filled"] += len(results)
+            self._counts["fill_errors"] += len(failures)
+            self._counts["slow_fills"] += len(slow)
+        for rid, seconds in slow.items():
+            problem = self._move_to_llguidance(rid, seconds)
+            if problem is not None:
+                failures[rid] = problem
+        return failures
 
-    @staticmethod
-    def _candidates(requested: str) -> tuple[str, ...]:
-        return AUTO_ORDER if requested == "auto" else (requested,)
+    def _move_to_llguidance(self, request_id: str, seconds: float) -> str | None:
+        """After a slow xgrammar fill: serve the request by llguidance from its current position; None when moved,
+        else why the request must end (the fill has already happened: its row is valid, later ones would stall)."""
+        request = self._requests[request_id]
+        took = f"a mask took {1e3 * seconds:.0f} ms, over the limit of {self.config.max_fill_ms:g} ms"
+        assert request.grammar is not None
+        if request.grammar.backend == "llguidance" or request.requested != "auto":
+            return f"{request.grammar.backend}: {took}"
+        try:
+            grammar = self._cache.get(_key("llguidance", request.spec)) or self.backend("llguidance").compile(request.spec)
+            matcher = self.backend("llguidance").matcher(grammar)
+        except Exception as e:  # noqa: BLE001 - cannot move: the request ends, the others go on
+            return f"xgrammar: {took}; llguidance cannot serve it: {e}"
+        if matcher.accept(request.tokens) != len(request.tokens):
+            return f"xgrammar: {took}; llguidance disagrees on the tokens accepted so far"
+        self._cache.put(_key("llguidance", request.spec), grammar)
+        request.grammar, request.matcher = grammar, matcher
+        request.reason = f"llguidance: moved from xgrammar ({took})"
+        self._count("switches")
+        return None
 
-    @staticmethod
-    def _key(backend: str, spec: GrammarSpec) -> CacheKey:
-        return (backend, spec.kind, spec.text, spec.whitespace)
-
-    def _cached(self, requested: str, spec: GrammarSpec) -> CompiledGrammar | None:
+    def _cached(self, route: Route, spec: GrammarSpec) -> CompiledGrammar | None:
         """A cached grammar from the first candidate backend not known to reject the spec (the one a compile
         would pick), or None."""
-        for name in self._candidates(requested):
-            key = self._key(name, spec)
+        for name in route.backends:
+            key = _key(name, spec)
             grammar = self._cache.get(key)
             if grammar is not None:
                 return grammar
@@ -401,78 +492,113 @@ class StructuredOutputManager:
                     return None
         return None
 
-    def _known_rejection(self, requested: str, spec: GrammarSpec) -> str | None:
+    def _known_rejection(self, route: Route, spec: GrammarSpec) -> str | None:
         """The combined message if every candidate backend is known to reject `spec`, else None."""
         with self._lock:
-            found = [self._rejected.get(self._key(name, spec)) for name in self._candidates(requested)]
+            found = [self._rejected.get(_key(name, spec)) for name in route.backends]
         rejections = [e for e in found if e is not None]
         if len(rejections) < len(found):
             return None
-        return str(_combined(requested, rejections))
+        return str(_combined(rejections))
 
-    def _compile_future(self, requested: str, spec: GrammarSpec) -> Future[CompiledGrammar]:
-        """The in-flight job for (requested, spec), or a new one."""
+    def _compile_job(self, backends: tuple[str, ...], spec: GrammarSpec, *, background: bool = False) -> _Job:
+        """The in-flight job for (backends, spec), or a new one; GrammarQueueFull when the queue is full."""
         with self._lock:
-            future = self._inflight.get((requested, spec))
-            if future is not None:
+            job = self._inflight.get((backends, spec))
+            if job is not None:
                 self._counts["coalesced"] += 1
-                return future
+                return job
             # the job may have finished (and left _inflight) since the caller looked at the cache
-            for name in self._candidates(requested):
-                hit = self._cache.get(self._key(name, spec))
+            for name in backends:
+                hit = self._cache.get(_key(name, spec))
                 if hit is not None:
                     self._counts["cache_hits"] += 1
                     done: Future[CompiledGrammar] = Future()
                     done.set_result(hit)
-                    return done
+                    return _Job(done, _JobClock())
+            limit = self.config.max_queued_compiles // 2 if background else self.config.max_queued_compiles
+            if len(self._inflight) >= limit:
+                self._counts["queue_full"] += 1
+                raise GrammarQueueFull("structured outputs", f"{len(self._inflight)} grammars are already compiling; retry later")
             self._counts["cache_misses"] += 1
-            future = self._compile_pool.submit(self._compile_job, requested, spec)
-            self._inflight[(requested, spec)] = future
-        future.add_done_callback(lambda _f: self._forget_inflight(requested, spec))
-        return future
+            clock = _JobClock()
+            job = _Job(self._compile_pool.submit(self._run_compile, backends, spec, clock), clock)
+            self._inflight[(backends, spec)] = job
+        job.future.add_done_callback(lambda _f: self._forget_inflight(backends, spec))
+        return job
+
+    def _maybe_promote(self, request: _Request) -> None:
+        """auto: a grammar asked for often enough also gets an xgrammar compile, in the background."""
+        if request.requested != "auto" or not self._router.should_promote(request.text_key):
+            return
+        key = _key("xgrammar", request.spec)
+        with self._lock:
+            if key in self._rejected or (("xgrammar",), request.spec) in self._inflight:
+                return
+        if self._cache.get(key) is not None:
+            return
+        try:
+            self._compile_job(("xgrammar",), request.spec, background=True)
+        except GrammarQueueFull:
+            return  # busy: promote later
+        self._count("promotions")
 
     def _abandon(self, request: _Request) -> None:
-        """Detach a timed-out request from its compile; cancel the job if it has not started and nobody else waits.
-
-        A running compile cannot be interrupted: it finishes (at idle priority) and caches its grammar."""
-        future, request.future = request.future, None
-        if future is None:
+        """Detach a timed-out request from its compile; cancel the job if it has not started and nobody else waits."""
+        job, request.job = request.job, None
+        if job is None:
             return
-        waiting = any(r.future is future for r in self._requests.values())
-        if not waiting and future.cancel():
-            self._forget_inflight(request.requested, request.spec)
+        waiting = any(r.job is job for r in self._requests.values())
+        if not waiting and job.future.cancel():
+            self._forget_inflight(request.route.backends, request.spec)
 
-    def _forget_inflight(self, requested: str, spec: GrammarSpec) -> None:
+    def _forget_inflight(self, backends: tuple[str, ...], spec: GrammarSpec) -> None:
         with self._lock:
-            self._inflight.pop((requested, spec), None)
+            self._inflight.pop((backends, spec), None)
 
-    def _compile_job(self, requested: str, spec: GrammarSpec) -> CompiledGrammar:
-        """Runs on a compile worker: try the candidate backends in order; cache the first success, remember each
-        rejection. Raises GrammarError with every candidate's reason when all reject."""
-        rejections: list[GrammarError] = []
-        for name in self._candidates(requested):
-            key = self._key(name, spec)
-            grammar = self._cache.get(key)
-            if grammar is not None:
-                return grammar
+    def _run_compile(self, backends: tuple[str, ...], spec: GrammarSpec, clock: _JobClock) -> CompiledGrammar:
+        """Runs on a compile thread: try the backends in order; cache the first success, remember each rejection.
+        Raises GrammarError with every candidate's reason when all reject."""
+        clock.begin()
+        with self._lock:
+            self._running += 1
+        try:
+            rejections: list[GrammarError] = []
+            for name in backends:
+                grammar = self._compile_on(name, spec, rejections, clock)
+                if grammar is not None:
+                    return grammar
+            raise _combined(rejections)
+        finally:
             with self._lock:
-                known = self._rejected.get(key)
-            if known is not None:
-                rejections.append(known)
-                continue
-            backend = self.backend(name)
-            started = time.perf_counter()
-            try:
-                grammar = backend.compile(spec)
-            except GrammarError as e:
-                self._remember_rejection(key, e)
-                rejections.append(e)
-                continue
-            finally:
-                self._record_compile(time.perf_counter() - started)
-            self._cache.put(key, grammar)
+                self._running -= 1
+
+    def _compile_on(
+        self, name: str, spec: GrammarSpec, rejections: list[GrammarError], clock: _JobClock
+    ) -> CompiledGrammar | None:
+        key = _key(name, spec)
+        grammar = self._cache.get(key)
+        if grammar is not None:
             return grammar
-        raise _combined(requested, rejections)
+        with self._lock:
+            known = self._rejected.get(key)
+        if known is not None:
+            rejections.append(known)
+            return None
+        backend = clock.exclude(lambda: self.backend(name))
+        started = time.perf_counter()
+        try:
+            grammar = backend.compile(spec)
+        except GrammarError as e:
+            self._remember_rejection(key, e)
+            rejections.append(e)
+            return None
+        finally:
+            with self._lock:
+                self._counts["compiles"] += 1
+                self._compile_s[name].append(time.perf_counter() - started)
+        self._cache.put(key, grammar)
+        return grammar
 
     def _remember_rejection(self, key: CacheKey, error: GrammarError) -> None:
         with self._lock:
@@ -482,92 +608,47 @@ class StructuredOutputManager:
             while len(self._rejected) > self.config.rejected_entries:
                 self._rejected.popitem(last=False)
 
-    def _record_compile(self, seconds: float) -> None:
-        with self._lock:
-            self._counts["compiles"] += 1
-            self._compile_s.append(seconds)
-
-    def _chunks(self, work: list[tuple[Matcher, int]]) -> list[list[tuple[Matcher, int]]]:
+    def _chunks(self, work: list[_Work]) -> list[list[_Work]]:
         """Split the rows into at most num_threads chunks of >= min_rows_per_chunk rows (one chunk when small)."""
         n_chunks = max(1, min(self.config.num_threads, len(work) // self.config.min_rows_per_chunk))
         size = -(-len(work) // n_chunks) if work else 0
         return [work[i : i + size] for i in range(0, len(work), size)] if work else []
 
 
-def _lower_thread_priority() -> None:
-    """Nice 19 for the calling thread (Linux: priorities are per thread)."""
-    with contextlib.suppress(AttributeError, OSError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+def _key(backend: str, spec: GrammarSpec) -> CacheKey:
+    return (backend, spec.kind, spec.text, spec.whitespace)
 
 
-def _combined(requested: str, rejections: Sequence[GrammarError]) -> GrammarError:
-    """One backend's rejection as is; several as 'auto: xgrammar: ...; llguidance: ...'."""
+def _combined(rejections: Sequence[GrammarError]) -> GrammarError:
+    """One backend's rejection as is; several as 'xgrammar: ...; llguidance: ...'."""
     if len(rejections) == 1:  # a fresh exception: the stored one must not collect tracebacks
         return GrammarError(rejections[0].backend, rejections[0].reason)
-    return GrammarError(requested, "; ".join(str(e) for e in rejections))
+    return GrammarError("auto", "; ".join(str(e) for e in rejections))
 
 
-def _fill_chunk(chunk: Sequence[tuple[Matcher, int]], bitmask: np.ndarray) -> list[float]:
-    """Fill one chunk's rows; returns each row's fill time in seconds."""
-    durations = []
-    for matcher, row in chunk:
+def _fill_chunk(chunk: Sequence[_Work], bitmask: np.ndarray, eos: Sequence[int]) -> list[tuple[str, float, str | None]]:
+    """Fill one chunk's rows: (request id, seconds, error or None) per row. A failed row allows only EOS."""
+    out: list[tuple[str, float, str | None]] = []
+    for rid, matcher, row in chunk:
         started = time.perf_counter()
-        matcher.fill_bitmask(bitmask, row)
-        durations.append(time.perf_counter() - started)
-    return durations
+        try:
+            matcher.fill_bitmask(bitmask, row)
+            error = None
+        except Exception as e:  # noqa: BLE001 - one request's grammar failing must not fail the step
+            fill_only(bitmask, row, eos)
+            error = f"mask computation failed: {type(e).__name__}: {e}"
+        out.append((rid, time.perf_counter() - started, error))
+    return out
 
 
-def _xgrammar(hf_tokenizer: Any, vocab_size: int, eos: Sequence[int], threads: int) -> GrammarBackend:
+def _xgrammar(hf_tokenizer: Any, vocab_size: int, eos: Sequence[int], config: StructuredOutputConfig) -> GrammarBackend:
     from tandem.structured.xgrammar_backend import XGrammarBackend
 
-    return XGrammarBackend(hf_tokenizer, vocab_size, eos, compile_threads=threads)
+    return XGrammarBackend(hf_tokenizer, vocab_size, eos, compile_threads=config.num_threads,
+                           isolated=config.isolate_compiles, compile_cpu_limit_s=config.compile_timeout_s)
 
 
 def _llguidance(hf_tokenizer: Any, vocab_size: int, eos: Sequence[int]) -> GrammarBackend:
     from tandem.structured.llguidance_backend import LLGuidanceBackend
 
     return LLGuidanceBackend(hf_tokenizer, vocab_size, eos)
-
-
-def measure_mask_fill(
-    backend: GrammarBackend,
-    spec: GrammarSpec,
-    *,
-    tokens: Sequence[int] | None = None,
-    steps: int = 64,
-    seed: int = 0,
-) -> dict[str, float]:
-    """Time `fill_bitmask` per row for one grammar on `backend`'s vocabulary.
-
-    With `tokens` (a valid output's tokens), the matcher walks them and a mask is filled before each one; without,
-    it walks `steps` random allowed tokens (a random-logits model), restarting when it terminates. Returns rows,
-    compile_ms and the per-row p50 / p99 / mean in microseconds.
-    """
-    started = time.perf_counter()
-    grammar = backend.compile(spec)
-    compile_ms = 1e3 * (time.perf_counter() - started)
-    rng = np.random.default_rng(seed)
-    bitmask = np.zeros((1, bitmask_words(backend.vocab_size)), dtype=np.int32)  # [1, W]
-    matcher = backend.matcher(grammar)
-    path = list(tokens) if tokens is not None else None
-    durations: list[float] = []
-    for step in range(len(path) if path is not None else steps):
-        t0 = time.perf_counter()
-        matcher.fill_bitmask(bitmask, 0)
-        durations.append(time.perf_counter() - t0)
-        if path is not None:
-            token = path[step]
-        else:
-            allowed = allowed_tokens(bitmask, 0, backend.vocab_size)
-            token = int(rng.choice(allowed))
-        if matcher.accept([token]) != 1:
-            raise ValueError(f"token {token} at step {step} was not accepted")
-        if matcher.is_terminated():
-            matcher = backend.matcher(grammar)
-    return {
-        "rows": float(len(durations)),
-        "compile_ms": compile_ms,
-        "fill_us_p50": 1e6 * _percentile(durations, 50),
-        "fill_us_p99": 1e6 * _percentile(durations, 99),
-        "fill_us_mean": 1e6 * float(np.mean(durations)) if durations else 0.0,
-    }

@@ -226,7 +226,7 @@ def test_forced_tokens(backend: Any, vocab: Vocab) -> None:
     matcher = backend.matcher(backend.compile(GrammarSpec.from_params(StructuredOutputsParams(choice=[text]))))
     done: list[int] = []
     for _ in range(20):
-        forced = matcher.forced_tokens()
+        forced = matcher.forced_tokens(64)
         if not forced:
             break
         assert matcher.accept(forced) == len(forced)
@@ -236,7 +236,7 @@ def test_forced_tokens(backend: Any, vocab: Vocab) -> None:
     rest = [*vocab.encode(text[len(vocab.decode(done)) :]), vocab.eos]
     assert matcher.accept(rest) == len(rest) and matcher.is_terminated()
     both = backend.matcher(backend.compile(GrammarSpec.from_params(StructuredOutputsParams(choice=["yes", "no"]))))
-    assert both.forced_tokens() == []
+    assert both.forced_tokens(64) == []
 
 
 def test_choice_literals_are_escaped(backend: Any, vocab: Vocab) -> None:

@@ -1,4 +1,5 @@
-"""StructuredOutputManager: async compiles, the byte-bounded cache, timeouts, 'auto' fallback, parallel fills."""
+"""StructuredOutputManager: async compiles, the byte-bounded cache, CPU-time timeouts, the bounded compile queue,
+'auto' routing by cost and fallback, parallel fills, fault isolation of fills, moves after slow fills."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from tandem.params import StructuredOutputsParams
 from tandem.structured import (
     GrammarCache,
     GrammarError,
+    GrammarQueueFull,
     GrammarSpec,
     StructuredOutputConfig,
     StructuredOutputManager,
@@ -92,7 +94,8 @@ def test_lifecycle(manager: StructuredOutputManager, tokenizer: Any) -> None:
     manager.submit("r1", StructuredOutputsParams(json=PERSON))
     assert manager.poll("r1") in ("pending", "ready")  # never blocks
     assert wait(manager, "r1") == "ready"
-    assert manager.backend_of("r1") == "xgrammar" and manager.error("r1") is None  # auto -> xgrammar first
+    assert manager.backend_of("r1") == "llguidance" and manager.error("r1") is None  # auto: a new grammar -> llguidance
+    assert "new grammar" in (manager.reason_of("r1") or "")
     tokens = encode(tokenizer, '{"name":"Bo","age":7}')
     eos = tokenizer.eos_token_id
     assert eos not in manager.allowed_tokens("r1")
@@ -134,7 +137,9 @@ def test_concurrent_submits_share_one_compile(manager: StructuredOutputManager) 
         manager.submit(f"r{i}", params)
     assert all(wait(manager, f"r{i}") == "ready" for i in range(5))
     stats = manager.stats()
-    assert stats["compiles"] == 1 and stats["cache_misses"] == 1 and stats["coalesced"] + stats["cache_hits"] == 4
+    assert len(manager.compile_durations_s("llguidance")) == 1 and stats["coalesced"] + stats["cache_hits"] == 4
+    # asked for 4 times: xgrammar's precompiled masks are built once in the background (a promotion)
+    assert stats["promotions"] == 1
 
 
 def test_size_limit(tokenizer: Any, backends: dict[str, Any]) -> None:
@@ -159,7 +164,7 @@ def test_bad_specs_fail_with_reason(manager: StructuredOutputManager) -> None:
     manager.submit("y", StructuredOutputsParams(json={"type": "frobnicate"}))
     assert wait(manager, "y") == "failed"
     error = manager.error("y") or ""
-    assert error.startswith("auto: xgrammar: ") and "llguidance: " in error and "frobnicate" in error
+    assert error.startswith("auto: llguidance: ") and "xgrammar: " in error and "frobnicate" in error
     compiles = manager.stats()["compiles"]
     manager.submit("z", StructuredOutputsParams(json={"type": "frobnicate"}))
     assert manager.poll("z") == "failed" and manager.error("z") == error
@@ -207,21 +212,20 @@ def test_explicit_backend_choice(manager: StructuredOutputManager) -> None:
     assert (manager.backend_of("l"), manager.backend_of("x")) == ("llguidance", "xgrammar")
 
 
-def test_real_compile_timeout_fails_only_that_request(tokenizer: Any, backends: dict[str, Any]) -> None:
-    """A tiny timeout and a big schema: that request fails; a ready one and a cached one are unaffected."""
-    manager = make_manager(tokenizer, backends, backend="xgrammar")
+def test_compile_cpu_limit_kills_only_that_compile(tokenizer: Any, backends: dict[str, Any]) -> None:
+    """xgrammar in worker processes with a tiny CPU budget: a big schema's compile is stopped and fails its request
+    alone; a ready request and a small compile are unaffected, and the next compile gets a fresh worker."""
+    isolated = XGrammarBackend(tokenizer, len(tokenizer), [tokenizer.eos_token_id], isolated=True, compile_cpu_limit_s=0.05)
+    manager = make_manager(tokenizer, {**backends, "xgrammar": isolated}, backend="xgrammar")
     manager.submit("ok", StructuredOutputsParams(choice=["a", "b"]))
     assert wait(manager, "ok") == "ready"
-    manager.config.compile_timeout_s = 0.001
     big = {"type": "object", "properties": {f"field_{i}": {"type": "string", "maxLength": 20} for i in range(120)}}
     manager.submit("big", StructuredOutputsParams(json=big))
-    manager.submit("ok2", StructuredOutputsParams(choice=["a", "b"]))
-    time.sleep(0.01)
-    assert manager.poll("big") == "failed" and "timed out" in (manager.error("big") or "")
-    assert manager.poll("ok") == manager.poll("ok2") == "ready"
+    assert wait(manager, "big") == "failed" and "more than 0.05 s of CPU time" in (manager.error("big") or "")
     assert manager.accept("ok", encode(tokenizer, "a")) == 1
-    assert manager.stats()["timeouts"] == 1
-    with pytest.raises(RuntimeError, match="timed out"):
+    manager.submit("ok2", StructuredOutputsParams(choice=["c", "d"]))
+    assert wait(manager, "ok2") == "ready"
+    with pytest.raises(RuntimeError, match="failed"):
         manager.fill_bitmask(["big"], allocate_bitmask(1, len(tokenizer)), [0])
     manager.shutdown()
 
@@ -233,7 +237,8 @@ class _FakeGrammar:
 
 
 class _GatedBackend:
-    """Stands in for xgrammar: compiles wait on a gate (outliving the timeout), then return a grammar of a given size."""
+    """Stands in for xgrammar: a compile spins on the CPU until its gate opens (outliving the timeout), then returns
+    a grammar of a given size."""
 
     name = "xgrammar"
 
@@ -244,16 +249,21 @@ class _GatedBackend:
         self.finished = threading.Event()
 
     def compile(self, spec: GrammarSpec) -> _FakeGrammar:
-        self.gate.wait(10)
+        deadline = time.monotonic() + 10
+        while not self.gate.is_set() and time.monotonic() < deadline:
+            sum(range(1000))  # CPU work: the timeout counts the compile's own CPU time
         self.finished.set()
         return _FakeGrammar(self.size)
 
     def matcher(self, grammar: Any) -> Any:
         return object()
 
+    def close(self) -> None:
+        pass
+
 
 def test_late_compile_result_is_bounded_and_ignored_by_its_request(tokenizer: Any) -> None:
-    """The worker cannot be killed: its late grammar goes into the cache within the byte bound, the timed-out
+    """A thread cannot be killed: its late grammar goes into the cache within the byte bound, the timed-out
     request stays failed (no half-built matcher), and a new request for the same spec is served from the cache."""
     fake = _GatedBackend(len(tokenizer), size=600)
     manager = StructuredOutputManager(
@@ -264,8 +274,8 @@ def test_late_compile_result_is_bounded_and_ignored_by_its_request(tokenizer: An
         backend_factories={"xgrammar": lambda: fake},  # type: ignore[dict-item,return-value]
     )
     manager.submit("slow", StructuredOutputsParams(regex="a+"))
-    time.sleep(0.1)
-    assert manager.poll("slow") == "failed"
+    assert wait(manager, "slow", timeout_s=5) == "failed"
+    assert "CPU time" in (manager.error("slow") or "")
     fake.gate.set()
     assert fake.finished.wait(5)
     deadline = time.monotonic() + 5
@@ -274,6 +284,7 @@ def test_late_compile_result_is_bounded_and_ignored_by_its_request(tokenizer: An
     assert manager.poll("slow") == "failed" and "timed out" in (manager.error("slow") or "")
     stats = manager.stats()
     assert stats["cache_entries"] == 1 and stats["cache_bytes"] == 600 <= stats["cache_capacity_bytes"]
+    assert stats["timeouts"] == 1
     manager.submit("retry", StructuredOutputsParams(regex="a+"))
     assert manager.poll("retry") == "ready"
     # a second spec evicts the first (600 + 600 > 1000)
@@ -281,6 +292,45 @@ def test_late_compile_result_is_bounded_and_ignored_by_its_request(tokenizer: An
     assert wait(manager, "other") == "ready"
     stats = manager.stats()
     assert stats["cache_entries"] == 1 and stats["cache_evictions"] == 1 and stats["cache_bytes"] <= 1000
+    manager.shutdown()
+
+
+def test_time_queued_does_not_count_against_the_timeout(tokenizer: Any) -> None:
+    """One compile thread busy with a slow compile: a second compile waits in the queue far longer than the
+    timeout, and still succeeds (only its own CPU time counts)."""
+    fake = _GatedBackend(len(tokenizer), size=10)
+    manager = StructuredOutputManager(
+        tokenizer, len(tokenizer), [tokenizer.eos_token_id],
+        StructuredOutputConfig(backend="xgrammar", compile_timeout_s=0.3, num_threads=1),
+        backend_factories={"xgrammar": lambda: fake},  # type: ignore[dict-item,return-value]
+    )
+    manager.submit("first", StructuredOutputsParams(regex="a+"))
+    manager.submit("queued", StructuredOutputsParams(regex="b+"))
+    assert wait(manager, "first", timeout_s=5) == "failed"  # spun past 0.3 s of CPU
+    time.sleep(0.2)  # "queued" has now waited > 0.3 s in all, behind it
+    assert manager.poll("queued") == "pending"
+    fake.gate.set()
+    assert wait(manager, "queued") == "ready"
+    manager.shutdown()
+
+
+def test_compile_queue_is_bounded(tokenizer: Any) -> None:
+    fake = _GatedBackend(len(tokenizer), size=10)
+    manager = StructuredOutputManager(
+        tokenizer, len(tokenizer), [tokenizer.eos_token_id],
+        StructuredOutputConfig(backend="xgrammar", max_queued_compiles=2, num_threads=1),
+        backend_factories={"xgrammar": lambda: fake},  # type: ignore[dict-item,return-value]
+    )
+    manager.submit("a", StructuredOutputsParams(regex="a+"))
+    manager.submit("b", StructuredOutputsParams(regex="b+"))
+    manager.submit("a2", StructuredOutputsParams(regex="a+"))  # the same grammar joins its job: no new slot
+    with pytest.raises(GrammarQueueFull, match="already compiling"):
+        manager.submit("c", StructuredOutputsParams(regex="c+"))
+    assert not manager.has_request("c") and manager.stats()["queue_full"] == 1
+    fake.gate.set()
+    assert wait(manager, "a") == wait(manager, "b") == "ready"
+    manager.submit("c", StructuredOutputsParams(regex="c+"))  # room again
+    assert wait(manager, "c") == "ready"
     manager.shutdown()
 
 
@@ -409,3 +459,110 @@ def test_measure_mask_fill(backends: dict[str, Any], tokenizer: Any) -> None:
         assert timing["fill_us_p99"] >= timing["fill_us_p50"] > 0
         walk = measure_mask_fill(backend, spec, steps=16)
         assert walk["rows"] == 16
+
+
+def test_auto_falls_back_to_xgrammar(manager: StructuredOutputManager, tokenizer: Any) -> None:
+    """llguidance refuses `uniqueItems`; xgrammar takes the schema, and the request says why it serves it."""
+    manager.submit("u", StructuredOutputsParams(json={"type": "array", "items": {"type": "integer"}, "uniqueItems": True}))
+    assert wait(manager, "u") == "ready", manager.error("u")
+    assert manager.backend_of("u") == "xgrammar"
+    assert (manager.reason_of("u") or "").startswith("xgrammar: fallback, llguidance rejected it")
+    tokens = [*encode(tokenizer, "[1,2]"), tokenizer.eos_token_id]
+    assert manager.accept("u", tokens) == len(tokens)
+    assert manager.stats()["fallbacks"] == 1
+
+
+def test_routing_by_measured_cost() -> None:
+    from tandem.structured.routing import BackendRouter
+
+    router = BackendRouter(promote_after=2)
+    key = ("json", "{}", "compact")
+    cached: set[str] = set()
+    first = router.route("auto", key, cached.__contains__)
+    assert first.backends == ("llguidance", "xgrammar") and "new grammar" in first.reason
+    assert not router.should_promote(key)
+    cached.add("llguidance")
+    assert "cached" in router.route("auto", key, cached.__contains__).reason and router.should_promote(key)
+    cached.add("xgrammar")  # promoted: xgrammar is tried once unmeasured ...
+    assert router.route("auto", key, cached.__contains__).backends[0] == "xgrammar"
+    router.record_fill("xgrammar", key, 30e-6)
+    router.record_fill("llguidance", key, 10e-6)  # ... then the lower measured mean wins
+    assert router.route("auto", key, cached.__contains__).backends[0] == "llguidance"
+    for _ in range(200):
+        router.record_fill("llguidance", key, 90e-6)
+    assert router.route("auto", key, cached.__contains__).backends[0] == "xgrammar"
+    assert router.route("xgrammar", key, cached.__contains__).backends == ("xgrammar",)  # asked for: no choice
+
+
+def test_promotion_compiles_xgrammar_in_the_background(tokenizer: Any, backends: dict[str, Any]) -> None:
+    manager = make_manager(tokenizer, backends, promote_after=2)
+    params = StructuredOutputsParams(json=PERSON)
+    manager.submit("a", params)
+    assert wait(manager, "a") == "ready" and manager.backend_of("a") == "llguidance"
+    manager.submit("b", params)  # the second request for it: xgrammar compiles in the background
+    assert manager.poll("b") == "ready" and manager.backend_of("b") == "llguidance"
+    deadline = time.monotonic() + 20
+    while manager.stats()["cache_entries"] < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    manager.submit("c", params)
+    assert manager.poll("c") == "ready" and manager.backend_of("c") == "xgrammar"
+    assert "measured fastest" in (manager.reason_of("c") or "")
+    assert manager.stats()["promotions"] == 1
+    manager.shutdown()
+
+
+class _BrokenMatcher:
+    """A matcher whose library call fails (as llguidance's lexer limits do on hostile regexes)."""
+
+    def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
+        raise RuntimeError("lexer error: too many expressions constructed")
+
+    def accept(self, tokens: Any) -> int:
+        raise RuntimeError("lexer error: too many expressions constructed")
+
+
+def test_a_failing_fill_ends_only_its_request(manager: StructuredOutputManager, tokenizer: Any) -> None:
+    for rid in ("good", "bad"):
+        manager.submit(rid, StructuredOutputsParams(json=PERSON))
+        assert wait(manager, rid) == "ready"
+    manager._requests["bad"].matcher = _BrokenMatcher()  # type: ignore[assignment]
+    bitmask = allocate_bitmask(2, len(tokenizer))
+    failures = manager.fill_bitmask(["good", "bad"], bitmask, [0, 1])
+    assert list(failures) == ["bad"] and "too many expressions" in failures["bad"]
+    np.testing.assert_array_equal(allowed_tokens(bitmask, 0, len(tokenizer)), manager.allowed_tokens("good"))
+    assert allowed_tokens(bitmask, 1, len(tokenizer)).tolist() == [tokenizer.eos_token_id]
+    assert manager.stats()["fill_errors"] == 1
+
+
+class _SlowMatcher:
+    """Wraps a real matcher; every fill takes `delay_s` (as xgrammar's fills do on some hostile regexes)."""
+
+    def __init__(self, inner: Any, delay_s: float) -> None:
+        self.inner, self.delay_s = inner, delay_s
+
+    def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
+        time.sleep(self.delay_s)
+        self.inner.fill_bitmask(bitmask, row)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_a_slow_fill_moves_the_request_to_llguidance(tokenizer: Any, backends: dict[str, Any]) -> None:
+    """auto request on xgrammar whose fill exceeds max_fill_ms: it continues on llguidance from where it was."""
+    manager = make_manager(tokenizer, backends, max_fill_ms=20.0, promote_after=0)
+    manager.submit("x", StructuredOutputsParams(json=PERSON))
+    assert wait(manager, "x") == "ready"
+    request = manager._requests["x"]
+    request.grammar = backends["xgrammar"].compile(request.spec)  # as if promoted
+    request.matcher = _SlowMatcher(backends["xgrammar"].matcher(request.grammar), 0.05)
+    prefix = encode(tokenizer, '{"name":"Al')
+    assert manager.accept("x", prefix) == len(prefix)
+    bitmask = allocate_bitmask(1, len(tokenizer))
+    assert manager.fill_bitmask(["x"], bitmask, [0]) == {}  # the slow row is valid; the request moves on
+    assert manager.backend_of("x") == "llguidance" and "moved from xgrammar" in (manager.reason_of("x") or "")
+    rest = [*encode(tokenizer, '","age":4}'), tokenizer.eos_token_id]
+    assert rest[0] in allowed_tokens(bitmask, 0, len(tokenizer)) and rest[0] in manager.allowed_tokens("x")
+    assert manager.accept("x", rest) == len(rest) and manager.is_terminated("x")
+    assert manager.stats()["switches"] == 1
+    manager.shutdown()
