@@ -67,8 +67,8 @@ from tandem.server.protocol import (
     random_id,
 )
 from tandem.server.responses import ResponseBuilder, ResponsesRequest, usage_dict
-from tandem.server.tool_parsers import ToolCallDelta, ToolCallStream, ToolParser
-from tandem.server.tools import ToolError, ToolPlan, choose_parser, fallback_messages, hf_messages
+from tandem.tools.parsers import ToolCallDelta, ToolCallStream, ToolParser
+from tandem.tools.plan import ToolError, ToolPlan, choose_parser, fallback_messages, hf_messages
 
 logger = logging.getLogger("tandem.server")
 

@@ -19,7 +19,7 @@ from typing import Any
 from pydantic import Field
 
 from tandem.server.protocol import MAX_LOGPROBS, APIError, ChatCompletionRequest, _Lenient
-from tandem.server.tool_parsers import ToolCall, ToolCallDelta, ToolParser
+from tandem.tools.parsers import ToolCall, ToolCallDelta, ToolParser
 
 
 class ResponsesRequest(_Lenient):

@@ -14,8 +14,8 @@ import jsonschema
 import pytest
 
 from tandem import LLM, SamplingParams
-from tandem.server.tool_parsers import HermesToolParser
-from tandem.server.tools import ToolPlan
+from tandem.tools.parsers import HermesToolParser
+from tandem.tools.plan import ToolPlan
 from tests.server.test_server import demo
 from tests.tools.corpus import load_corpus, tool, tool_set
 

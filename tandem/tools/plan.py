@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.params import StructuredOutputsParams
-from tandem.server.tool_parsers import (
+from tandem.tools.parsers import (
     HermesToolParser,
     ToolParser,
     arguments_object,
