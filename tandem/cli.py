@@ -121,9 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench", required=True)
-    from tandem.bench import spec, structured, throughput
+    from tandem.bench import spec, structured, throughput, tools
 
-    for module in (throughput, structured, spec):
+    for module in (throughput, structured, spec, tools):
         module.add_parser(bsub)
     _server_parsers(sub, bsub)
     return parser

@@ -37,13 +37,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tandem.bench.tools import DEFAULT_TOOLS, load_functions, tool_set
+
 try:  # the openai client's HTTP library; plain httpx exposes the same API
     import httpx2 as httpx
 except ImportError:  # pragma: no cover
     import httpx  # type: ignore[no-redef]
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "../shared/data/prompts"
-DEFAULT_TOOLS = Path(__file__).resolve().parents[2] / "tests/data/functions"
 
 JSON_SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -77,25 +78,15 @@ class BenchRequest:
     tag: int = -1  # the request's index in its workload (tool comparisons pair requests by it)
 
 
-def load_functions(tools_dir: Path) -> list[dict[str, Any]]:
-    """The function corpus: [{"prompt", "function"}], every *.json file of `tools_dir` in name order."""
-    out: list[dict[str, Any]] = []
-    for path in sorted(tools_dir.glob("*.json")):
-        out.extend(json.loads(path.read_text()))
-    return out
-
-
-def tool_body(functions: Sequence[dict[str, Any]], i: int, rng: random.Random, choice: str, base: dict[str, Any]) -> dict[str, Any]:
-    """A tool-call request: entry i's prompt, its function and two others (a distinct tool set per request)."""
-    entry = functions[i % len(functions)]
-    others = rng.sample([f for f in functions if f is not entry], 2)
-    tools = [{"type": "function", "function": e["function"]} for e in [entry, *others]]
-    rng.shuffle(tools)
+def tool_body(functions: Sequence[dict[str, Any]], i: int, seed: int, choice: str, base: dict[str, Any]) -> dict[str, Any]:
+    """A tool-call request: entry i's prompt over its function and two others (a distinct tool set per request)."""
+    n = len(functions)
+    entry = functions[i % n]
     tool_choice: Any = choice
     if choice == "named":
         tool_choice = {"type": "function", "function": {"name": entry["function"]["name"]}}
-    return {**base, "messages": [{"role": "user", "content": entry["prompt"]}], "tools": tools, "tool_choice": tool_choice,
-            "parallel_tool_calls": False}
+    return {**base, "messages": [{"role": "user", "content": entry["prompt"]}], "tools": tool_set(functions, i % n, seed=seed + i // n),
+            "tool_choice": tool_choice, "parallel_tool_calls": False}
 
 
 def load_prompts(data_dir: Path) -> tuple[list[str], list[str]]:
@@ -138,7 +129,7 @@ def make_workload(
             out.append(BenchRequest("bomb", {**base, "messages": [{"role": "user", "content": msg}], "response_format": fmt}))
             continue
         if u >= 1.0 - tool_share:
-            out.append(BenchRequest("tool", tool_body(functions, i, rng, tool_choice, base), i))
+            out.append(BenchRequest("tool", tool_body(functions, i, seed, tool_choice, base), i))
         elif u < json_share:
             q = rng.choice(plain_pool)
             msg = f"Summarize the following request as JSON with a title, a rating from 1 to 10 and keywords:\n{q}"
@@ -407,10 +398,9 @@ async def run_load(args: argparse.Namespace, base_url: str, server_pid: int | No
 async def run_tool_compare(args: argparse.Namespace, base_url: str, server_pid: int | None) -> dict[str, Any]:
     """Tool calls (required, distinct tool sets) vs the same requests answered as text at the same lengths."""
     functions = load_functions(Path(args.tools_dir))
-    rng = random.Random(args.seed)
     base: dict[str, Any] = {"max_tokens": args.max_tokens, "stream": True, "stream_options": {"include_usage": True},
                             "temperature": 0.0, **({"model": args.model} if args.model else {})}
-    tools = [BenchRequest("tool", tool_body(functions, i, rng, "required", base), i) for i in range(args.num_requests)]
+    tools = [BenchRequest("tool", tool_body(functions, i, args.seed, "required", base), i) for i in range(args.num_requests)]
     tool_report = await run_load(args, base_url, server_pid, tools)
     lengths = tool_report.pop("_tokens_by_tag")
     text = [BenchRequest("text", {**r.body, "tool_choice": "none", "min_tokens": lengths[r.tag], "max_tokens": lengths[r.tag]}, r.tag)

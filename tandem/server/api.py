@@ -512,13 +512,8 @@ def tool_plan(state: ServerState, tools: list[dict[str, Any]] | None, tool_choic
 
 
 def with_tools(params: SamplingParams, plan: ToolPlan | None) -> SamplingParams:
-    """`params` with the plan's grammar (it replaces a response_format: a forced call is the answer's format) and
-    the special-token setting its parser needs."""
-    if plan is None or not plan.constrained:
-        return params
-    backend = params.structured_outputs.backend if params.structured_outputs is not None else None
-    return params.clone(structured_outputs=plan.structured_outputs(backend),
-                        skip_special_tokens=params.skip_special_tokens and plan.parser.skip_special_tokens)
+    """`params` with the plan's grammar and special-token setting (ToolPlan.apply)."""
+    return params if plan is None else plan.apply(params)
 
 
 def chat_prompt(state: ServerState, messages: list[dict[str, Any]], plan: ToolPlan | None, add_generation_prompt: bool) -> dict[str, Any]:
@@ -544,6 +539,8 @@ def _prepare(state: ServerState, model: str | None, make_params: Callable[[], Sa
                        404, param="model", code="model_not_found")
     try:
         return make_params()
+    except ToolError as e:
+        raise APIError(str(e), 400, param=e.param) from e
     except ParamError as e:
         raise APIError(str(e), 400) from e
 

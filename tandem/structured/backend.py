@@ -188,6 +188,17 @@ def _check_format(fmt: Any, where: str) -> None:
                 raise ValueError(f"{where}.tags[{i}]: its begin {sub['begin']!r} starts with none of the triggers")
     if fmt.get("excludes"):
         raise ValueError(f"{where}: 'excludes' is not supported")
+    if kind == "json_schema":
+        _check_json_format(fmt, where)
+
+
+def _check_json_format(fmt: dict[str, Any], where: str) -> None:
+    """A json_schema format: standard JSON in the schema's key order; max_whitespace_cnt a count if given."""
+    if fmt.get("style", "json") != "json" or fmt.get("any_order"):
+        raise ValueError(f"{where}: only the 'json' style in schema order is supported")
+    limit = fmt.get("max_whitespace_cnt")
+    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
+        raise ValueError(f"{where}: max_whitespace_cnt must be an integer >= 1")
 
 
 def bitmask_words(vocab_size: int) -> int:

@@ -13,6 +13,7 @@
       "none"      no grammar, no parsing: tools are shown to the model but the answer is text
 - the ToolParser that reads the calls back.
 
+Arguments are JSON with any whitespace in runs of at most MAX_JSON_WHITESPACE characters (both backends).
 Schemas are closed before compiling: an object schema that lists `properties` and says nothing about
 `additionalProperties` gets `additionalProperties: false` (OpenAI's strict mode does the same), because a call's
 arguments become keyword arguments and an invented key fails the function. Objects directly under `allOf` are left
@@ -33,7 +34,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tandem.params import StructuredOutputsParams
+from tandem.params import SamplingParams, StructuredOutputsParams
 from tandem.tools.parsers import (
     HermesToolParser,
     ToolParser,
@@ -42,6 +43,9 @@ from tandem.tools.parsers import (
     parser_for_template,
 )
 
+# Arguments take any JSON whitespace, in runs of at most this many characters: a line break and an indent fit, a
+# model that loops on whitespace (small ones do, under a grammar that allows it anywhere) cannot.
+MAX_JSON_WHITESPACE = 4
 NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 CHOICES = ("none", "auto", "required")
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
@@ -161,24 +165,44 @@ class ToolPlan:
     def constrained(self) -> bool:
         return self.choice != "none"
 
-    def structural_tag(self) -> dict[str, Any] | None:
-        """The grammar of the answer (xgrammar's structural-tag JSON), None for 'none'."""
+    def structural_tag(self, answer_schema: Any = None) -> dict[str, Any] | None:
+        """The grammar of the answer (xgrammar's structural-tag JSON), None for 'none'. `answer_schema` (a JSON
+        response_format with tool_choice "auto") makes the answer either that JSON or calls, as OpenAI does."""
         if self.choice == "none":
             return None
         fns = [f for f in self.tools if f.name == self.choice] or self.tools
-        tags = [{"type": "tag", "begin": self.parser.begin(f.name), "end": self.parser.end,
-                 "content": {"type": "json_schema", "json_schema": f.parameters}} for f in fns]
-        if self.choice == "auto":
-            fmt: dict[str, Any] = {"type": "triggered_tags", "triggers": [self.parser.trigger], "tags": tags,
-                                   "at_least_one": False, "stop_after_first": not self.parallel}
-        else:
-            fmt = {"type": "tags_with_separator", "tags": tags, "separator": self.parser.separator,
-                   "at_least_one": True, "stop_after_first": not self.parallel or self.choice not in CHOICES}
-        return {"type": "structural_tag", "format": fmt}
+        tags = [{"type": "tag", "begin": self.parser.begin(f.name), "end": self.parser.end, "content": _json_format(f.parameters)}
+                for f in fns]
+        calls = {"type": "tags_with_separator", "tags": tags, "separator": self.parser.separator, "at_least_one": True,
+                 "stop_after_first": not self.parallel or self.choice not in CHOICES}
+        if self.choice != "auto":
+            return {"type": "structural_tag", "format": calls}
+        if answer_schema is not None:
+            return {"type": "structural_tag", "format": {"type": "or", "elements": [_json_format(answer_schema), calls]}}
+        return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": [self.parser.trigger], "tags": tags,
+                                                     "at_least_one": False, "stop_after_first": not self.parallel}}
 
-    def structured_outputs(self, backend: str | None = None) -> StructuredOutputsParams | None:
-        tag = self.structural_tag()
+    def structured_outputs(self, backend: str | None = None, answer_schema: Any = None) -> StructuredOutputsParams | None:
+        tag = self.structural_tag(answer_schema)
         return None if tag is None else StructuredOutputsParams(structural_tag=tag, backend=backend)
+
+    def apply(self, params: SamplingParams) -> SamplingParams:
+        """`params` with the plan's grammar and the special-token setting its parser needs. A forced call is the whole
+        answer, so with "required" or a named function the params' own constraint (a response_format) gives way; with
+        "auto" a JSON one stays the format of a text answer. The backend the params named is kept. ToolError for
+        "auto" beside a constraint that is not JSON."""
+        if not self.constrained:
+            return params
+        so = params.structured_outputs
+        answer: Any = None
+        if so is not None and self.choice == "auto":
+            if so.kind not in ("json", "json_object"):
+                raise ToolError(f'tool_choice "auto" combines only with a JSON response format, not {so.kind!r}',
+                                "tool_choice")
+            answer = json.loads(so.json) if so.json is not None else {"type": "object"}
+        backend = so.backend if so is not None else None
+        return params.clone(structured_outputs=self.structured_outputs(backend, answer),
+                            skip_special_tokens=params.skip_special_tokens and self.parser.skip_special_tokens)
 
     def template_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for the chat template (`tools` when it renders them itself)."""
@@ -190,6 +214,10 @@ class ToolPlan:
             return hf_messages(messages)
         return fallback_messages(messages, self.parser, FALLBACK_SYSTEM.format(
             tools="\n".join(json.dumps(f.as_openai()["function"]) for f in self.tools)))
+
+
+def _json_format(schema: Any) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": MAX_JSON_WHITESPACE}
 
 
 def _choice_name(tool_choice: Any) -> str | None:

@@ -444,3 +444,51 @@ def test_structural_tag_compile_is_cheap(backend: Any, vocab: Vocab) -> None:
         backend.compile(GrammarSpec("structural_tag", json.dumps({"type": "structural_tag", "format": fmt})))
         times.append(time.perf_counter() - t0)
     print(f"\n{backend.name} {vocab.name}: structural-tag compile median {sorted(times)[2] * 1000:.1f} ms")
+
+
+def _tag_spec(fmt: dict[str, Any]) -> GrammarSpec:
+    return GrammarSpec("structural_tag", json.dumps({"type": "structural_tag", "format": fmt}))
+
+
+def test_tag_json_whitespace_is_bounded_alike(backend: Any, vocab: Vocab) -> None:
+    """Tool-call JSON takes any whitespace in runs of at most max_whitespace_cnt characters, on both backends (a
+    model that loops on whitespace cannot; a pretty-printed call fits)."""
+    content = {"type": "json_schema", "json_schema": PERSON, "max_whitespace_cnt": 4}
+    spec = _tag_spec({"type": "tag", "begin": "<c>", "end": "</c>", "content": content})
+    assert _accepts(backend, vocab, spec, '<c>{"name": "A", "age": 1}</c>')
+    assert _accepts(backend, vocab, spec, '<c>{"name":"A","age":1}</c>')
+    assert _accepts(backend, vocab, spec, '<c>{\n   "name": "A",\n   "age": 1\n}</c>')
+    assert not _accepts(backend, vocab, spec, '<c>{"name":      "A", "age": 1}</c>')
+
+
+def test_auto_tools_beside_a_json_answer(backend: Any, vocab: Vocab) -> None:
+    """tool_choice "auto" with a JSON response_format: the answer is that JSON, or calls (never free text)."""
+    answer = {"type": "json_schema", "json_schema": {"type": "object", "properties": {"ok": {"type": "boolean"}},
+                                                     "required": ["ok"], "additionalProperties": False}}
+    calls = {"type": "tags_with_separator", "tags": _call_tags(["f"]), "separator": "\n", "at_least_one": True,
+             "stop_after_first": True}
+    spec = _tag_spec({"type": "or", "elements": [answer, calls]})
+    assert _accepts(backend, vocab, spec, '{"ok": true}')
+    assert _accepts(backend, vocab, spec, '<tool_call>\n{"name": "f", "arguments": {"name": "A", "age": 2}}\n</tool_call>')
+    assert not _accepts(backend, vocab, spec, "Sure, here it is.")
+    assert not _accepts(backend, vocab, spec, '{"ok": 1}')
+
+
+def test_a_call_after_a_call_is_held_too(backend: Any, vocab: Vocab) -> None:
+    """Parallel auto-mode calls: text after a call cannot hide a second, unconstrained one."""
+    fmt = {"type": "triggered_tags", "triggers": ["<tool_call>"], "tags": _call_tags(["f"]), "at_least_one": False,
+           "stop_after_first": False}
+    call = '<tool_call>\n{"name": "f", "arguments": {"name": "A", "age": 2}}\n</tool_call>'
+    assert _accepts(backend, vocab, _tag_spec(fmt), f"{call} and then {call}")
+    assert not _accepts(backend, vocab, _tag_spec(fmt), f"{call} and then <tool_call>\nnot json")
+    once = _tag_spec({**fmt, "stop_after_first": True})
+    assert _accepts(backend, vocab, once, f"Text. {call}")
+    assert not _accepts(backend, vocab, once, f"Text. {call} more")
+    assert not _accepts(backend, vocab, once, "Text <tool_call>\nnot json")
+
+
+def test_structural_tag_json_styles_other_than_json_are_refused(backend: Any) -> None:
+    bad = {"type": "tag", "begin": "<c>", "end": "</c>", "content": {"type": "json_schema", "json_schema": PERSON,
+                                                                     "style": "qwen_xml"}}
+    with pytest.raises(GrammarError, match="style"):
+        backend.compile(_tag_spec(bad))
