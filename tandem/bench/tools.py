@@ -28,7 +28,7 @@ import argparse
 import json
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -93,9 +93,10 @@ class Tally:
             self.notes.append(note)
 
 
-def corpus_requests(engine: LLMEngine, functions: Sequence[dict[str, Any]], modes: Sequence[str],
-                    seed: int = 0) -> list[CorpusRequest]:
-    """The requests of `modes` for every definition, rendered through the engine's chat template (or the fallback)."""
+def corpus_requests(engine: LLMEngine, functions: Sequence[dict[str, Any]], modes: Sequence[str], seed: int = 0,
+                    every: Mapping[str, int] | None = None) -> list[CorpusRequest]:
+    """The requests of `modes` for every definition (every[mode]-th one only, where given), rendered through the
+    engine's chat template (or the fallback)."""
     tok = engine.tokenizer
     parser, native = choose_parser("auto", tok.hf.chat_template)
     out = []
@@ -105,6 +106,8 @@ def corpus_requests(engine: LLMEngine, functions: Sequence[dict[str, Any]], mode
                    "required": (tool_set(functions, i, seed=seed), "required"),
                    "auto": (tool_set(functions, i, seed=seed), "auto")}
         for mode in modes:
+            if i % (every or {}).get(mode, 1):
+                continue
             tools, choice = choices[mode]
             plan = ToolPlan.build(tools, choice, False, parser, native)
             assert plan is not None
@@ -140,9 +143,9 @@ def judge(req: CorpusRequest, out: RequestOutput, schemas: dict[str, Any]) -> tu
 
 
 def run_corpus(engine: LLMEngine, functions: Sequence[dict[str, Any]], backend: str, modes: Sequence[str] = MODES,
-               max_tokens: int = 160, concurrency: int = 32, seed: int = 0) -> dict[str, Any]:
-    """Every request of `modes` over the corpus on `backend`; {mode: Tally} plus the run's figures."""
-    reqs = corpus_requests(engine, functions, modes, seed)
+               max_tokens: int = 160, concurrency: int = 32, seed: int = 0, every: Mapping[str, int] | None = None) -> dict[str, Any]:
+    """The requests of `modes` over the corpus on `backend` (see corpus_requests); {mode: Tally} plus the run's figures."""
+    reqs = corpus_requests(engine, functions, modes, seed, every)
     schemas = {e["function"]["name"]: e["function"].get("parameters") or {} for e in functions}
     params = [SamplingParams(temperature=0.0, max_tokens=max_tokens, structured_outputs=r.plan.structured_outputs(backend))
               for r in reqs]

@@ -8,11 +8,13 @@ grammar (as users of small models do), it does not hide a failure.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
 import subprocess
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
 import httpx2 as httpx
@@ -56,7 +58,7 @@ class Srv:
 def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Srv]:
     log_path = tmp_path_factory.mktemp("tools") / "server.log"
     port = free_port()
-    args = ["--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "16", "--num-kv-blocks", "600",
+    args = ["--dtype", "bfloat16", "--max-model-len", "2048", "--max-num-seqs", "16", "--num-kv-blocks", "600",
             "--log-level", "warning"]
     with open(log_path, "wb") as log:
         try:
@@ -167,22 +169,30 @@ def test_auto_calls_are_valid_when_made(srv: Srv) -> None:
 
 @demo
 def test_corpus_sample_through_the_server(srv: Srv) -> None:
-    """A sample of the function corpus (distinct tool sets) through HTTP: every named / required call validates."""
+    """A sample of the function corpus (distinct tool sets) through HTTP, sent at once: every named / required call
+    validates (the whole corpus through the engine: tests/tools, `tandem bench tools`)."""
     corpus = load_corpus()
     c = srv.client()
-    lengths = 0
+    jobs = []
     for i in range(0, len(corpus), 13):
-        entry = corpus[i]
-        tools = tool_set(corpus, i)
+        entry, tools = corpus[i], tool_set(corpus, i)
         for choice in ("required", {"type": "function", "function": {"name": entry["function"]["name"]}}):
-            r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": entry["prompt"]}], tools=tools,
-                                          tool_choice=choice, parallel_tool_calls=False, temperature=0, max_tokens=200)
-            ch = r.choices[0]
-            if ch.finish_reason == "length":
-                lengths += 1
-                continue
-            assert ch.finish_reason == "tool_calls" and len(ch.message.tool_calls) == 1
-            _valid(ch.message.tool_calls[0], [*tools, tool(entry)])
+            jobs.append((tools, entry, choice))
+
+    def ask(job: tuple[Any, ...]) -> Any:
+        tools, entry, choice = job
+        return c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": entry["prompt"]}], tools=tools,
+                                         tool_choice=choice, parallel_tool_calls=False, temperature=0, max_tokens=200).choices[0]
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        answers = list(pool.map(ask, jobs))
+    lengths = 0
+    for (tools, entry, _), ch in zip(jobs, answers):
+        if ch.finish_reason == "length":
+            lengths += 1
+            continue
+        assert ch.finish_reason == "tool_calls" and len(ch.message.tool_calls) == 1
+        _valid(ch.message.tool_calls[0], [*tools, tool(entry)])
     assert lengths <= 1
 
 
@@ -272,6 +282,82 @@ def test_pydantic_ai_default_output(srv: Srv) -> None:
     agent = Agent(model, output_type=Weather, model_settings=ModelSettings(temperature=0, max_tokens=120), retries=0)
     result = agent.run_sync("What is the weather in Paris?")
     assert isinstance(result.output, Weather)
+
+
+# ------------------------------------------------------------------------------------- the Responses API
+RESPONSES_WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather in a city.",
+                     "parameters": WEATHER["function"]["parameters"], "strict": False}
+
+
+@demo
+def test_responses_text_stream_and_structured_output(srv: Srv) -> None:
+    c = srv.client()
+    kw: dict[str, Any] = {"model": MODEL, "input": "Say hello.", "max_output_tokens": 20, "temperature": 0}
+    r = c.responses.create(**kw, instructions="You are brief.")
+    assert r.status in ("completed", "incomplete") and r.output_text and r.usage is not None and r.usage.output_tokens > 0
+    events = list(c.responses.create(**kw, instructions="You are brief.", stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] in ("response.completed", "response.incomplete")
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
+    assert [e.sequence_number for e in events] == list(range(1, len(events) + 1))
+    parsed = c.responses.parse(model=MODEL, input="What is the weather in Paris?", text_format=Weather, max_output_tokens=80,
+                               temperature=0)
+    assert isinstance(parsed.output_parsed, Weather)
+
+
+@demo
+def test_responses_function_calls_round_trip_and_stream(srv: Srv) -> None:
+    c = srv.client()
+    kw: dict[str, Any] = {"model": MODEL, "tools": [RESPONSES_WEATHER], "tool_choice": "required", "parallel_tool_calls": False,
+                          "max_output_tokens": 100, "temperature": 0}
+    r = c.responses.create(input="What is the weather in Paris?", **kw)
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert len(calls) == 1 and calls[0].name == "get_weather" and calls[0].call_id
+    jsonschema.validate(json.loads(calls[0].arguments), WEATHER["function"]["parameters"])
+    events = list(c.responses.create(input="What is the weather in Paris?", stream=True, **kw))
+    pieces = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert len(done) == 1 and pieces == done[0].arguments == calls[0].arguments
+    history = [{"role": "user", "content": "What is the weather in Paris?"}, calls[0].model_dump(exclude_none=True),
+               {"type": "function_call_output", "call_id": calls[0].call_id, "output": "18 C, cloudy"}]
+    follow = c.responses.create(model=MODEL, input=history, tools=[RESPONSES_WEATHER], tool_choice="none",  # type: ignore[arg-type]
+                                max_output_tokens=30, temperature=0)
+    assert follow.output_text and follow.usage is not None and follow.usage.input_tokens > r.usage.input_tokens  # type: ignore[union-attr]
+
+
+@demo
+def test_agents_sdk_default_mode(srv: Srv) -> None:
+    """The OpenAI Agents SDK on its default model API (Responses): a function tool it runs, and a typed output."""
+    from typing import Annotated
+
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+
+    set_tracing_disabled(True)
+    model = OpenAIResponsesModel(MODEL, openai_client=openai.AsyncOpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0))
+    seen: list[str] = []
+
+    @function_tool
+    def get_weather(city: Annotated[str, Field(max_length=30)]) -> str:
+        """Current weather in a city."""
+        seen.append(city)
+        return f"18 C and cloudy in {city}"
+
+    settings = ModelSettings(tool_choice="required", temperature=0, max_tokens=100)
+    agent = Agent(name="weather", instructions="Use the weather tool.", model=model, tools=[get_weather],
+                  model_settings=settings, tool_use_behavior="stop_on_first_tool")
+    result = Runner.run_sync(agent, "What is the weather in Paris?")
+    assert len(seen) == 1 and result.final_output == f"18 C and cloudy in {seen[0]}"
+    typed = Agent(name="extract", instructions="Extract the city and unit.", model=model, output_type=Weather,
+                  model_settings=ModelSettings(temperature=0, max_tokens=100))
+    assert isinstance(Runner.run_sync(typed, "What is the weather in Paris, in celsius?").final_output, Weather)
+
+    async def streamed() -> Any:
+        run = Runner.run_streamed(typed, "What is the weather in Rome, in fahrenheit?")
+        kinds = {e.type async for e in run.stream_events()}
+        return run.final_output, kinds
+
+    output, kinds = asyncio.run(streamed())
+    assert isinstance(output, Weather) and "raw_response_event" in kinds
 
 
 @demo
