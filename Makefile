@@ -6,7 +6,11 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.tandem-setup-v1
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-fast lint typecheck bench draft device-check clean
+LLAMA_CPP_VERSION ?= 0.3.36
+# llama.cpp for the CPU it is built on, without the parts the peer does not use
+LLAMA_CPP_CMAKE ?= -DGGML_NATIVE=ON -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF
+
+.PHONY: setup demo test test-fast lint typecheck bench draft device-check clean llama-cpp bench-quant memory-check
 
 setup: $(STAMP)
 
@@ -34,6 +38,21 @@ lint: setup
 
 bench: setup
 	$(VENV)/bin/tandem bench throughput
+
+# llama.cpp as a peer (benchmarks, and the parity tests that compare greedy tokens on the same GGUF file, which skip
+# without it): llama-cpp-python built from source, ~6 minutes on 2 cores
+llama-cpp: setup
+	CMAKE_ARGS="$(LLAMA_CPP_CMAKE)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
+		$(PIP) install --no-binary llama-cpp-python llama-cpp-python==$(LLAMA_CPP_VERSION)
+
+# tandem and llama.cpp on the same real-shaped random-weight models (written once under $$TANDEM_HOME/test-models)
+bench-quant: setup
+	bash scripts/run_quant_benchmarks.sh
+
+# an 8B-shaped Q4_K_M model (~4.9 GB, written once) loads and serves with a 1 GiB KV cache; prints its RSS
+memory-check: setup
+	$(VENV)/bin/tandem bench throughput --shape llama3.1-8b --formats Q4_K_M --concurrency 1 --prompts-per-level 2 \
+		--output-len 16 --kv-cache-memory 1GiB --peers none
 
 draft: setup
 	$(PY) scripts/train_draft.py

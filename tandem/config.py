@@ -45,7 +45,8 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
     qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
-    sliding_window: int | None = None
+    sliding_window: int | None = None  # keys a query sees in the layers below (itself and the window - 1 before it)
+    sliding_window_layers: tuple[int, ...] = ()  # the layers that attend through `sliding_window`; the others see all
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
@@ -78,13 +79,14 @@ class ModelConfig:
                 rope_theta = rope_theta or rope_params.get("rope_theta")
                 if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
                     rope_scaling = dict(rope_params)
-            sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", family == "llama") else None
+            num_layers = int(cfg["num_hidden_layers"])
+            sliding, sliding_layers = _sliding_window(cfg, family, num_layers)
             return cls(
                 family=family,
                 vocab_size=int(cfg["vocab_size"]),
                 hidden_size=hidden,
                 intermediate_size=int(cfg["intermediate_size"]),
-                num_layers=int(cfg["num_hidden_layers"]),
+                num_layers=num_layers,
                 num_heads=heads,
                 num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
                 head_dim=int(cfg.get("head_dim") or hidden // heads),
@@ -95,13 +97,18 @@ class ModelConfig:
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 attention_bias=bool(cfg.get("attention_bias", family == "qwen2")),
                 qk_norm=family == "qwen3",
-                sliding_window=int(sliding) if sliding else None,
+                sliding_window=sliding,
+                sliding_window_layers=sliding_layers,
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=tuple(int(e) for e in eos_ids),
                 torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ConfigError(f"config.json is missing or has a bad value for {e}") from e
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of `layer`'s attention, None where it sees every earlier key."""
+        return self.sliding_window if layer in self.sliding_window_layers else None
 
     @classmethod
     def from_json_file(cls, path: str | Path) -> ModelConfig:
@@ -112,6 +119,23 @@ class ModelConfig:
             return cls.from_hf(json.loads(p.read_text()))
         except json.JSONDecodeError as e:
             raise ConfigError(f"{p} is not valid JSON: {e}") from e
+
+
+def _sliding_window(cfg: Mapping[str, Any], family: str, num_layers: int) -> tuple[int | None, tuple[int, ...]]:
+    """The sliding window and the layers that use it, as transformers reads the config: Mistral (family "llama"):
+    every layer when `sliding_window` is set; Qwen2 / Qwen3: only with `use_sliding_window`, the layers `layer_types`
+    marks "sliding_attention" (transformers >= 4.53 writes it), else those from `max_window_layers` on."""
+    window = cfg.get("sliding_window")
+    if not window or not cfg.get("use_sliding_window", family == "llama"):
+        return None, ()
+    if family == "llama":
+        return int(window), tuple(range(num_layers))
+    types = cfg.get("layer_types")
+    if isinstance(types, list) and len(types) == num_layers:
+        layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    else:
+        layers = tuple(range(int(cfg.get("max_window_layers", 28)), num_layers))
+    return (int(window), layers) if layers else (None, ())
 
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")

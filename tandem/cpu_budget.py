@@ -1,6 +1,8 @@
 """One CPU budget: which cores and how many threads the forward, the grammar pool and the draft worker get.
 
-Defaults come from the cores this process may use (`os.sched_getaffinity`). With a draft model on the CPU the draft
+Defaults come from the cores this process may use (`os.sched_getaffinity`); `$TANDEM_NUM_THREADS` caps the forward's
+threads when no count is given (the test suite sets 1: on a loaded machine every OpenMP region of a 2-thread team
+waits for a descheduled thread, which made tiny-model steps 100x slower). With a draft model on the CPU the draft
 worker gets its own core set (a quarter of the cores, at least one) and the forward keeps the rest; grammar mask
 threads are few (mask fills take microseconds per row) and share the forward's cores. On a 2-core machine nothing can
 be exclusive: the split then says so and everyone shares.
@@ -56,16 +58,23 @@ def plan_cpu_budget(
             draft_threads = 1
     else:
         draft_cores, rest = (), all_cores
+    default_threads = len(rest) if device == "cpu" else max(1, min(4, len(rest)))
     budget = CpuBudget(
         cores=all_cores,
         forward_cores=rest,
-        forward_threads=forward_threads or (len(rest) if device == "cpu" else max(1, min(4, len(rest)))),
+        forward_threads=forward_threads or min(default_threads, _env_threads() or default_threads),
         grammar_threads=grammar_threads or max(1, min(4, n // 4)),
         draft_cores=tuple(draft_cores),
         draft_threads=draft_threads or max(1, len(draft_cores)),
     )
     logger.info(budget.describe())
     return budget
+
+
+def _env_threads() -> int | None:
+    """$TANDEM_NUM_THREADS as a positive int, None when unset or not one."""
+    value = os.environ.get("TANDEM_NUM_THREADS", "")
+    return int(value) if value.isdigit() and int(value) > 0 else None
 
 
 def pin_current_thread_pool(cores: tuple[int, ...]) -> None:

@@ -42,9 +42,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
     g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--kv-cache-memory", type=parse_size, default=None, help="KV cache budget (bytes, or e.g. 1GiB)")
-    g.add_argument("--memory-fraction", type=float, default=0.5, help="KV budget as a fraction of free memory")
-    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (overrides the budget)")
+    g.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", type=parse_size, default=None,
+                   help="KV cache size (bytes, or e.g. 1GiB); default: max-num-seqs x max-model-len tokens, capped by "
+                        "--memory-fraction")
+    g.add_argument("--memory-fraction", "--gpu-memory-utilization", type=float, default=0.5,
+                   help="cap of the default KV cache: this fraction of the memory free after loading the weights")
+    g.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", type=int, default=None,
+                   help="KV cache size in blocks (overrides the rest)")
+    g.add_argument("--quantization", "-q", default=None, choices=["auto", "gguf", "none", "int8"],
+                   help="auto / gguf: a GGUF's quantized tensors stay quantized (default); none: dequantize them to "
+                        "--dtype; int8: store safetensors matrices as per-channel int8")
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--threads", type=int, default=None, help="torch threads of the forward (default: all cores)")
@@ -52,6 +59,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--structured-outputs-config", type=json.loads, default=None,
                    help='structured-output settings as JSON, e.g. {"backend": "llguidance"}')
     g.add_argument("--structured-mask-mode", default=None, choices=["cpu", "device"])
+    g.add_argument("--async-scheduling", default=None, action=argparse.BooleanOptionalAction,
+                   help="schedule each step while the previous one runs (default: on for accelerators, no drafts)")
     g.add_argument("--engine-arg", type=_key_value, action="append", default=[], metavar="KEY=VALUE",
                    help="any other build_engine keyword (VALUE parsed as JSON); repeatable")
     s = p.add_argument_group("speculative decoding")
@@ -85,7 +94,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         chat_template=args.chat_template,
         structured_outputs_config=args.structured_outputs_config,
         structured_mask_mode=args.structured_mask_mode,
+        async_scheduling=args.async_scheduling,
         speculative_config=speculative_from_args(args),
+        quantization=None if args.quantization in (None, "auto", "gguf") else args.quantization,
     )
     kw.update(dict(args.engine_arg))
     return kw

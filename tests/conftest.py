@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import os
+import random
+from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = (ROOT / ".." / "shared" / "data").resolve()
@@ -15,6 +19,19 @@ def pytest_configure(config: pytest.Config) -> None:
     # tests never reach a model hub; everything is local files
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    # one forward thread in every engine the tests build (also in the servers they launch): the models are tiny, and
+    # on a loaded machine a 2-thread OpenMP team waits for a descheduled thread in every region (steps 100x slower)
+    os.environ.setdefault("TANDEM_NUM_THREADS", "1")
+
+
+@pytest.fixture(autouse=True)
+def _seeded_global_rngs() -> Iterator[None]:
+    """Every test starts from the same global random state (torch, numpy, random), whatever ran before it: a test
+    that draws from the global generators is reproducible alone, in order and shuffled."""
+    torch.manual_seed(0)
+    np.random.seed(0)
+    random.seed(0)
+    yield
 
 
 @pytest.fixture(scope="session")

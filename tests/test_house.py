@@ -110,6 +110,19 @@ def test_no_function_over_60_lines() -> None:
     assert not long, long
 
 
+def test_no_lru_cache_on_a_method() -> None:
+    """A cache on a method keeps every `self` it saw alive (docs/architecture.md: nothing holds one)."""
+    cached = [
+        f"{MODULES[m].relative_to(ROOT)}:{f.lineno} {cls.name}.{f.name}"
+        for m, tree in TREES.items()
+        for cls in ast.walk(tree) if isinstance(cls, ast.ClassDef)
+        for f in cls.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+        for d in f.decorator_list
+        if ast.unparse(d).split("(")[0].split(".")[-1] in ("lru_cache", "cache")
+    ]
+    assert not cached, cached
+
+
 def _private_names_defined(package: str) -> set[str]:
     """Every `_name` a package defines: functions, classes, assignments, attributes set on self / objects."""
     names: set[str] = set()

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from tandem.engine.engine import LLMEngine
-from tandem.params import SamplingParams
+from tandem.params import ParamError, SamplingParams
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / ".." / "shared" / "data"
 
@@ -73,6 +73,7 @@ class RunResult:
     ttft_s: list[float] = field(default_factory=list)
     tpot_s: list[float] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
+    refused: list[str] = field(default_factory=list)  # reasons of requests the engine refused at add_request
 
     @property
     def tok_per_s(self) -> float:
@@ -111,7 +112,10 @@ def drive(
             i = pending.pop()
             rid = f"{name}-{i}"
             start[rid] = time.perf_counter()
-            engine.add_request(rid, prompts[i], plist[i])
+            try:
+                engine.add_request(rid, prompts[i], plist[i])
+            except ParamError as e:  # refused (a 4xx in the server): counted, not run
+                res.refused.append(str(e))
 
     top_up()
     while engine.has_unfinished_requests():

@@ -99,6 +99,63 @@ def write_bf16_gguf(src: Path, dst: Path) -> Path:
     return dst
 
 
+LLAMA_CPP_FILE_TYPES = {"Q8_0": 7, "Q4_0": 2, "Q4_1": 3, "Q5_0": 8, "Q6_K": 18, "Q4_K_M": 15, "Q5_K_M": 17, "BF16": 32}
+
+
+def llama_cpp_quantize(src: Path, dst: Path, file_type: str, threads: int = 0) -> Path:
+    """llama.cpp's own quantizer (`llama_model_quantize`, its type mix for _M files) from a GGUF, once; in its own
+    process (llama.cpp's threads stay out of this one)."""
+    if not dst.is_file():
+        in_subprocess(_llama_cpp_quantize, src, dst, file_type, threads)
+    return dst
+
+
+def _llama_cpp_quantize(src: Path, dst: Path, file_type: str, threads: int) -> None:
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = LLAMA_CPP_FILE_TYPES[file_type]
+    params.nthread = threads
+    params.allow_requantize = True
+    tmp = dst.with_name(dst.name + ".tmp")
+    if llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), params) != 0:
+        raise RuntimeError(f"llama_model_quantize {src} -> {file_type} failed")
+    tmp.rename(dst)
+
+
+def llama_cpp_greedy(
+    gguf_path: Path, prompts: Sequence[list[int]], max_tokens: int, threads: int = 0
+) -> list[tuple[list[int], np.ndarray]]:
+    """llama.cpp's greedy continuation of each prompt and, for each generated position, its logits [n, V] (recomputed
+    over the whole sequence); float32 KV cache so only the weights' format differs from a float32 tandem run."""
+    return in_subprocess(_llama_cpp_greedy, gguf_path, [list(p) for p in prompts], max_tokens, threads)
+
+
+def _llama_cpp_greedy(
+    gguf_path: Path, prompts: Sequence[list[int]], max_tokens: int, threads: int
+) -> list[tuple[list[int], np.ndarray]]:
+    import os
+
+    from llama_cpp import GGML_TYPE_F32, Llama
+
+    n_ctx = max(len(p) for p in prompts) + max_tokens + 8
+    llm = Llama(model_path=str(gguf_path), n_ctx=n_ctx, n_threads=threads or len(os.sched_getaffinity(0)),
+                logits_all=True, type_k=GGML_TYPE_F32, type_v=GGML_TYPE_F32, verbose=False)
+    out = []
+    for p in prompts:
+        llm.reset()
+        tokens: list[int] = []
+        for tok in llm.generate(p, temp=0.0, top_k=1, reset=True):
+            tokens.append(int(tok))
+            if len(tokens) >= max_tokens:
+                break
+        llm.reset()
+        llm.eval(p + tokens[:-1])
+        scores = np.array(llm.scores[len(p) - 1 : len(p) + len(tokens) - 1], dtype=np.float32)  # a copy: the buffer is reused
+        out.append((tokens, scores))
+    return out
+
+
 def in_subprocess(fn: Callable[..., T], *args: Any) -> T:
     """Run a peer in a fresh process and return its (picklable) result.
 
@@ -124,8 +181,12 @@ def _llama_cpp_generate(
 ) -> RunResult:
     from llama_cpp import Llama
 
+    from tandem.runner.memory import resident_bytes
+
+    before, _ = resident_bytes()
     ctx = max(len(p) for p in prompts) + max_tokens + 8
     llm = Llama(model_path=str(gguf_path), n_ctx=ctx, n_threads=threads, n_batch=512, verbose=False, logits_all=False)
+    after, _ = resident_bytes()
     res = RunResult(name, len(prompts), 0, 0.0)
     t0 = time.perf_counter()
     for p in prompts:
@@ -145,6 +206,9 @@ def _llama_cpp_generate(
         if n > 1 and first is not None:
             res.tpot_s.append((end - first) / (n - 1))
     res.wall_s = time.perf_counter() - t0
+    _, peak = resident_bytes()  # llama.cpp maps the file: the weights' pages count as they are read
+    res.extra = {"rss_load_mib": round(after / 2**20), "rss_peak_mib": round(peak / 2**20),
+                 "model_mib": round((after - before) / 2**20)}
     return res
 
 

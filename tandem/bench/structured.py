@@ -17,6 +17,7 @@ from tandem.bench.common import (
     print_table,
     shared_data_dir,
 )
+from tandem.bench.schemas import describe, distinct_schemas
 from tandem.engine.engine import LLMEngine
 from tandem.engine_args import add_engine_args, engine_kwargs
 from tandem.params import SamplingParams, StructuredOutputsParams
@@ -65,6 +66,10 @@ def add_parser(bsub: Any) -> None:
     p.add_argument("--backend", default="xgrammar", choices=["auto", "xgrammar", "llguidance"])
     p.add_argument("--peers", default="hf,llama.cpp")
     p.add_argument("--mask-vocab", default="o200k_base", help="also time mask fills on this tiktoken vocabulary ('' to skip)")
+    p.add_argument("--distinct-schemas", type=int, default=0, metavar="N",
+                   help="instead: N distinct schemas per backend, submitted at once, cold then warm, vs text at equal lengths")
+    p.add_argument("--backends", default="auto,llguidance,xgrammar", help="with --distinct-schemas")
+    p.add_argument("--crossover", action="store_true", help="only the backend crossover table (compile vs fill costs)")
     p.add_argument("--json", default=None)
     add_engine_args(p)
     p.set_defaults(func=run, dtype="bfloat16")
@@ -95,6 +100,11 @@ def run(args: argparse.Namespace) -> int:
     print(f"machine: {machine_line()}; mask mode {engine.mask_mode}; backend {args.backend}")
     engine.guidance.warm_up()
     drive(engine, [[1, 2, 3]], SamplingParams(max_tokens=4), 1, "warmup")
+    if args.distinct_schemas:
+        return run_distinct(engine, args, levels)
+    if args.crossover:
+        mask_fill_table(engine, args.mask_vocab)
+        return 0
     rows: list[dict[str, Any]] = []
     for workload in args.workloads.split(","):
         fixed = workload == "fixed"
@@ -141,31 +151,49 @@ def _row(workload: str, level: int, name: str, res: RunResult, base: RunResult,
 
 
 def mask_fill_table(engine: LLMEngine, vocab_name: str) -> list[dict[str, Any]]:
-    """Per-row mask fill time for the engine's vocabulary and a large tiktoken one (random-walk through the grammar)."""
+    """The crossover between the backends: per schema and vocabulary (the engine's, and a large tiktoken one), each
+    backend's compile time and per-row mask fill time (a random walk through the grammar), and after how many
+    guided tokens xgrammar's up-front compile is paid back by faster fills ("never" when its fills are not faster)."""
+    from tandem.structured.llguidance_backend import LLGuidanceBackend
+    from tandem.structured.xgrammar_backend import XGrammarBackend
+
+    hf, eos = engine.tokenizer.hf, list(engine.eos_token_ids)
+    vocabs: list[tuple[str, dict[str, Any]]] = [  # in-process backends: compile times without a worker's start
+        (f"engine ({engine.vocab_size})", {"xgrammar": XGrammarBackend(hf, engine.vocab_size, eos),
+                                           "llguidance": LLGuidanceBackend(hf, engine.vocab_size, eos)})]
+    if vocab_name:
+        try:
+            vocabs.append(_tiktoken_backends(vocab_name))
+        except (ImportError, AttributeError, OSError, ValueError) as e:
+            print(f"mask fill on {vocab_name}: skipped ({e})")
+    out = [_crossover_row(label, backends, name, schema) for label, backends in vocabs for name, schema in SCHEMAS.items()]
+    print_table(out, title="backend crossover: compile ms, mask fill us per row (mean / p99), tokens until xgrammar pays")
+    return out
+
+
+def _tiktoken_backends(name: str) -> tuple[str, dict[str, Any]]:
+    from tandem.structured.backend import load_tiktoken
+    from tandem.structured.llguidance_backend import LLGuidanceBackend
+    from tandem.structured.xgrammar_backend import XGrammarBackend
+
+    vocab = load_tiktoken(shared_data_dir() / "tokenizers" / "tiktoken" / f"{name}.tiktoken")
+    return f"{name} ({vocab.size})", {"xgrammar": XGrammarBackend.from_tiktoken(vocab),
+                                      "llguidance": LLGuidanceBackend.from_tiktoken(vocab)}
+
+
+def _crossover_row(vocab: str, backends: dict[str, Any], name: str, schema: dict[str, Any]) -> dict[str, Any]:
     from tandem.structured.backend import GrammarSpec
     from tandem.structured.measure import measure_mask_fill
 
-    out = []
-    m = engine.guidance.manager
-    for name, schema in SCHEMAS.items():
-        spec = GrammarSpec("json", json.dumps(schema), "compact")
-        r = measure_mask_fill(m.backend("xgrammar"), spec, steps=200)
-        out.append({"vocab": f"engine ({engine.vocab_size})", "schema": name, **{k: round(v, 1) for k, v in r.items()}})
-    if vocab_name:
-        try:
-            from tandem.structured.backend import load_tiktoken
-            from tandem.structured.xgrammar_backend import XGrammarBackend
-
-            vocab = load_tiktoken(shared_data_dir() / "tokenizers" / "tiktoken" / f"{vocab_name}.tiktoken")
-            backend = XGrammarBackend.from_tiktoken(vocab)  # type: ignore[attr-defined]
-            for name, schema in SCHEMAS.items():
-                spec = GrammarSpec("json", json.dumps(schema), "compact")
-                r = measure_mask_fill(backend, spec, steps=200)
-                out.append({"vocab": f"{vocab_name} ({vocab.size})", "schema": name, **{k: round(v, 1) for k, v in r.items()}})
-        except (ImportError, AttributeError, OSError, ValueError) as e:
-            print(f"mask fill on {vocab_name}: skipped ({e})")
-    print_table(out, title="mask fill per row (us), random walk through each schema")
-    return out
+    spec = GrammarSpec("json", json.dumps(schema), "compact")
+    x, ll = (measure_mask_fill(backends[b], spec, steps=300) for b in ("xgrammar", "llguidance"))
+    saved_us = ll["fill_us_mean"] - x["fill_us_mean"]
+    pays = f"{1e3 * (x['compile_ms'] - ll['compile_ms']) / saved_us:.0f}" if saved_us > 0 else "never"
+    return {"vocab": vocab, "schema": name,
+            "xgrammar compile ms": round(x["compile_ms"], 1), "llguidance compile ms": round(ll["compile_ms"], 1),
+            "xgrammar fill us": f"{x['fill_us_mean']:.1f} / {x['fill_us_p99']:.0f}",
+            "llguidance fill us": f"{ll['fill_us_mean']:.1f} / {ll['fill_us_p99']:.0f}",
+            "xgrammar pays after (tokens)": pays}
 
 
 def peer_rows(engine: LLMEngine, args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -187,6 +215,59 @@ def peer_rows(engine: LLMEngine, args: argparse.Namespace) -> list[dict[str, Any
     if rows:
         print_table(rows, title="peers, batch 1, nested schema (same prompts)")
     return rows
+
+
+def run_distinct(engine: LLMEngine, args: argparse.Namespace, levels: list[int]) -> int:
+    """Per backend: N distinct schemas all submitted at once (cold: every grammar compiles; warm: the same
+    schemas again, from the cache), and the same prompts as text at equal lengths (min_tokens = max_tokens = the
+    guided output's length); then batch 1 on a few more distinct schemas."""
+    n = args.distinct_schemas
+    rows: list[dict[str, Any]] = []
+    for b, backend in enumerate(args.backends.split(",")):
+        schemas = distinct_schemas(n, seed=7 + 1000 * b)  # new schemas per backend: its first run is cold
+        for phase in ("cold", "warm"):
+            rows.append(_distinct_row(engine, schemas, backend, phase, max(levels), args.output_len))
+        solo = distinct_schemas(8, seed=99 + 1000 * b)
+        rows.append(_distinct_row(engine, solo, backend, "batch 1 (cold)", 1, args.output_len))
+        print_table(rows[-3:])
+    print()
+    print_table(rows, title=f"tandem bench structured --distinct-schemas {n} (ratio = guided / text tok/s, equal lengths)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": machine_line(), "distinct": rows, "stats": engine.get_stats()}, f, indent=2)
+    return 0
+
+
+def _distinct_row(
+    engine: LLMEngine, schemas: list[dict[str, Any]], backend: str, phase: str, concurrency: int, out_len: int
+) -> dict[str, Any]:
+    tok = engine.tokenizer
+    prompts = [tok.apply_chat_template([{"role": "user", "content": describe(s)}]) for s in schemas]
+    guided = [SamplingParams(temperature=0.0, max_tokens=out_len,
+                             structured_outputs=StructuredOutputsParams(json=s, backend=backend)) for s in schemas]
+    manager = engine.guidance.manager
+    before = {b: len(manager.compile_durations_s(b)) for b in ("llguidance", "xgrammar")}
+    served0 = engine.get_stats()
+    outs: dict[int, Any] = {}
+    res = drive(engine, prompts, guided, concurrency, f"g-{backend}-{phase}",
+                on_output=lambda o: outs.__setitem__(int(o.request_id.rsplit("-", 1)[1]), o))
+    lengths = {i: len(o.outputs[0].token_ids) for i, o in outs.items() if o.outputs[0].finish_reason != "error"}
+    failed = [o.error for o in outs.values() if o.outputs[0].finish_reason == "error"] + res.refused
+    text = [SamplingParams(temperature=0.0, max_tokens=lengths[i], min_tokens=lengths[i], ignore_eos=True) for i in sorted(lengths)]
+    base = drive(engine, [prompts[i] for i in sorted(lengths)], text, concurrency, f"t-{backend}-{phase}")
+    guided_tps = sum(lengths.values()) / res.wall_s if res.wall_s else 0.0
+    served1 = engine.get_stats()
+    row: dict[str, Any] = {"backend": backend, "phase": phase, "concurrency": concurrency, "requests": len(schemas),
+                           "failed": len(failed), "guided tok/s": round(guided_tps, 1), "text tok/s": round(base.tok_per_s, 1),
+                           "ratio": round(guided_tps / base.tok_per_s, 3) if base.tok_per_s else 0.0}
+    for b in ("llguidance", "xgrammar"):
+        new = manager.compile_durations_s(b)[before[b]:]
+        row[f"served {b}"] = int(served1.get(f"grammar_served_{b}", 0) - served0.get(f"grammar_served_{b}", 0))
+        if new:
+            row[f"compile ms {b} p50/p99"] = f"{1e3 * percentile(new, 50):.1f}/{1e3 * percentile(new, 99):.1f}"
+    if failed:
+        row["first failure"] = failed[0][:80]
+    return row
 
 
 __all__ = ["SCHEMAS", "add_parser", "percentile", "run"]

@@ -30,6 +30,12 @@ def add_parser(bsub: Any) -> None:
     p.add_argument("--workloads", default="fixed,dynamic")
     p.add_argument("--peers", default="hf,llama.cpp", help="comma-separated: hf, llama.cpp, or none")
     p.add_argument("--json", type=Path, default=None, help="write all figures here")
+    p.add_argument("--shape", default=None,
+                   help="run random-weight models of this architecture shape instead (smollm2-135m, smollm2-360m, "
+                        "smollm2-1.7b, llama3.2-1b, qwen2.5-0.5b, llama3.1-8b); written once under $TANDEM_HOME")
+    p.add_argument("--formats", default="BF16,Q8_0,Q4_1,Q4_K_M",
+                   help="with --shape: GGUF file types (BF16, F16, Q8_0, Q4_0, Q4_1, Q5_0, Q6_K, Q4_K_M) and/or hf, "
+                        "hf-int8 (bf16 safetensors, loaded as is / as int8); llama.cpp runs the same GGUF")
     add_engine_args(p)
     p.set_defaults(func=run, dtype="bfloat16")
 
@@ -56,6 +62,8 @@ def dynamic_prompts(tok: Any, n: int) -> list[list[int]]:
 def run(args: argparse.Namespace) -> int:
     from tandem.engine.llm import build_engine
 
+    if args.shape:
+        return run_shape_formats(args)
     levels = [int(x) for x in args.concurrency.split(",")]
     counts = [int(x) for x in args.prompts_per_level.split(",")]
     counts = (counts + [counts[-1]] * len(levels))[: len(levels)]
@@ -98,6 +106,25 @@ def run(args: argparse.Namespace) -> int:
     print(f"peak RSS (tandem + peers, one process): {peak_rss_mb():.0f} MiB")
     if args.json:
         args.json.write_text(json.dumps({"machine": machine_line(), "results": results}, indent=2))
+    return 0
+
+
+def run_shape_formats(args: argparse.Namespace) -> int:
+    """`--shape`: every format of a random-weight model, tandem and llama.cpp on the same file (`bench/shaped.py`)."""
+    from tandem.bench.shaped import run_shapes
+    from tandem.models.demo import find_demo_gguf
+    from tandem.models.gguf_loader import gguf_tokenizer_folder
+    from tandem.tokenizer import Tokenizer
+
+    levels = [int(x) for x in args.concurrency.split(",")]
+    counts = [int(x) for x in args.prompts_per_level.split(",")]
+    counts = (counts + [counts[-1]] * len(levels))[: len(levels)]
+    tok = Tokenizer.from_path(gguf_tokenizer_folder(find_demo_gguf()))  # every shape speaks the demo's tokens
+    rows = run_shapes(args, engine_kwargs(args), levels, [fixed_prompts(tok, n, args.input_len) for n in counts])
+    print()
+    print_table(rows, title=f"tandem bench throughput --shape {args.shape} (vs_tandem = tandem tok/s / row tok/s)")
+    if args.json:
+        args.json.write_text(json.dumps({"machine": machine_line(), "shape": args.shape, "results": rows}, indent=2))
     return 0
 
 

@@ -8,6 +8,11 @@ recomputed from scratch later, usually mostly from the prefix cache).
 
 Step protocol with the engine: set `req.draft_token_ids` -> `schedule()` -> run the plan -> `update(plan, tokens)`
 -> `finish(...)` the requests that hit a stop condition.
+
+Scheduling ahead (the engine's asynchronous mode, no drafts): `schedule(protected)` -> `reserve(plan)` accounts
+the plan before it runs, appending a PLACEHOLDER token for each request that will sample; the next plan is
+scheduled while this one runs and feeds those placeholders; `resolve(plan, tokens, next_plan)` writes the sampled
+tokens over them (in the requests and in the next plan's inputs) before the next plan is launched.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from tandem.config import SchedulerConfig
 from tandem.core.kv_blocks import BlockManager
 from tandem.core.plan import ScheduledRequest, StepPlan
 from tandem.request import Request, RequestStatus
+
+PLACEHOLDER = -1  # a token sampled by a plan still running (scheduling ahead); never a real token id
 
 
 class KVCacheTooSmallError(RuntimeError):
@@ -96,6 +103,7 @@ class Scheduler:
         req = self._requests.pop(request_id, None)
         if req is None:
             return None
+        _drop_placeholders(req)
         if req.status is RequestStatus.RUNNING:
             self._running.remove(req)
         else:
@@ -105,21 +113,22 @@ class Scheduler:
         return req
 
     # ---------------------------------------------------------------------------------------------- schedule
-    def schedule(self) -> StepPlan:
+    def schedule(self, protected: frozenset[str] = frozenset()) -> StepPlan:
         """Build the next step's plan: running requests (preempting on block shortage), then admissions.
 
         Changes: blocks allocated for every scheduled position, preempted requests moved to the front of the
         waiting queue, admitted ones moved to running, and `req.draft_token_ids` cut to the drafts scheduled.
+        `protected` requests (in a plan still running) are never preempted: when only they could give blocks, the
+        request that needs them waits for a later step instead.
         """
         plan = StepPlan(step_id=self._next_step_id)
         self._next_step_id += 1
-        budget = self._schedule_running(plan, self.config.max_num_batched_tokens)
+        budget = self._schedule_running(plan, self.config.max_num_batched_tokens, protected)
         self._schedule_waiting(plan, budget)
         return plan
 
-    def _schedule_running(self, plan: StepPlan, budget: int) -> int:
+    def _schedule_running(self, plan: StepPlan, budget: int, protected: frozenset[str]) -> int:
         """Schedule running requests in admission order; returns the budget left."""
-        bm = self.block_manager
         i = 0
         while i < len(self._running) and budget > 0:
             req = self._running[i]
@@ -128,22 +137,37 @@ class Scheduler:
                 i += 1
                 continue
             num_drafts = self._num_schedulable_drafts(req, num_new, budget)
-            # Blocks for positions [0, computed + new + drafts): drop the drafts before preempting anyone for them.
-            while not bm.ensure_slots(req, req.num_computed_tokens + num_new + num_drafts):
-                if num_drafts:
-                    num_drafts = 0
-                    continue
-                # the most recently admitted; never one already scheduled (those have index < i)
-                victim = self._running[-1]
-                if victim is req and len(self._running) == 1:
-                    raise KVCacheTooSmallError(req.request_id, req.num_computed_tokens + num_new, bm)
-                self._preempt(victim, plan)
-                if victim is req:
-                    return budget  # req was the last running request
-            plan.requests.append(self._scheduled(req, num_new, num_drafts))
-            budget -= num_new + num_drafts
+            placed = self._place(req, num_new, num_drafts, i, plan, protected)
+            if placed is None:
+                return budget  # req itself was preempted (it was the last running request)
+            if placed < 0:
+                i += 1  # no blocks without preempting a protected request: it waits
+                continue
+            plan.requests.append(self._scheduled(req, num_new, placed))
+            budget -= num_new + placed
             i += 1
         return budget
+
+    def _place(
+        self, req: Request, num_new: int, num_drafts: int, index: int, plan: StepPlan, protected: frozenset[str]
+    ) -> int | None:
+        """Blocks for positions [0, computed + new + drafts): drop the drafts before preempting anyone for them.
+        Returns the drafts that fit, None when `req` itself was preempted, -1 when it must wait."""
+        bm = self.block_manager
+        while not bm.ensure_slots(req, req.num_computed_tokens + num_new + num_drafts):
+            if num_drafts:
+                num_drafts = 0
+                continue
+            # the most recently admitted; never one already scheduled (those have index < i), nor a protected one
+            victim = next((r for r in reversed(self._running[index:]) if r.request_id not in protected), None)
+            if victim is None:
+                return -1
+            if victim is req and len(self._running) == 1:
+                raise KVCacheTooSmallError(req.request_id, req.num_computed_tokens + num_new, bm)
+            self._preempt(victim, plan)
+            if victim is req:
+                return None
+        return num_drafts
 
     def _schedule_waiting(self, plan: StepPlan, budget: int) -> None:
         """Admit waiting requests in FIFO order while budget, `max_num_seqs` and blocks allow."""
@@ -191,6 +215,7 @@ class Scheduler:
 
     def _preempt(self, req: Request, plan: StepPlan) -> None:
         """Free all of a running request's KV; it recomputes prompt + outputs when re-admitted (front of queue)."""
+        _drop_placeholders(req)
         self._running.remove(req)
         self.block_manager.free(req)
         req.num_computed_tokens = 0
@@ -235,6 +260,36 @@ class Scheduler:
                 bm.truncate(req, req.num_tokens)  # keep blocks for positions < num_tokens (next input too)
             bm.commit(req)
 
+    # ----------------------------------------------------------------------------------- scheduling ahead
+    def reserve(self, plan: StepPlan) -> None:
+        """Account `plan` before it runs (no drafts): its positions count as computed, and each request that will
+        sample gets a PLACEHOLDER token, the input of its next step."""
+        for sr in plan.requests:
+            if sr.num_draft_tokens:
+                raise ValueError(f"request {sr.request_id!r}: a plan scheduled ahead cannot carry drafts")
+            req = self._requests[sr.request_id]
+            req.num_computed_tokens += sr.num_tokens
+            if sr.needs_logits:
+                req.append_tokens([PLACEHOLDER])
+
+    def resolve(self, plan: StepPlan, tokens: Mapping[str, Sequence[int]], next_plan: StepPlan | None) -> None:
+        """The tokens `plan` sampled replace their placeholders, in the requests and in `next_plan`'s inputs (call
+        before `next_plan` is launched); newly full blocks go to the prefix cache. Requests that finished,
+        were aborted or preempted meanwhile are skipped; a request that got no token keeps its placeholder."""
+        feeds = {sr.request_id: sr for sr in next_plan.requests} if next_plan is not None else {}
+        for sr in plan.requests:
+            req = self._requests.get(sr.request_id)
+            toks = tokens.get(sr.request_id)
+            position = sr.start_pos + sr.num_tokens  # where the sampled token goes
+            if req is None or req.status is not RequestStatus.RUNNING:
+                continue
+            if toks and position < req.num_tokens and req.token_ids[position] == PLACEHOLDER:
+                req.token_ids[position] = toks[0]
+                feed = feeds.get(sr.request_id)
+                if feed is not None and feed.start_pos <= position < feed.start_pos + feed.num_tokens:
+                    feed.input_ids[position - feed.start_pos] = toks[0]
+            self.block_manager.commit(req)
+
     @staticmethod
     def _check_accepted(sr: ScheduledRequest, accepted: list[int]) -> None:
         k = sr.num_draft_tokens
@@ -248,3 +303,10 @@ class Scheduler:
             raise ValueError(
                 f"request {sr.request_id!r}: accepted tokens {accepted[:-1]} are not a prefix of the drafts"
             )
+
+
+def _drop_placeholders(req: Request) -> None:
+    """Forget tokens a running plan was going to sample (the request leaves, or starts over)."""
+    while req.token_ids and req.token_ids[-1] == PLACEHOLDER:
+        req.token_ids.pop()
+    req.num_computed_tokens = min(req.num_computed_tokens, len(req.token_ids))

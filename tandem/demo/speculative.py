@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import torch
-
 from tandem.bench.common import drive
 from tandem.demo.common import Rows, chat_prompt, section, speed
 from tandem.engine.engine import LLMEngine
@@ -47,7 +45,7 @@ def tour_speculative(engine: LLMEngine, rows: Rows, quick: bool) -> None:
     print(f"  identical to the output without speculation: {same}; acceptance {st['spec_acceptance_rate']:.0%}, "
           f"{st['spec_mean_accepted_length']:.2f} tokens per verification step; "
           f"speed-up {fast.tok_per_s / base.tok_per_s:.2f}x")
-    if not same and engine.runner.dtype != torch.float32:
+    if not same and engine.config.dtype != "float32":
         print("  (bf16: the verification forward's different shapes may round a near-tie differently; float32 is exact)")
     rows.append({"what": "copy task, 1 request, no speculation", **speed(base)})
     rows.append({"what": "copy task, suffix-decoding drafts", **speed(fast)})

@@ -20,9 +20,13 @@ TOURS: list[Tour] = [tour_generation, tour_structured, tour_tools, tour_speculat
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    print("tandem demo: SmolLM2-135M-Instruct (the built-in demo model), CPU", flush=True)
+    from tandem.models.demo import demo_model_choice
+    from tandem.runner.tensor_thread import on_tensor_thread
+
+    path, why = on_tensor_thread(demo_model_choice)  # a conversion, when one is needed, is tensor work
+    print(f"tandem demo: SmolLM2-135M-Instruct (the built-in demo model), CPU, {why}", flush=True)
     t0 = time.perf_counter()
-    engine = build_engine(None, dtype="bfloat16", max_model_len=2048, max_num_seqs=32, kv_cache_memory=256 * 2**20)
+    engine = build_engine(str(path), dtype="bfloat16", max_model_len=2048, max_num_seqs=32, kv_cache_memory=256 * 2**20)
     print(f"loaded in {time.perf_counter() - t0:.1f} s")
     rows: Rows = []
     for tour in TOURS:

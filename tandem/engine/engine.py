@@ -13,24 +13,25 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from tandem.config import EngineConfig
 from tandem.core.kv_blocks import BlockManager
-from tandem.core.plan import StepPlan
+from tandem.core.plan import ScheduledRequest, StepPlan
 from tandem.core.scheduler import Scheduler
 from tandem.cpu_budget import CpuBudget
 from tandem.engine.guidance import StepMasks, make_guidance
 from tandem.engine.sequences import RequestGroup, SequenceState
 from tandem.engine.speculation import NoSpeculation, Speculation, make_speculation
-from tandem.engine.step_sampler import StepSampler
+from tandem.engine.step_sampler import StagedMasks, StepSampler
 from tandem.engine.stop import StopChecker, StopDecision
 from tandem.engine.timing import EngineStats, StepTimer
 from tandem.params import ParamError, SamplingParams
 from tandem.request import Request, RequestMetrics, RequestOutput, RequestStatus
-from tandem.runner.runner import ForwardHandle, ModelRunner
+from tandem.runner.base import ForwardHandle, Runner
 from tandem.sampling.sampler import Sampler
 from tandem.spec_decode.config import SpeculativeConfig, build_proposer
 from tandem.spec_decode.proposer import Proposer
@@ -40,20 +41,45 @@ from tandem.tokenizer import Tokenizer
 logger = logging.getLogger("tandem")
 
 
+@dataclass(eq=False)
+class _InFlight:
+    """Scheduling ahead: a launched plan, and the grammar masks its sampling will use (filled during its forward)."""
+
+    plan: StepPlan
+    handle: ForwardHandle
+    masks: _Masks
+    filled_at: float = 0.0
+
+
+@dataclass(frozen=True)
+class _Masks:
+    """A step's grammar masks as the grammar filled them, and as staged for sampling."""
+
+    filled: StepMasks
+    staged: StagedMasks
+
+
+_NO_MASKS = _Masks(StepMasks(None, None), StagedMasks(None, None))
+
+
 class LLMEngine:
     """Continuous-batching engine over one model runner. Not thread-safe: one caller drives `step()`."""
 
     def __init__(
         self,
         config: EngineConfig,
-        runner: ModelRunner,
+        runner: Runner,
         tokenizer: Tokenizer,
         speculation: Speculation | None = None,
         structured_config: StructuredOutputConfig | None = None,
         mask_mode: str | None = None,
         cpu_budget: CpuBudget | None = None,
+        async_scheduling: bool | None = None,
     ) -> None:
-        """`speculation` (default: off) is owned by the engine from here on: `shutdown` closes it."""
+        """`speculation` (default: off) is owned by the engine from here on: `shutdown` closes it.
+
+        `async_scheduling`: schedule each step while the previous one runs (see `_step_ahead`). None: on when the
+        forward does not use the host's cores (an accelerator) and nothing is drafted."""
         self.config = config
         self.runner = runner
         self.tokenizer = tokenizer
@@ -71,12 +97,13 @@ class LLMEngine:
         mask_mode = mask_mode or ("cpu" if runner.device.type == "cpu" else "device")
         if mask_mode not in ("cpu", "device"):
             raise ParamError(f"mask_mode must be 'cpu' or 'device', got {mask_mode!r}")
-        self.step_sampler = StepSampler(Sampler(self.vocab_size, self.eos_token_ids), tokenizer, mask_mode)
+        self.step_sampler = StepSampler(Sampler(self.vocab_size, self.eos_token_ids), tokenizer, mask_mode, runner.device)
         self.stats = EngineStats()
         self._groups: dict[str, RequestGroup] = {}
         self._seqs: dict[str, SequenceState] = {}
         self._finished_errors: list[RequestOutput] = []
-
+        self._async_setting = async_scheduling
+        self._inflight: _InFlight | None = None  # scheduling ahead: the plan whose forward runs
     # ---------------------------------------------------------------------------------------------- requests
     def add_request(
         self,
@@ -183,9 +210,18 @@ class LLMEngine:
             return None
         return torch.Generator(self.runner.device).manual_seed(params.seed + index)
 
+    @property
+    def async_scheduling(self) -> bool:
+        """Steps are scheduled ahead (the next plan while a forward runs); needs no drafts."""
+        if self._async_setting is not None:
+            return self._async_setting and not self.speculation.active
+        return not self.runner.forward_uses_host_cores and not self.speculation.active
+
     # -------------------------------------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return the outputs of the requests that progressed (cumulative, vLLM-style)."""
+        if self.async_scheduling or self._inflight is not None:
+            return self._step_ahead()
         timer = StepTimer()
         self._poll_grammars()
         self._draft(self.scheduler.running)
@@ -195,16 +231,92 @@ class LLMEngine:
             return self._idle()
         handle = self.runner.launch(plan)
         timer.mark("launched")
-        masks = self.guidance.fill(plan)  # CPU work while the forward runs: this step's grammar masks,
+        masks = self._fill_masks(plan)  # CPU work while the forward runs: this step's grammar masks,
         self.speculation.start_lookahead(self._verifying(plan))  # and the next step's drafts
         timer.mark("overlapped")
         logits = self.runner.collect(handle)  # [R, V]
         timer.mark("collected")
-        tokens = self.runner.on_tensor_thread(self.step_sampler.sample, plan, logits, masks, self._seqs)
+        tokens = self.runner.on_tensor_thread(self.step_sampler.sample, plan, logits, masks.staged, self._seqs)
         timer.mark("sampled")
         outputs = self._advance(plan, tokens)
         self._record_step(plan, timer, handle, masks)
         return outputs + self._drain_errors()
+
+    def _step_ahead(self) -> list[RequestOutput]:
+        """One step with the next plan scheduled while this one runs: right after sampling, the tokens go into the
+        next plan and the device gets it; stop checks, detokenizing, grammar accepts, outputs and the next grammar
+        masks then run during that forward. A request that ends this step has also been scheduled for the next one:
+        its row there is computed and thrown away."""
+        timer = StepTimer()
+        self._poll_grammars()
+        cur = self._inflight or self._launch_ahead(self._schedule_ahead(frozenset()), fill_now=True)
+        if cur is None:
+            return self._idle()
+        nxt = self._schedule_ahead(frozenset(sr.request_id for sr in cur.plan.requests))
+        timer.mark("scheduled")
+        logits = self.runner.collect(cur.handle)  # [R, V]
+        timer.mark("collected")
+        self.guidance.record_wait(cur.masks.filled, cur.filled_at, cur.handle.finished_at)
+        tokens = self.runner.on_tensor_thread(self.step_sampler.sample, cur.plan, logits, cur.masks.staged, self._seqs)
+        timer.mark("sampled")
+        self.scheduler.resolve(cur.plan, tokens, nxt)
+        self._inflight = self._launch_ahead(nxt, fill_now=False)
+        timer.mark("launched")
+        outputs = self._advance_ahead(cur.plan, tokens)
+        if self._inflight is not None:  # after the accepts: the matchers are where the next step starts
+            self._inflight.masks = self._fill_masks(nxt)
+            self._inflight.filled_at = time.perf_counter()
+        timer.mark("overlapped")
+        self.stats.record_ahead(timer, len(cur.plan.preempted_ids))
+        if self._inflight is not None and not any(sr.request_id in self._seqs for sr in nxt.requests):
+            self._inflight = None  # every request of it has ended: nothing to collect
+        return outputs + self._drain_errors()
+
+    def _schedule_ahead(self, running: frozenset[str]) -> StepPlan:
+        """The next plan, accounted before it runs; `running` (the plan in flight) is never preempted for it."""
+        plan = self.scheduler.schedule(running)
+        self.scheduler.reserve(plan)
+        return plan
+
+    def _launch_ahead(self, plan: StepPlan, fill_now: bool) -> _InFlight | None:
+        if plan.is_empty():
+            return None
+        flight = _InFlight(plan, self.runner.launch(plan), _NO_MASKS)
+        if fill_now:
+            flight.masks = self._fill_masks(plan)
+            flight.filled_at = time.perf_counter()
+        return flight
+
+    def _fill_masks(self, plan: StepPlan) -> _Masks:
+        """The plan's grammar masks, filled on the CPU and their copy to the device started at once."""
+        masks = self.guidance.fill(plan, self.step_sampler.mask_buffer)
+        return _Masks(masks, self.step_sampler.stage(masks))
+
+    def _advance_ahead(self, plan: StepPlan, new_tokens: dict[str, list[int]]) -> list[RequestOutput]:
+        """`_advance` for a plan already accounted by `reserve` / `resolve`: settle each sequence, finish what
+        ended (dropping tokens it did not keep); outputs of touched groups."""
+        finished: dict[str, tuple[RequestStatus, int]] = {}  # -> (final status, tokens to drop)
+        touched: dict[str, RequestGroup] = {}
+        now = time.monotonic()
+        for rid, toks in new_tokens.items():
+            seq = self._seqs.get(rid)
+            if seq is None or seq.req.is_finished:
+                continue
+            kept, status = self._settle(seq, toks)
+            if status is not None:
+                finished[rid] = (status, len(toks) - len(kept) if toks and status else 0)
+            if seq.group.metrics.first_token_time is None:
+                seq.group.metrics.first_token_time = now
+            touched[seq.group.request_id] = seq.group
+            self.stats.num_generated_tokens += len(kept)
+        for rid, (status, drop) in finished.items():
+            req = self._seqs[rid].req
+            self.scheduler.finish(rid, status)  # also forgets the placeholder of the plan now running
+            if drop:
+                del req.token_ids[len(req.token_ids) - drop :]
+            req.status = status
+        self.stats.num_prompt_tokens += sum(sr.num_tokens for sr in plan.requests if sr.is_prefill)
+        return self._outputs(touched.values(), now)
 
     def _draft(self, running: Sequence[Request]) -> None:
         """Drafts for the next step: the proposer's, cut by the grammars, or the grammars' forced tokens."""
@@ -220,9 +332,9 @@ class LLMEngine:
             time.sleep(0.002)  # only grammar compiles are outstanding: let them run
         return self._drain_errors()
 
-    def _record_step(self, plan: StepPlan, timer: StepTimer, handle: ForwardHandle, masks: StepMasks) -> None:
+    def _record_step(self, plan: StepPlan, timer: StepTimer, handle: ForwardHandle, masks: _Masks) -> None:
         self.stats.record(timer, len(plan.preempted_ids))
-        self.guidance.record_wait(masks, timer.at("overlapped"), handle.finished_at)
+        self.guidance.record_wait(masks.filled, timer.at("overlapped"), handle.finished_at)
         self.speculation.observe_step(plan.num_tokens, timer.span("drafted", "collected"), timer.span("start", "drafted"))
 
     def _max_drafts(self, req: Request) -> int:
@@ -289,16 +401,27 @@ class LLMEngine:
         self.scheduler.update(plan, new_tokens)
         self._finish(finished)
         self.stats.num_generated_tokens += sum(len(t) for t in new_tokens.values())
-        self.stats.num_prompt_tokens += sum(sr.num_tokens - sr.num_draft_tokens for sr in plan.requests if sr.is_prefill)
+        self.stats.num_prompt_tokens += sum(self._prompt_positions(sr) for sr in plan.requests)
         return self._outputs(touched.values(), now)
+
+    def _prompt_positions(self, sr: ScheduledRequest) -> int:
+        """How many prompt positions this step computed for `sr` (a guided request's last prompt token comes in the
+        step after its grammar compiled, outside its prefill)."""
+        seq = self._seqs.get(sr.request_id)
+        if seq is None:
+            return 0
+        end = min(sr.start_pos + sr.num_tokens - sr.num_draft_tokens, len(seq.group.prompt_token_ids))
+        return max(0, end - sr.start_pos)
 
     def _settle(self, seq: SequenceState, toks: list[int]) -> tuple[list[int], RequestStatus | None]:
         """One sequence's emitted tokens: the ones it keeps, and its final status if it ended.
 
-        Per-request work that fails (its grammar, detokenizing) ends this sequence alone with an error."""
-        failure = self.guidance.failure(seq.request_id) or self.step_sampler.failures.get(seq.request_id)
-        if failure is not None:  # its grammar failed, or nothing was allowed: the sampled token means nothing
-            seq.group.error = failure
+        Per-request work that fails (its grammar, detokenizing) ends this sequence alone with an error, as does a
+        row where no token is allowed (after the drafts accepted before it, which it keeps)."""
+        failure = self.guidance.failure(seq.request_id)
+        no_token = self.step_sampler.failures.get(seq.request_id)
+        if failure is not None or (no_token is not None and not toks):  # the sampled token means nothing
+            seq.group.error = failure or no_token
             return [], RequestStatus.FINISHED_ERROR
         try:
             decision = seq.stop.add_tokens(toks)
@@ -311,7 +434,7 @@ class LLMEngine:
         if seq.logprobs is not None and len(kept) < len(toks):
             del seq.logprobs[len(seq.logprobs) - (len(toks) - len(kept)) :]
         terminated, grammar_error = self.guidance.accept(seq.req, kept, len(seq.req.draft_token_ids))
-        return kept, self._final_status(seq, decision, terminated, grammar_error)
+        return kept, self._final_status(seq, decision, terminated, grammar_error or no_token)
 
     def _learn_drafts(self, seq: SequenceState, emitted: list[int]) -> None:
         """Let speculation learn how the proposer's drafts fared (grammar-forced drafts are not the proposer's)."""
@@ -371,6 +494,7 @@ class LLMEngine:
         """
         if self.has_unfinished_requests():
             raise RuntimeError("set_speculation needs an idle engine: requests are in flight")
+        self._inflight = None
         if self._owns_speculation:
             self.speculation.close()
         sc = SpeculativeConfig.from_dict(config) if config is not None else None

@@ -167,9 +167,13 @@ class Guidance:
         return request_id in self._forced
 
     # ------------------------------------------------------------------------------------------------ masks
-    def fill(self, plan: StepPlan) -> StepMasks:
+    def fill(self, plan: StepPlan, alloc: Callable[[str, int, int], np.ndarray] | None = None) -> StepMasks:
         """Bitmasks for this step's sampled rows (call while the forward runs). Unguided rows allow everything;
-        a request whose fill fails is recorded in `failure` (its rows are then irrelevant)."""
+        a request whose fill fails is recorded in `failure` (its rows are then irrelevant).
+
+        `alloc(kind, rows, words)` gives the all-ones int32 arrays to fill ('sample' / 'verify'), e.g. views of
+        page-locked memory for an accelerator; default: fresh arrays."""
+        alloc = alloc or _fresh
         t0 = time.perf_counter()
         sampled_ids, sampled_rows, verify_jobs = [], [], []
         n_sampled = n_verify = 0
@@ -189,11 +193,11 @@ class Guidance:
                 n_sampled += 1
         sample_mask = verify_mask = None
         if sampled_ids:
-            sample_mask = np.full((n_sampled, self.words), -1, dtype=np.int32)
+            sample_mask = alloc("sample", n_sampled, self.words)
             for rid, reason in self.manager.fill_bitmask(sampled_ids, sample_mask, sampled_rows).items():
                 self._fail(rid, reason)
         if verify_jobs:
-            verify_mask = np.full((n_verify, self.words), -1, dtype=np.int32)
+            verify_mask = alloc("verify", n_verify, self.words)
             for rid, row0, drafts in verify_jobs:
                 self._fill_verify_rows(rid, drafts, verify_mask, row0)
         dt = time.perf_counter() - t0
@@ -254,6 +258,10 @@ class Guidance:
     def shutdown(self) -> None:
         if self._manager is not None:
             self._manager.shutdown()
+
+
+def _fresh(kind: str, rows: int, words: int) -> np.ndarray:
+    return np.full((rows, words), -1, dtype=np.int32)
 
 
 def make_guidance(hf_tokenizer: object, vocab_size: int, eos: Sequence[int], config: StructuredOutputConfig) -> Guidance:

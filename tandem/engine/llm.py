@@ -7,6 +7,7 @@ import gc
 import itertools
 import logging
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from tandem.engine.engine import LLMEngine
 from tandem.engine.speculation import NoSpeculation, Speculation, SpeculativeDecoder
 from tandem.models.checkpoint import Checkpoint, resolve_dtype
 from tandem.models.loader import load_checkpoint
-from tandem.params import ParamError, SamplingParams
+from tandem.params import EngineOverloaded, ParamError, SamplingParams
 from tandem.request import RequestOutput
 from tandem.runner.runner import ModelRunner
 from tandem.runner.tensor_thread import on_tensor_thread
@@ -57,13 +58,19 @@ def build_engine(
     speculative_config: Mapping[str, Any] | SpeculativeConfig | None = None,
     structured_outputs_config: Mapping[str, Any] | StructuredOutputConfig | None = None,
     structured_mask_mode: str | None = None,
+    async_scheduling: bool | None = None,
+    quantization: str | None = None,
     progress: bool = True,
 ) -> LLMEngine:
-    """Load a checkpoint (the built-in demo model when `model` is None) and build an engine around it."""
+    """Load a checkpoint (the built-in demo model when `model` is None) and build an engine around it.
+
+    `quantization`: None keeps a GGUF's quantized blocks as stored (CPU kernels; dequantized on an accelerator),
+    "none" dequantizes them to `dtype`, "int8" stores dense matrices (safetensors) as per-channel int8.
+    """
     path, dtype = _resolve_model(model, dtype)
     _check_device(device)
-    ckpt = on_tensor_thread(_load, path, dtype, progress)
-    torch_dtype = next(iter(ckpt.weights.values())).dtype
+    ckpt = on_tensor_thread(_load, path, dtype, progress, quantization)
+    torch_dtype = ckpt.weights.dtype
     cache = CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory, memory_fraction=memory_fraction,
                         enable_prefix_caching=enable_prefix_caching, num_blocks=num_kv_blocks)
     sched = _scheduler_config(ckpt.config, max_model_len, max_num_seqs, max_num_batched_tokens)
@@ -77,9 +84,11 @@ def build_engine(
     runner = ModelRunner(ckpt.config, ckpt.weights, torch_dtype, device, config.cache, config.scheduler,
                          num_threads=budget.forward_threads, use_kernels=cpu_kernels)
     del ckpt
+    if progress:
+        print(f"tandem: {runner.memory_summary()}", file=sys.stderr, flush=True)
     speculation = _speculation(sc, budget, config.model_config.vocab_size, tok, config.scheduler.max_model_len)
     engine = LLMEngine(config, runner, tok, speculation=speculation, structured_config=so_config,
-                       mask_mode=structured_mask_mode, cpu_budget=budget)
+                       mask_mode=structured_mask_mode, cpu_budget=budget, async_scheduling=async_scheduling)
     gc.collect()
     gc.freeze()  # the long-lived objects of torch and the model never need scanning again: no GC pauses in the loop
     return engine
@@ -158,14 +167,14 @@ def _structured_config(value: Mapping[str, Any] | StructuredOutputConfig | None)
         raise ConfigError(f"structured_outputs_config: {e}") from e
 
 
-def _load(path: Path, dtype: str, progress: bool) -> Checkpoint:
+def _load(path: Path, dtype: str, progress: bool, quantization: str | None = None) -> Checkpoint:
     if dtype not in ("auto", "float32", "bfloat16", "float16"):
         raise ConfigError(f"dtype must be one of 'auto', 'float32', 'bfloat16', 'float16', got {dtype!r}")
     if path.is_dir() and (path / "config.json").is_file():
         torch_dtype = resolve_dtype(dtype, ModelConfig.from_json_file(path / "config.json"))
     else:
         torch_dtype = torch.bfloat16 if dtype == "auto" else getattr(torch, dtype)
-    return load_checkpoint(path, torch_dtype, progress=progress)
+    return load_checkpoint(path, torch_dtype, progress=progress, quantization=quantization)
 
 
 def _check_device(device: str) -> None:
@@ -244,19 +253,13 @@ class LLM:
     def _run(self, items: list[PromptType], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
         ids = [f"gen-{next(self._ids)}" for _ in items]
-        added: list[str] = []
-        try:
-            for rid, item, p in zip(ids, items, params):
-                engine.add_request(rid, _prompt_of(item), p)
-                added.append(rid)
-        except ParamError:
-            for rid in added:
-                engine.abort_request(rid)
-            raise
+        prompts = [_prompt_of(item) for item in items]  # invalid input raises here, before anything runs
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        queued = list(zip(ids, prompts, params))[::-1]
         try:
-            while engine.has_unfinished_requests():
+            while queued or engine.has_unfinished_requests():
+                self._add_while_room(queued)
                 for out in engine.step():
                     if out.finished:
                         results[out.request_id] = out
@@ -268,9 +271,24 @@ class LLM:
                     engine.abort_request(rid)
         return [results[rid] for rid in ids]
 
+    def _add_while_room(self, queued: list[tuple[str, str | list[int], SamplingParams]]) -> None:
+        """Add queued requests (last first) until the engine is overloaded (e.g. its grammar compile queue is
+        full): the rest wait for the next step. Any other refusal raises; the caller aborts what was added."""
+        engine = self.llm_engine
+        while queued:
+            rid, prompt, p = queued[-1]
+            try:
+                engine.add_request(rid, prompt, p)
+            except EngineOverloaded:
+                if not engine.has_unfinished_requests():
+                    raise
+                return
+            queued.pop()
+
 
 # vLLM arguments with a tandem meaning, and ones that change nothing here (accepted so scripts run unchanged)
-_VLLM_RENAMED = {"gpu_memory_utilization": "memory_fraction", "kv_cache_memory_bytes": "kv_cache_memory"}
+_VLLM_RENAMED = {"gpu_memory_utilization": "memory_fraction", "kv_cache_memory_bytes": "kv_cache_memory",
+                 "num_gpu_blocks_override": "num_kv_blocks"}
 _VLLM_NO_EFFECT = {"trust_remote_code", "enforce_eager", "disable_log_stats", "tokenizer_mode", "swap_space"}
 
 
@@ -286,6 +304,8 @@ def _vllm_compat(kwargs: dict[str, Any]) -> dict[str, Any]:
         out[_VLLM_RENAMED.get(k, k)] = v
     if "memory_fraction" in out:
         out["memory_fraction"] = min(0.95, float(out["memory_fraction"]))
+    if out.get("quantization") == "gguf":  # vLLM's name for running a GGUF file's own quantization
+        out["quantization"] = None
     return out
 
 

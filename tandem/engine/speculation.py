@@ -7,8 +7,10 @@ Per step, for every running request in steady decode:
   3. the proposer and the adaptive K controller learn the outcome;
   4. look-ahead (proposers that draft concurrently, i.e. the draft-model worker): while the device verifies step t,
      the proposer already drafts step t + 1 from the optimistic outcome "every draft accepted and the bonus token
-     equals the proposer's own next guess". If verification agrees, those drafts are used as they are; otherwise
-     they are dropped and step t + 1 drafts anew.
+     equals the proposer's own next guess". A proposal made ahead is used whenever the context it assumed came true
+     and its first drafts match the tokens emitted since (those are cut off, the rest are the drafts). On a miss
+     the request drafts nothing this step and a fresh proposal starts at once for the next one, so the device
+     waits at most once per step for drafting (for a look-ahead still running), never twice.
 
 `NoSpeculation` is the same interface doing nothing: the engine's step never asks whether speculation is on.
 """
@@ -77,6 +79,8 @@ class SpecStats:
 class Speculation(ABC):
     """The engine's speculation seam: draft before the step, look ahead during it, learn after it."""
 
+    active = True  # drafts may be proposed (the engine then cannot schedule a step before the previous one sampled)
+
     @abstractmethod
     def draft(self, running: Sequence[Request], allowed: MaxDrafts) -> None:
         """Set `draft_token_ids` of the running requests in steady decode (before the step is scheduled)."""
@@ -108,6 +112,8 @@ class Speculation(ABC):
 class NoSpeculation(Speculation):
     """Speculation off: no drafts, nothing to learn."""
 
+    active = False
+
     def draft(self, running: Sequence[Request], allowed: MaxDrafts) -> None:
         pass
 
@@ -129,8 +135,11 @@ class NoSpeculation(Speculation):
 
 @dataclass
 class _Ahead:
-    base_len: int  # len(token_ids) the look-ahead assumed: current tokens + drafts + guess
-    future: Future[dict[str, Drafts]] | None = None
+    """Drafts proposed ahead of time for one request: `future` continues `token_ids[:base] + assumed`."""
+
+    base: int  # len(token_ids) when the proposal was started
+    assumed: list[int]  # the tokens it assumed would follow (drafts + guess); [] for a proposal on the context then
+    future: Future[dict[str, Drafts]]
 
 
 class SpeculativeDecoder(Speculation):
@@ -156,30 +165,46 @@ class SpeculativeDecoder(Speculation):
         t0 = time.perf_counter()
         decoding = [r for r in running if r.num_computed_tokens == r.num_tokens - 1 and not r.is_finished]
         batch: list[DraftRequest] = []
+        restart: list[DraftRequest] = []
         ks: dict[str, int] = {}
         for req in decoding:
             rid = req.request_id
-            k = min(self._choose_k(rid, len(decoding)), allowed(req))
-            ks[rid] = k
+            k = ks[rid] = min(self._choose_k(rid, len(decoding)), allowed(req))
             ahead = self._ahead.pop(rid, None)
+            req.draft_token_ids = []
             if k <= 0:
-                req.draft_token_ids = []
                 continue
-            if ahead is not None and ahead.base_len == req.num_tokens and ahead.future is not None:
-                drafts = ahead.future.result().get(rid)
-                if drafts is not None and drafts.token_ids:
-                    self.stats.lookahead_hits += 1
-                    self._set(req, drafts.token_ids, k)
-                    continue
             if ahead is not None:
+                usable = self._still_usable(req, ahead)
+                if usable:
+                    self.stats.lookahead_hits += 1
+                    self._set(req, usable, k)
+                    continue
                 self.stats.lookahead_misses += 1
+                restart.append(DraftRequest(rid, req.token_ids, req.num_prompt_tokens, self.k_max + 1))
+                continue  # no drafts this step: the device does not wait a second time
             batch.append(DraftRequest(rid, req.token_ids, req.num_prompt_tokens, k + 1))
         if batch:
             proposals = self._propose(batch)
             by_id = {r.request_id: r for r in decoding}
             for dr in batch:
                 self._set(by_id[dr.request_id], proposals.get(dr.request_id, Drafts([])).token_ids, ks[dr.request_id])
+        if restart:
+            self._propose_ahead(restart, {dr.request_id: [] for dr in restart})
         self.stats.draft_wait_s += time.perf_counter() - t0
+
+    def _still_usable(self, req: Request, ahead: _Ahead) -> list[int] | None:
+        """What a proposal made ahead still offers: its drafts after the tokens emitted since, when the context it
+        assumed came true and its first drafts match those tokens; None otherwise (without waiting for it)."""
+        tokens, end = req.token_ids, ahead.base + len(ahead.assumed)
+        if len(tokens) < end or list(tokens[ahead.base : end]) != ahead.assumed:
+            return None
+        drafts = ahead.future.result().get(req.request_id)
+        proposal = drafts.token_ids if drafts is not None else []
+        emitted = list(tokens[end:])
+        if proposal[: len(emitted)] != emitted:
+            return None
+        return proposal[len(emitted) :] or None
 
     def _propose(self, batch: list[DraftRequest]) -> dict[str, Drafts]:
         """The proposer's drafts; when it fails, each request is retried alone and the ones that still fail go on
@@ -217,6 +242,7 @@ class SpeculativeDecoder(Speculation):
             return
         t0 = time.perf_counter()
         batch: list[DraftRequest] = []
+        assumed: dict[str, list[int]] = {}
         for req in scheduled:
             guess = self._guess.get(req.request_id)
             if not req.draft_token_ids or guess is None:
@@ -225,12 +251,17 @@ class SpeculativeDecoder(Speculation):
             if len(optimistic) + self.k_max + 1 >= self.max_model_len:
                 continue
             batch.append(DraftRequest(req.request_id, optimistic, req.num_prompt_tokens, self.k_max + 1))
-            self._ahead[req.request_id] = _Ahead(base_len=len(optimistic))
+            assumed[req.request_id] = [*req.draft_token_ids, guess]
         if batch:
-            fut = self.proposer.propose_async(batch)
-            for dr in batch:
-                self._ahead[dr.request_id].future = fut
+            self._propose_ahead(batch, assumed)
         self.stats.lookahead_s += time.perf_counter() - t0
+
+    def _propose_ahead(self, batch: list[DraftRequest], assumed: dict[str, list[int]]) -> None:
+        """Start one proposal for `batch` (each request's tokens + `assumed[rid]`) and remember it per request."""
+        future = self.proposer.propose_async(batch)
+        for dr in batch:
+            a = assumed[dr.request_id]
+            self._ahead[dr.request_id] = _Ahead(len(dr.token_ids) - len(a), a, future)
 
     # ------------------------------------------------------------------------------------------------ learning
     def observe(self, req: Request, drafts: Sequence[int], emitted: Sequence[int]) -> int:
@@ -253,10 +284,7 @@ class SpeculativeDecoder(Speculation):
             if self.adaptive is not None:
                 self.adaptive.observe_acceptance(req.request_id, k, accepted)
         self.proposer.on_verified(req.request_id, list(drafts[:accepted]), k)
-        ahead = self._ahead.get(req.request_id)
-        guess = self._guess.pop(req.request_id, None)
-        if ahead is not None and not (accepted == k and len(emitted) == k + 1 and emitted[-1] == guess):
-            ahead.base_len = -1  # the optimistic outcome did not happen: drop the look-ahead at the next draft()
+        self._guess.pop(req.request_id, None)
         return accepted
 
     def observe_step(self, num_tokens: int, seconds: float, draft_seconds: float) -> None:

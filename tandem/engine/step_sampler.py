@@ -7,6 +7,7 @@ records. Row order: the plan's requests in order, each with its `num_logits_rows
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -14,41 +15,88 @@ import torch
 from tandem.core.plan import ScheduledRequest, StepPlan
 from tandem.engine.guidance import StepMasks
 from tandem.engine.sequences import SequenceState
+from tandem.params import SamplingParams
 from tandem.request import Logprob
 from tandem.sampling.rejection import DraftRows, rejection_sample
 from tandem.sampling.sampler import RowLogprobs, Sampler, SamplingRow, prompt_logprobs
 from tandem.tokenizer import Tokenizer
 
-PlainRow = tuple[SequenceState, int]  # (sequence, logits row)
+PlainRow = tuple[SequenceState | None, int]  # (sequence, or None when it ended meanwhile; logits row)
+_UNUSED = SamplingRow(SamplingParams(temperature=0.0), [], [], None)  # the row of a sequence that ended meanwhile
 VerifyRows = tuple[SequenceState, int, list[int]]  # (sequence, first logits row, drafts)
+
+
+@dataclass
+class StagedMasks:
+    """A step's bitmasks where sampling will read them: on the device (copied from pinned memory, non-blocking,
+    while the forward still runs) or on the host (mode (b), or a CPU device: no copy)."""
+
+    sample_rows: torch.Tensor | None  # [n_sampled_rows, W] int32
+    verify_rows: torch.Tensor | None  # [n_verify_rows, W] int32
+
+    @property
+    def guided(self) -> bool:
+        return self.sample_rows is not None or self.verify_rows is not None
 
 
 class StepSampler:
     """Samples or verifies every sequence of a step that reached the end of its known tokens."""
 
-    def __init__(self, sampler: Sampler, tokenizer: Tokenizer, mask_mode: str) -> None:
+    def __init__(self, sampler: Sampler, tokenizer: Tokenizer, mask_mode: str, device: torch.device) -> None:
         self.sampler = sampler
         self.tokenizer = tokenizer
         # (a) "device": bitmask copied to the device and applied there; (b) "cpu": logits brought to the host
         self.mask_mode = mask_mode
+        self.device = device
         self.failures: dict[str, str] = {}  # request -> why it got no token in the last `sample`
+        self._pinned: dict[str, torch.Tensor] = {}  # staging buffers the grammar fills (an accelerator in mode (a))
 
+    # ------------------------------------------------------------------------------------------ grammar masks
+    def mask_buffer(self, kind: str, rows: int, words: int) -> np.ndarray:
+        """An int32 [rows, words] array, every bit set, for the grammar to fill: a view of page-locked memory when
+        the masks go to an accelerator (so `stage` copies without a stop), else a fresh array.
+
+        A buffer is reused by the next step's fill: by then the copy has been consumed (sampling reads it, and the
+        engine waits for sampling's tokens) in both the synchronous and the scheduling-ahead step."""
+        if self.device.type == "cpu" or self.mask_mode == "cpu":
+            return np.full((rows, words), -1, dtype=np.int32)
+        buf = self._pinned.get(kind)
+        if buf is None or buf.shape[0] < rows or buf.shape[1] != words:
+            buf = self._pinned[kind] = torch.empty((max(rows, 64), words), dtype=torch.int32, pin_memory=True)
+        view = buf[:rows].numpy()
+        view.fill(-1)
+        return view
+
+    def stage(self, masks: StepMasks) -> StagedMasks:
+        """Start the copies of a step's bitmasks to where sampling runs (call as soon as they are filled)."""
+        to_device = self.device.type != "cpu" and self.mask_mode == "device"
+
+        def put(mask: np.ndarray | None) -> torch.Tensor | None:
+            if mask is None:
+                return None
+            t = torch.from_numpy(mask)
+            return t.to(self.device, non_blocking=True) if to_device else t
+
+        return StagedMasks(put(masks.sample_rows), put(masks.verify_rows))
+
+    # ------------------------------------------------------------------------------------------------ sampling
     def sample(
-        self, plan: StepPlan, logits: torch.Tensor, masks: StepMasks, seqs: Mapping[str, SequenceState]
+        self, plan: StepPlan, logits: torch.Tensor, masks: StagedMasks, seqs: Mapping[str, SequenceState]
     ) -> dict[str, list[int]]:
         """Tokens per request id: one sampled token, or the verified drafts plus one. logits: [R, V].
 
-        A request for which no token was allowed (its grammar, min_tokens, stop ids, allowed ids and logit bias
-        exclude every token) gets no tokens; `failures` says why, until the next call."""
+        A request that reached a row where no token was allowed (its grammar, min_tokens, stop ids, allowed ids and
+        logit bias exclude every token) gets only the drafts accepted before that row; `failures` says why, until the
+        next call."""
         self.failures = {}
         if self.mask_mode == "cpu" and logits.device.type != "cpu" and masks.guided:
             logits = logits.cpu()  # mode (b): all logits processing and sampling on the host
         plain, verify = self._split_rows(plan, logits, seqs)
         tokens: dict[str, list[int]] = {}
         if plain:
-            tokens.update(self._sample_plain(plain, logits, _bitmask(masks.sample_rows, logits.device)))
+            tokens.update(self._sample_plain(plain, logits, _on(masks.sample_rows, logits.device)))
         if verify:
-            tokens.update(self._verify(verify, logits, _bitmask(masks.verify_rows, logits.device)))
+            tokens.update(self._verify(verify, logits, _on(masks.verify_rows, logits.device)))
         return tokens
 
     def _split_rows(
@@ -59,8 +107,13 @@ class StepSampler:
         verify: list[VerifyRows] = []
         offset = 0
         for sr in plan.requests:
-            seq = seqs[sr.request_id]
+            seq = seqs.get(sr.request_id)
             n = sr.num_logits_rows
+            if seq is None or seq.req.is_finished:  # ended while its plan ran (scheduling ahead): sampled, unused
+                if sr.needs_logits:
+                    plain.append((None, offset + n - 1))
+                offset += n
+                continue
             if sr.all_logits:
                 self._record_prompt_logprobs(seq, sr, logits[offset : offset + n])
             if sr.needs_logits:
@@ -73,7 +126,7 @@ class StepSampler:
         return plain, verify
 
     def _sample_plain(self, plain: list[PlainRow], logits: torch.Tensor, bitmask: torch.Tensor | None) -> dict[str, list[int]]:
-        rows = [_row(seq, ()) for seq, _ in plain]
+        rows = [_row(seq, ()) if seq is not None else _UNUSED for seq, _ in plain]
         picked = [r for _, r in plain]
         if picked == list(range(logits.shape[0])):  # every row, in order (plain decode): no copy
             x = logits
@@ -83,17 +136,29 @@ class StepSampler:
         tokens: dict[str, list[int]] = {}
         dead = set(out.dead_rows)
         for i, ((seq, _), tok, lp) in enumerate(zip(plain, out.token_ids, out.logprobs)):
+            if seq is None:
+                continue
             if i in dead:
-                self._no_token(seq, tokens)
+                tokens[seq.request_id] = []
+                self._no_token(seq, 0)
                 continue
             tokens[seq.request_id] = [tok]
             self._add_logprobs(seq, [lp] if lp is not None else [])
         return tokens
 
-    def _no_token(self, seq: SequenceState, tokens: dict[str, list[int]]) -> None:
-        tokens[seq.request_id] = []
-        self.failures[seq.request_id] = ("no token is allowed here: the grammar, min_tokens, stop_token_ids, "
-                                         "allowed_token_ids and logit_bias together exclude every token")
+    def _no_token(self, seq: SequenceState, num_accepted: int) -> None:
+        """Record why `seq` got no token after its first `num_accepted` new ones: the constraints that were in force."""
+        p, done = seq.req.params, len(seq.req.output_token_ids) + num_accepted
+        causes = ["the grammar"] if p.structured_outputs is not None else []
+        if done < p.min_tokens:
+            causes.append(f"min_tokens={p.min_tokens} (EOS and stop_token_ids are banned before {p.min_tokens} "
+                          f"tokens; {done} so far)")
+        if p.allowed_token_ids is not None:
+            causes.append("allowed_token_ids")
+        if p.logit_bias and any(b == float("-inf") for b in p.logit_bias.values()):
+            causes.append("logit_bias")
+        self.failures[seq.request_id] = f"no token is allowed here: {' and '.join(causes) or 'the constraints'} " \
+                                        "exclude every token"
 
     def _verify(self, verify: list[VerifyRows], logits: torch.Tensor, bitmask: torch.Tensor | None) -> dict[str, list[int]]:
         """Rejection-sample every speculative request's drafts in one call (row j sees drafts[:j] as its history)."""
@@ -103,13 +168,11 @@ class StepSampler:
         emitted = rejection_sample(self.sampler, target, rows, [DraftRows(d, None) for _, _, d in verify], bitmask)
         tokens: dict[str, list[int]] = {}
         pos = 0
-        for (seq, _, drafts), toks in zip(verify, emitted):
-            if not toks:
-                self._no_token(seq, tokens)
-                pos += len(drafts) + 1
-                continue
+        for (seq, _, drafts), (toks, dead) in zip(verify, emitted):
             tokens[seq.request_id] = toks
-            if seq.logprobs is not None:
+            if dead:
+                self._no_token(seq, len(toks))
+            if toks and seq.logprobs is not None:
                 n = seq.req.params.logprobs or 0
                 self._add_logprobs(seq, prompt_logprobs(target[pos : pos + len(toks)], toks, n))
             pos += len(drafts) + 1
@@ -154,5 +217,6 @@ def _row(seq: SequenceState, drafts: Sequence[int]) -> SamplingRow:
     return SamplingRow(req.params, req.prompt_token_ids, out + list(drafts) if drafts else out, seq.generator)
 
 
-def _bitmask(mask: np.ndarray | None, device: torch.device) -> torch.Tensor | None:
-    return None if mask is None else torch.from_numpy(mask).to(device, non_blocking=True)
+def _on(mask: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    """The staged mask on the logits' device (already there unless the logits moved, as in mode (b))."""
+    return None if mask is None else mask.to(device, non_blocking=True)

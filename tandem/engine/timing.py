@@ -35,6 +35,7 @@ class EngineStats:
     cpu_overlap_s: float = 0.0  # CPU work done while the forward ran (grammar masks, look-ahead drafting)
     draft_s: float = 0.0  # drafting before the step (the device waits for it)
     sample_s: float = 0.0
+    launch_gap_s: float = 0.0  # scheduling ahead: host time between sampling and the next launch (device idle)
 
     def record(self, timer: StepTimer, num_preempted: int) -> None:
         """Add one step whose timer marked 'drafted', 'launched', 'overlapped', 'collected' and 'sampled'."""
@@ -44,3 +45,13 @@ class EngineStats:
         self.forward_s += timer.span("drafted", "collected")
         self.cpu_overlap_s += timer.span("launched", "overlapped")
         self.sample_s += timer.span("collected", "sampled")
+
+    def record_ahead(self, timer: StepTimer, num_preempted: int) -> None:
+        """Add one step scheduled ahead, whose timer marked 'scheduled', 'collected', 'sampled', 'launched' and
+        'overlapped' (the next plan was scheduled, and this one advanced, while a forward ran)."""
+        self.num_steps += 1
+        self.num_preemptions += num_preempted
+        self.forward_s += timer.span("scheduled", "collected")
+        self.cpu_overlap_s += timer.span("start", "scheduled") + timer.span("launched", "overlapped")
+        self.sample_s += timer.span("collected", "sampled")
+        self.launch_gap_s += timer.span("sampled", "launched")

@@ -47,6 +47,8 @@ class DecodeGroup:
     seq_info: torch.Tensor  # [B, 3] int64 (first row, new tokens n, tokens cached before them): the CPU kernel's view
     block_tables: torch.Tensor  # [B, blocks_max] int64, each request's blocks padded with its last one
     dense: bool = False  # every token of the step is here, q_max per request, in order: no gather / scatter
+    query_pos: torch.Tensor | None = None  # [B, q_max] int64 position of each padded query (torch path)
+    window_bias: dict[int, torch.Tensor] = field(default_factory=dict)  # `bias` narrowed to a sliding window, per window
 
 
 @dataclass
@@ -121,7 +123,8 @@ def _decode_group(
         limits.append([start + min(j, n - 1) for j in range(q_max)])  # query j sees keys [0, start + j]
         flat.extend(i * q_max + j for j in range(n))
         out_rows.extend(range(row0, row0 + n))
-    allowed = torch.arange(L)[None, None, :] <= torch.tensor(limits)[:, :, None]  # [B, q_max, L]
+    query_pos = torch.tensor(limits)  # [B, q_max]
+    allowed = torch.arange(L)[None, None, :] <= query_pos[:, :, None]  # [B, q_max, L]
     bias = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
     return DecodeGroup(
         token_index=to_dev(torch.tensor(token_index)),
@@ -134,7 +137,32 @@ def _decode_group(
         out_rows=to_dev(torch.tensor(out_rows)),
         seq_info=seq_info,
         block_tables=block_tables,
+        query_pos=to_dev(query_pos),
     )
+
+
+def window_mask(query_pos: torch.Tensor, num_keys: int, window: int | None) -> torch.Tensor:
+    """[..., num_keys] bool: key position j is visible to a query at position p iff j <= p and, with a sliding
+    window W, j > p - W (the query and the W - 1 keys before it, as transformers' Mistral / Qwen2 masks)."""
+    keys = torch.arange(num_keys, device=query_pos.device)
+    p = query_pos.unsqueeze(-1)
+    visible = keys <= p
+    if window is not None:
+        visible &= keys > p - window
+    return visible
+
+
+def _windowed_bias(g: DecodeGroup, window: int | None) -> torch.Tensor:
+    """The decode group's additive mask [B, 1, q_max, 1, L], narrowed to `window` (built once per step and window)."""
+    if window is None:
+        return g.bias
+    bias = g.window_bias.get(window)
+    if bias is None:
+        assert g.query_pos is not None
+        hidden = ~window_mask(g.query_pos, g.key_len, window)  # [B, q_max, L]
+        bias = torch.zeros(g.bias.shape, device=g.bias.device).masked_fill_(hidden.view(g.bias.shape), float("-inf"))
+        g.window_bias[window] = bias
+    return bias
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -146,41 +174,45 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
 
 
 def paged_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of this step's queries over everything cached for their requests.
+    """Causal attention of this step's queries over everything cached for their requests (the last `window` keys
+    of each query's position with a sliding window).
 
     q [T, H, D]; k, v [T, KVH, D] (already written to `kv_cache`); returns [T, H * D] in q's dtype.
     """
     T, H, D = q.shape
     g = meta.decode
     if g is not None and g.dense:
-        return _decode_attention(q, kv_cache, g, scale).view(T, H * D)
+        return _decode_attention(q, kv_cache, g, scale, window).view(T, H * D)
     out = torch.empty_like(q)
     for p in meta.prefills:
         s = p.token_slice
-        out[s] = prefill_attention(q[s], k[s], v[s], kv_cache, p, scale)
+        out[s] = prefill_attention(q[s], k[s], v[s], kv_cache, p, scale, window=window)
     if g is not None:
-        o = _decode_attention(q, kv_cache, g, scale)  # [B * q_max, H, D]
+        o = _decode_attention(q, kv_cache, g, scale, window)  # [B * q_max, H, D]
         out[g.out_rows] = o.index_select(0, g.flat_index)
     return out.view(T, H * D)
 
 
 def prefill_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, p: PrefillSeq, scale: float,
-    k_transposed: bool = False,
+    k_transposed: bool = False, window: int | None = None,
 ) -> torch.Tensor:
     """One request's chunk: q [n, H, D] -> [n, H, D]. `k_transposed`: the cache's K blocks are [D, block_size]
-    (tandem's CPU kernels), not [block_size, D]."""
+    (tandem's CPU kernels), not [block_size, D]. `window`: each query sees only the last `window` keys."""
     n = q.shape[0]
+    positions = torch.arange(p.start_pos, p.start_pos + n, device=q.device)
     # the math runs in one dtype on every path (float32 on the CPU, the cache's on an accelerator) and reads K/V as
     # the cache holds them, so a prefix-cache hit changes nothing
     dt = torch.float32 if kv_cache.device.type == "cpu" else kv_cache.dtype
     qh = q.transpose(0, 1).unsqueeze(0).to(dt)  # [1, H, n, D]
     if p.key_blocks is None:
         o = F.scaled_dot_product_attention(
-            qh, k.transpose(0, 1).unsqueeze(0).to(dt), v.transpose(0, 1).unsqueeze(0).to(dt), is_causal=True, scale=scale,
-            enable_gqa=True,
+            qh, k.transpose(0, 1).unsqueeze(0).to(dt), v.transpose(0, 1).unsqueeze(0).to(dt),
+            attn_mask=window_mask(positions, n, window) if window is not None and window < n else None,
+            is_causal=window is None or window >= n, scale=scale, enable_gqa=True,
         )
         return o[0].transpose(0, 1).to(q.dtype)
     total = p.start_pos + n
@@ -189,15 +221,17 @@ def prefill_attention(
         _, KVH, nb, BS, D = kv.shape
         kv = torch.stack([kv[0].view(KVH, nb, D, BS).transpose(-1, -2), kv[1]])
     kv = kv.flatten(2, 3)[:, :, :total].to(dt)  # [2, KVH, total, D]
-    # query i (position start + i) sees keys [0, start + i]
-    mask = torch.ones(n, kv.shape[2], dtype=torch.bool, device=q.device).tril(diagonal=p.start_pos)
+    # query i (position start + i) sees keys [0, start + i] (the last `window` of them with a window)
+    mask = window_mask(positions, kv.shape[2], window)
     o = F.scaled_dot_product_attention(
         qh, kv[0].unsqueeze(0), kv[1].unsqueeze(0), attn_mask=mask, scale=scale, enable_gqa=True
     )  # [1, H, n, D]
     return o[0].transpose(0, 1).to(q.dtype)
 
 
-def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, g: DecodeGroup, scale: float) -> torch.Tensor:
+def _decode_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, g: DecodeGroup, scale: float, window: int | None = None
+) -> torch.Tensor:
     """Few queries per request against its gathered keys, all requests at once -> [B * q_max, H, D].
 
     Heads are grouped (GQA): query head h reads kv head h // G, G = H / KVH. With batch dims (KVH, B) the gathered
@@ -212,12 +246,12 @@ def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, g: DecodeGroup, s
     if q.is_cuda:
         qs = qb.view(B, q_max, H, D).transpose(1, 2)  # [B, H, q_max, D]
         keys = kv[0].transpose(0, 1)  # [B, KVH, L, D]
-        mask = g.bias.view(B, 1, q_max, L)
+        mask = _windowed_bias(g, window).view(B, 1, q_max, L)
         o = F.scaled_dot_product_attention(qs, keys, kv[1].transpose(0, 1), attn_mask=mask.to(qs.dtype), scale=scale, enable_gqa=True)
         return o.transpose(1, 2).reshape(B * q_max, H, D)
     qs = qb.view(B, q_max, KVH, G, D).permute(2, 0, 1, 3, 4).reshape(KVH, B, q_max * G, D).to(kv.dtype)
     scores = torch.matmul(qs, kv[0].transpose(-1, -2)).mul_(scale)  # [KVH, B, q_max * G, L]
-    scores.view(KVH, B, q_max, G, L).add_(g.bias.view(1, B, q_max, 1, L))
+    scores.view(KVH, B, q_max, G, L).add_(_windowed_bias(g, window).view(1, B, q_max, 1, L))
     o = torch.matmul(torch.softmax(scores, dim=-1), kv[1])  # [KVH, B, q_max * G, D]
     return o.view(KVH, B, q_max, G, D).permute(1, 2, 0, 3, 4).reshape(B * q_max, H, D).to(q.dtype)
 

@@ -1,6 +1,6 @@
-"""Build and load tandem's CPU kernels (`csrc/cpu_ops.cpp`, registered as `torch.ops.tandem.*`).
+"""Build and load tandem's CPU kernels (`csrc/cpu_ops.cpp`, `csrc/quant_ops.cpp`, registered as `torch.ops.tandem.*`).
 
-The source is compiled once per (source, torch version, CPU) with the host's C++ compiler into
+The sources are compiled once per (sources, torch version, CPU) with the host's C++ compiler into
 `$TANDEM_HOME/kernels/<key>/` and loaded from there afterwards; `make setup` builds it ahead of time. When no compiler
 is found or the build fails, `load_cpu_kernels()` returns False with the reason logged once, and the model runs its
 plain torch operations instead (same results up to float rounding, slower per step).
@@ -21,7 +21,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_ops.cpp", "quant_ops.cpp")]
 # no FP traps or errno: lets gcc vectorise loops with floor / conversions (the kernels never read FP exception flags)
 _CFLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fno-math-errno", "-mprefer-vector-width=512", "-fopenmp", "-std=c++17"]
 _lock = threading.Lock()
@@ -40,7 +40,9 @@ def _cpu_signature() -> str:
 
 def build_key() -> str:
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), _cpu_signature().encode(), " ".join(_CFLAGS).encode()):
+    for source in SOURCES:
+        h.update(source.read_bytes())
+    for part in (torch.__version__.encode(), _cpu_signature().encode(), " ".join(_CFLAGS).encode()):
         h.update(part)
     return h.hexdigest()[:16]
 
@@ -64,7 +66,7 @@ def load_cpu_kernels(verbose: bool = False) -> bool:
 
 
 def _build_and_load(verbose: bool) -> tuple[bool, str]:
-    if hasattr(torch.ops, "tandem") and hasattr(torch.ops.tandem, "paged_attention"):
+    if hasattr(torch.ops, "tandem") and hasattr(torch.ops.tandem, "quant_linear"):
         return True, ""
     try:
         from torch.utils import cpp_extension
@@ -78,7 +80,7 @@ def _build_and_load(verbose: bool) -> tuple[bool, str]:
     try:
         cpp_extension.load(
             name="tandem_cpu_ops",
-            sources=[str(SOURCE)],
+            sources=[str(s) for s in SOURCES],
             extra_cflags=_CFLAGS,
             extra_ldflags=["-fopenmp"],
             build_directory=str(folder),

@@ -1,21 +1,38 @@
-"""Dense projections, picked once per weight for the device and dtype.
+"""Projections: a weight held once, in the layout its kernel reads, picked once per weight for the device and format.
 
-On x86 CPUs `F.linear` on bfloat16 reaches about a third of memory bandwidth at batch 1, while oneDNN with a
-pre-packed (blocked) weight reaches it fully; float32 through oneDNN is also ~2x MKL's path there. Everything else uses
-`F.linear`. The packed weight replaces the plain one (weights are held once).
+`make_linear(weight)` returns a `Projection`, a callable x [M, K] -> x @ W^T + b [M, N] that can also hand out rows of
+W (`rows(ids)`, float32): a tied embedding is looked up from the same storage the output projection multiplies, so it
+is held once. Kinds, on the CPU with tandem's kernels:
+  * `QuantProjection`: quantized weights (GGUF blocks, int8) repacked losslessly for `csrc/quant_ops.cpp` (VNNI or
+    AVX2 integer dot products over int8-quantized activations); one call runs a fused group of parts of mixed formats.
+  * `Bf16GemmProjection`: bf16 weights packed for tandem's AVX512-BF16 GEMM (`csrc/cpu_ops.cpp: linear_bf16`).
+  * `OneDnnProjection`: bf16 / float32 weights pre-packed for oneDNN (x86 `F.linear` on bf16 reaches a third of the
+    memory bandwidth at batch 1; oneDNN with a packed weight all of it).
+  * `DenseProjection`: `F.linear` (accelerators, anything else). Quantized weights on an accelerator, or without the
+    kernels, are dequantized once with torch ops on their device (`QuantizedTensor.dequantize`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
+from tandem.layers.quant import QuantizedTensor, concat_rows
+
+logger = logging.getLogger(__name__)
+
 LinearFn = Callable[[torch.Tensor], torch.Tensor]
+Weight = torch.Tensor | QuantizedTensor  # noqa: UP007 (a runtime alias on Python 3.10)
 
 EXACT_ROWS = 8  # up to this many rows run as they are; more are padded to a multiple of ROW_BUCKET
 ROW_BUCKET = 16
+ISA_ENV = "TANDEM_QUANT_ISA"  # "avx2" forces the quantized kernels' AVX2 path (tests), "avx512" the VNNI one
+_ISAS = {"auto": 0, "avx2": 1, "avx512": 2}
 
 
 def bucket_rows(m: int) -> int:
@@ -24,20 +41,219 @@ def bucket_rows(m: int) -> int:
     return m if m <= EXACT_ROWS else -(-m // ROW_BUCKET) * ROW_BUCKET
 
 
+class Projection(ABC):
+    """x [M, K] -> x @ W^T (+ b) [M, N] in x's dtype; W held once, in the layout its kernel reads."""
+
+    out_features: int
+    in_features: int
+    kind: str
+
+    @abstractmethod
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    has_rows = True  # whether `rows` can read W back (not from oneDNN's opaque bf16 packing)
+
+    @abstractmethod
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """W[ids] as float32 [len(ids), K] (embedding lookups from the projection's own storage)."""
+
+    @property
+    @abstractmethod
+    def nbytes(self) -> int:
+        """Bytes the weight (and bias) occupy."""
+
+
+class DenseProjection(Projection):
+    kind = "dense"
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.weight, self.bias = weight, bias
+        self.out_features, self.in_features = int(weight.shape[0]), int(weight.shape[1])
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight).float()
+
+    @property
+    def nbytes(self) -> int:
+        return _tensor_bytes(self.weight) + _tensor_bytes(self.bias)
+
+
+class OneDnnProjection(Projection):
+    """bf16 / float32 through oneDNN with a pre-packed weight. The bf16 packing is opaque, so `rows` is only
+    available for float32 (whose packed weight is the plain one); a tied bf16 embedding keeps its own table."""
+
+    kind = "onednn"
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.out_features, self.in_features = int(weight.shape[0]), int(weight.shape[1])
+        self.packed = _pack_onednn(weight.contiguous())
+        self.has_rows = self.packed.dtype == torch.float32
+        self.bias = bias.contiguous() if bias is not None else None
+        self._op = torch.ops.mkldnn._linear_pointwise
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        m = x.shape[0]
+        padded = bucket_rows(m)
+        if padded == m:
+            return self._op(x, self.packed, self.bias, "none", [], "")
+        return self._op(F.pad(x, (0, 0, 0, padded - m)), self.packed, self.bias, "none", [], "")[:m]
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        if not self.has_rows:
+            raise NotImplementedError("rows of a oneDNN-packed bf16 weight")
+        return F.embedding(ids, self.packed).float()
+
+    @property
+    def nbytes(self) -> int:
+        return _tensor_bytes(self.packed) + _tensor_bytes(self.bias)
+
+
+class Bf16GemmProjection(Projection):
+    """tandem's AVX512-BF16 GEMM over W packed [N / 16, K / 2, 16, 2]: 1.1-1.3x oneDNN at 32 rows and up to 2-3x at
+    1-5 rows, same for prefill; every row computed the same way at any batch size."""
+
+    kind = "bf16-gemm"
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        n, k = int(weight.shape[0]), int(weight.shape[1])
+        self.out_features, self.in_features = n, k
+        # [N, K] -> [N / 16, K / 2, 16, 2]: per 16 output columns, K in pairs (the vdpbf16ps operand layout)
+        self.packed = weight.reshape(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+        self.bias = bias.contiguous() if bias is not None else None
+        self._gemm = torch.ops.tandem.linear_bf16
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self._gemm(x.contiguous(), self.packed, self.bias)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        picked = self.packed[ids // 16, :, ids % 16, :]  # [R, K / 2, 2]
+        return picked.reshape(ids.shape[0], self.in_features).float()
+
+    @property
+    def nbytes(self) -> int:
+        return _tensor_bytes(self.packed) + _tensor_bytes(self.bias)
+
+
+class QuantProjection(Projection):
+    """Quantized parts (one format each, same K) multiplied in one kernel call into one output [M, sum(N_i)]."""
+
+    kind = "quant"
+
+    def __init__(self, parts: Sequence[QuantizedTensor], bias: torch.Tensor | None, isa: int) -> None:
+        self.in_features = parts[0].shape[1]
+        self.out_features = sum(p.shape[0] for p in parts)
+        self.formats = [p.format.kernel_id for p in parts]
+        self.ns = [p.shape[0] for p in parts]
+        self.packed = [_pack_quant(p) for p in parts]
+        self.qtypes = [p.qtype for p in parts]
+        self.bias = bias.float().contiguous() if bias is not None else None
+        self.isa = isa
+        self._op = torch.ops.tandem.quant_linear
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self._op(x.contiguous(), self.packed, self.formats, self.ns, self.bias, self.isa)
+
+    @property
+    def has_rows(self) -> bool:  # type: ignore[override]
+        return len(self.packed) == 1
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        if len(self.packed) != 1:
+            raise NotImplementedError("rows of a fused projection")
+        return torch.ops.tandem.quant_rows(self.packed[0], self.formats[0], self.ns[0], self.in_features, ids)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(_tensor_bytes(p) for p in self.packed) + _tensor_bytes(self.bias)
+
+
+def make_linear(
+    weight: Weight | Sequence[Weight], bias: torch.Tensor | None = None, use_kernels: bool = False,
+    dtype: torch.dtype | None = None,
+) -> Projection:
+    """The projection for `weight` (or the parts of a fused one, stacked along N) with the fastest kernel for the
+    device and format. Quantized parts stay quantized on a CPU with the kernels; otherwise they are dequantized to
+    `dtype` (default: the dense parts' dtype, else bfloat16) on their device. The inputs can be dropped afterwards."""
+    parts = list(weight) if isinstance(weight, Sequence) else [weight]
+    quantized = [p for p in parts if isinstance(p, QuantizedTensor)]
+    dense_dtype = dtype or next((p.dtype for p in parts if isinstance(p, torch.Tensor)), torch.bfloat16)
+    if quantized:
+        isa = quant_isa() if use_kernels and parts[0].device.type == "cpu" else 0
+        # the kernels quantize activations in blocks of 32 (I8 included): other widths run dense
+        if isa and len(quantized) == len(parts) and parts[0].shape[1] % 32 == 0:
+            return QuantProjection(_merge_same_format(quantized), bias, isa)
+        parts = [p.dequantize(dense_dtype) if isinstance(p, QuantizedTensor) else p for p in parts]
+    w = parts[0] if len(parts) == 1 else torch.cat(parts)  # type: ignore[arg-type]
+    return _dense_projection(w, bias, use_kernels)  # type: ignore[arg-type]
+
+
+def _dense_projection(weight: torch.Tensor, bias: torch.Tensor | None, use_kernels: bool) -> Projection:
+    n, k = weight.shape
+    on_cpu = weight.device.type == "cpu"
+    if (
+        use_kernels and on_cpu and weight.dtype == torch.bfloat16 and n % 16 == 0 and k % 2 == 0
+        and (bias is None or bias.dtype == torch.bfloat16) and _bf16_gemm_available()
+    ):
+        return Bf16GemmProjection(weight, bias)
+    if on_cpu and weight.dtype in (torch.bfloat16, torch.float32) and _onednn_ok(weight.dtype):
+        return OneDnnProjection(weight, bias)
+    return DenseProjection(weight, bias)
+
+
+def _merge_same_format(parts: list[QuantizedTensor]) -> list[QuantizedTensor]:
+    """Adjacent parts of one format become one segment (fewer, longer strips for the kernel)."""
+    merged: list[list[QuantizedTensor]] = []
+    for p in parts:
+        if merged and merged[-1][0].qtype == p.qtype:
+            merged[-1].append(p)
+        else:
+            merged.append([p])
+    return [group[0] if len(group) == 1 else concat_rows(group) for group in merged]
+
+
+def _pack_quant(w: QuantizedTensor) -> torch.Tensor:
+    n, k = w.shape
+    if w.qtype == "I8":
+        assert w.scales is not None
+        return torch.ops.tandem.quant_pack_i8(w.data.contiguous(), w.scales.float().contiguous())
+    return torch.ops.tandem.quant_pack(w.data.contiguous(), w.format.kernel_id, n, k)
+
+
+def quant_isa() -> int:
+    """The quantized kernels' ISA: 2 AVX512-VNNI, 1 AVX2, 0 none (no kernels, or a CPU with neither);
+    `TANDEM_QUANT_ISA=avx2` forces the AVX2 path on a VNNI CPU."""
+    from tandem.layers.kernels import load_cpu_kernels
+
+    if not load_cpu_kernels():
+        return 0
+    best = int(torch.ops.tandem.quant_isa())
+    wanted = _ISAS.get(os.environ.get(ISA_ENV, "auto").lower(), 0)
+    if wanted and wanted > best:
+        logger.warning("%s=%s: this CPU only has ISA level %d; using it", ISA_ENV, os.environ[ISA_ENV], best)
+    return min(wanted, best) if wanted else best
+
+
+def _tensor_bytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
 def _onednn_available(dtype: torch.dtype) -> bool:
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
         return False
     try:
         w = torch.randn(8, 16, dtype=dtype)
         x = torch.randn(2, 16, dtype=dtype)
-        packed = _pack(w)
+        packed = _pack_onednn(w)
         y = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
         return bool(torch.allclose(y.float(), F.linear(x, w).float(), atol=1e-2, rtol=1e-2))
     except (RuntimeError, AttributeError):
         return False
 
 
-def _pack(w: torch.Tensor) -> torch.Tensor:
+def _pack_onednn(w: torch.Tensor) -> torch.Tensor:
     if w.dtype == torch.bfloat16:
         return torch.ops.mkldnn._reorder_linear_weight(w, 1)
     return w  # float32: oneDNN takes the plain [out, in] weight
@@ -46,53 +262,14 @@ def _pack(w: torch.Tensor) -> torch.Tensor:
 _ONEDNN: dict[torch.dtype, bool] = {}
 
 
+def _onednn_ok(dtype: torch.dtype) -> bool:
+    ok = _ONEDNN.get(dtype)
+    if ok is None:
+        ok = _ONEDNN[dtype] = _onednn_available(dtype)
+    return ok
+
+
 def _bf16_gemm_available() -> bool:
     from tandem.layers.kernels import load_cpu_kernels
 
     return load_cpu_kernels() and bool(torch.ops.tandem.has_bf16_gemm())
-
-
-def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, use_kernels: bool = False) -> LinearFn:
-    """A function x [..., in] -> [..., out] computing x @ weight.T + bias with the fastest kernel for the device.
-
-    bf16 on an AVX512-BF16 CPU with `use_kernels`: tandem's GEMM (`csrc/cpu_ops.cpp: linear_bf16`), 1.1-1.3x
-    oneDNN at 32 rows and up to 2-3x at 1-5 rows, same for prefill; every row computed the same way at any batch size.
-    """
-    dtype = weight.dtype
-    N, K = weight.shape
-    if (
-        use_kernels and weight.device.type == "cpu" and dtype == torch.bfloat16 and N % 16 == 0 and K % 2 == 0
-        and (bias is None or bias.dtype == torch.bfloat16) and _bf16_gemm_available()
-    ):
-        # [N, K] -> [N / 16, K / 2, 16, 2]: per 16 output columns, K in pairs (the vdpbf16ps operand layout)
-        packed_w = weight.reshape(N // 16, 16, K // 2, 2).permute(0, 2, 1, 3).contiguous()
-        kb = bias.contiguous() if bias is not None else None
-        gemm = torch.ops.tandem.linear_bf16
-
-        def kernel_linear(x: torch.Tensor) -> torch.Tensor:
-            return gemm(x.contiguous(), packed_w, kb)
-
-        return kernel_linear
-    if weight.device.type == "cpu" and dtype in (torch.bfloat16, torch.float32):
-        ok = _ONEDNN.get(dtype)
-        if ok is None:
-            ok = _ONEDNN[dtype] = _onednn_available(dtype)
-        if ok:
-            packed = _pack(weight.contiguous())
-            op = torch.ops.mkldnn._linear_pointwise
-            b = bias.contiguous() if bias is not None else None
-
-            def onednn_linear(x: torch.Tensor) -> torch.Tensor:
-                m = x.shape[0]
-                padded = bucket_rows(m)
-                if padded == m:
-                    return op(x, packed, b, "none", [], "")
-                return op(F.pad(x, (0, 0, 0, padded - m)), packed, b, "none", [], "")[:m]
-
-            return onednn_linear
-    w, b2 = weight, bias
-
-    def plain_linear(x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, w, b2)
-
-    return plain_linear

@@ -47,9 +47,10 @@ class LayerOps(ABC):
     @abstractmethod
     def attention(
         self, qk: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, num_heads: int,
-        scale: float, dtype: torch.dtype,
+        scale: float, dtype: torch.dtype, window: int | None = None,
     ) -> torch.Tensor:
-        """Causal attention of the step's queries (qk[:, :H]) over their requests' cached keys -> [T, H * D] in `dtype`."""
+        """Causal attention of the step's queries (qk[:, :H]) over their requests' cached keys -> [T, H * D] in `dtype`;
+        with a sliding `window` each query sees only the last `window` keys (itself included)."""
 
     @abstractmethod
     def silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
@@ -89,10 +90,10 @@ class TorchOps(LayerOps):
 
     def attention(
         self, qk: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, num_heads: int,
-        scale: float, dtype: torch.dtype,
+        scale: float, dtype: torch.dtype, window: int | None = None,
     ) -> torch.Tensor:
         q, k = qk[:, :num_heads], qk[:, num_heads:]
-        return paged_attention(q, k, v, kv_cache, meta, scale).to(dtype)
+        return paged_attention(q, k, v, kv_cache, meta, scale, window).to(dtype)
 
     def silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
         g, u = gu.chunk(2, dim=-1)
@@ -146,18 +147,19 @@ class CpuKernelOps(LayerOps):
 
     def attention(
         self, qk: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, num_heads: int,
-        scale: float, dtype: torch.dtype,
+        scale: float, dtype: torch.dtype, window: int | None = None,
     ) -> torch.Tensor:
         T, _, D = qk.shape
         q = qk[:, :num_heads]  # [T, H, D] float32, rows strided
         out = torch.empty(T, num_heads * D, dtype=dtype)
         if meta.decode is not None:
-            self.ops.paged_attention(q, kv_cache, meta.decode.seq_info, meta.decode.block_tables, scale, out)
+            self.ops.paged_attention(q, kv_cache, meta.decode.seq_info, meta.decode.block_tables, scale, out, window or 0)
         if meta.prefills:
             view = out.view(T, num_heads, D)
             for p in meta.prefills:
                 s = p.token_slice
-                view[s] = prefill_attention(q[s], qk[s, num_heads:], v[s], kv_cache, p, scale, k_transposed=True).to(dtype)
+                view[s] = prefill_attention(q[s], qk[s, num_heads:], v[s], kv_cache, p, scale, k_transposed=True,
+                                            window=window).to(dtype)
         return out
 
     def silu_mul(self, gu: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,10 @@
-"""What every checkpoint format becomes (`Checkpoint`), and the helpers the format readers share.
+"""What every checkpoint format becomes (`Checkpoint`, its weights a `WeightStore`), and the helpers the readers share.
+
+Weights are read from the file when asked for, with plain reads into fresh tensors: no file mapping stays alive and
+nothing is cached, so a model that takes each weight once, repacks it and drops it holds its weights once (the page
+cache keeps the file, outside the process's RSS). `WeightStore.stored(name)` is what a model keeps: a dense tensor in
+the load dtype, or a `QuantizedTensor` for weights kept quantized (GGUF blocks; int8 with `quantization="int8"`);
+`store[name]` is always the dense tensor (dequantized when stored quantized).
 
 Derived folders (a GGUF's tokenizer, a converted llama2.c model) are cached under `tandem_home()` and written
 atomically (into a temp folder beside the target, then one `rename`), so concurrent processes never see half a folder.
@@ -12,7 +18,8 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Mapping
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +28,7 @@ import torch
 from safetensors.torch import save_file
 
 from tandem.config import DTYPES, ConfigError, ModelConfig
+from tandem.layers.quant import QuantizedTensor, quantize_int8
 
 logger = logging.getLogger(__name__)
 
@@ -34,12 +42,98 @@ SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 
+QUANTIZATIONS = ("auto", "none", "int8")  # auto: GGUF blocks kept as stored, others dense; none: all dense; int8
+
+
+class WeightStore(Mapping[str, torch.Tensor], ABC):
+    """HF-named weights of one checkpoint, read on each access (nothing cached). `store[name]`: dense, in `dtype`;
+    `stored(name)`: what a model should keep (matrices in `dtype` or a `QuantizedTensor`; vectors in float32)."""
+
+    dtype: torch.dtype
+    quantization: str = "auto"
+
+    @abstractmethod
+    def names(self) -> list[str]:
+        """Every weight name, in file order."""
+
+    @abstractmethod
+    def read(self, name: str) -> torch.Tensor | QuantizedTensor:
+        """The weight as the file holds it (a dense tensor in the file's dtype, or quantized blocks); KeyError when
+        absent."""
+
+    def stored(self, name: str) -> torch.Tensor | QuantizedTensor:
+        w = self.read(name)
+        if isinstance(w, QuantizedTensor):
+            return w.dequantize(self.dtype) if self.quantization == "none" else w
+        if w.dim() < 2:
+            return w.float() if w.is_floating_point() else w  # norms and biases: the model picks their dtype
+        w = w.to(self.dtype)
+        if self.quantization == "int8" and is_matrix_weight(name):
+            return quantize_int8(w)
+        return w
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        w = self.read(name)
+        return w.dequantize(self.dtype) if isinstance(w, QuantizedTensor) else w.to(self.dtype)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names())
+
+    def __len__(self) -> int:
+        return len(self.names())
+
+    def __contains__(self, name: object) -> bool:
+        return name in set(self.names())
+
+
+class TensorDict(WeightStore):
+    """Weights already in memory (converted formats, tests)."""
+
+    def __init__(self, weights: Mapping[str, torch.Tensor], dtype: torch.dtype, quantization: str = "auto") -> None:
+        self._weights = dict(weights)
+        self.dtype = dtype
+        self.quantization = quantization
+
+    def names(self) -> list[str]:
+        return list(self._weights)
+
+    def read(self, name: str) -> torch.Tensor | QuantizedTensor:
+        return self._weights[name]
+
+
+def is_matrix_weight(name: str) -> bool:
+    """Projection and embedding matrices (what `quantization="int8"` quantizes); norms and biases stay dense."""
+    return name.endswith(".weight") and "norm" not in name
+
+
+def check_quantization(quantization: str | None) -> str:
+    q = "auto" if quantization is None else str(quantization).lower()
+    if q not in QUANTIZATIONS:
+        raise ConfigError(f"quantization must be one of {list(QUANTIZATIONS)} (or None), got {quantization!r}")
+    return q
+
+
+def read_at(path: Path, offset: int, nbytes: int) -> torch.Tensor:
+    """`nbytes` bytes of a file from `offset` into a fresh uint8 tensor (a plain read: nothing stays mapped)."""
+    out = torch.empty(nbytes, dtype=torch.uint8)
+    view = out.numpy().data  # a writable 1-D byte view of the tensor's memory
+    with open(path, "rb", buffering=0) as f:
+        f.seek(offset)
+        got = 0
+        while got < nbytes:
+            n = f.readinto(view[got:])
+            if not n:
+                raise ConfigError(f"{path}: file ends at {offset + got} bytes, a tensor needs {offset + nbytes}")
+            got += n
+    return out
+
+
 @dataclass
 class Checkpoint:
-    """A loaded model: architecture, HF-named weights in one dtype, and where its tokenizer lives."""
+    """A loaded model: architecture, HF-named weights (read on demand), and where its tokenizer lives."""
 
     config: ModelConfig
-    weights: dict[str, torch.Tensor]  # HF names, e.g. "model.layers.0.self_attn.q_proj.weight" -> [out, in]
+    weights: WeightStore  # HF names, e.g. "model.layers.0.self_attn.q_proj.weight" -> [out, in]
     tokenizer_path: Path  # a folder for AutoTokenizer.from_pretrained
     chat_template: str | None
     source: str  # "hf" | "gguf" | "llama2c"

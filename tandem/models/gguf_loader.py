@@ -1,7 +1,10 @@
-"""GGUF (llama.cpp) checkpoints: metadata -> HF config, tensors -> HF names in HF layout, dequantized.
+"""GGUF (llama.cpp) checkpoints: metadata -> HF config, tensors -> HF names in HF layout, quantized blocks kept.
 
-The file is memory-mapped by `gguf.GGUFReader`; quantized tensors (Q4_0, Q4_1, Q8_0, K-quants, ...) are dequantized
-with `gguf.quants.dequantize` to float32 and then cast to the requested dtype, so the engine sees plain dense weights.
+`gguf.GGUFReader` parses the header (metadata and tensor table); the tensors themselves are read one at a time with
+plain reads when the model takes them (`GGUFWeights`), so no mapping of the file stays alive. Tensors in a format
+tandem's kernels run (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) stay in their blocks as `QuantizedTensor`s;
+F32 / F16 / BF16 ones become dense tensors in the load dtype, and any other quantized type is dequantized with
+`gguf.quants.dequantize`. `quantization="none"` dequantizes everything (`WeightStore.stored`).
 
 llama.cpp's converter permutes the rows of `attn_q` / `attn_k` for the `llama` architecture (HF rotate-half pairs
 (i, i + D/2) -> interleaved pairs (2i, 2i+1)); we undo it so weights match HF's layout. Qwen2/Qwen3 GGUFs are not
@@ -12,7 +15,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,13 +24,15 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderField, ReaderTensor
 from gguf.quants import dequantize
-from tqdm import tqdm
 
 from tandem.config import ConfigError, ModelConfig
+from tandem.layers.quant import FORMATS, QuantizedTensor
 from tandem.models.checkpoint import (
     Checkpoint,
+    WeightStore,
     file_cache_key,
     interleaved_to_rotate_half,
+    read_at,
     write_folder_atomically,
     write_hf_folder,
 )
@@ -239,31 +245,74 @@ def llama3_scaling_from_rope_freqs(
     return scaling
 
 
-def iter_gguf_weights(
-    reader: GGUFReader,
-    cfg: Mapping[str, Any],
-    dtype: torch.dtype,
-    *,
-    progress: bool = True,
-    path: Path | None = None,
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, tensor in `dtype`, HF layout) for every model tensor of the GGUF."""
+@dataclass(frozen=True)
+class _GGUFEntry:
+    gguf_name: str
+    ggml_type: GGMLQuantizationType
+    shape: tuple[int, ...]  # HF order: [rows, cols] for matrices
+    offset: int  # absolute, in bytes
+    nbytes: int
+    permute_heads: int  # llama q/k: rows go from interleaved RoPE pairs back to rotate-half over this many heads
+
+
+class GGUFWeights(WeightStore):
+    """The model tensors of a GGUF under HF names, read on demand; quantized blocks kept (see the module doc)."""
+
+    def __init__(self, path: Path, entries: dict[str, _GGUFEntry], dtype: torch.dtype, quantization: str = "auto") -> None:
+        self.path = path
+        self._entries = entries
+        self.dtype = dtype
+        self.quantization = quantization
+
+    def names(self) -> list[str]:
+        return list(self._entries)
+
+    def qtype(self, name: str) -> str:
+        """The GGML type name a weight is stored in ("Q4_K", "F32", ...)."""
+        return self._entries[name].ggml_type.name
+
+    def read(self, name: str) -> torch.Tensor | QuantizedTensor:
+        e = self._entries[name]
+        raw = read_at(self.path, e.offset, e.nbytes)
+        kind = e.ggml_type.name
+        if kind in FORMATS and len(e.shape) == 2:
+            data = raw.reshape(e.shape[0], -1)  # [N, row bytes]: rows of blocks are independent
+            if e.permute_heads:
+                data = interleaved_to_rotate_half(data, e.permute_heads)
+            return QuantizedTensor(kind, (e.shape[0], e.shape[1]), data)
+        w = _dense(raw, e.ggml_type, e.shape)
+        return interleaved_to_rotate_half(w, e.permute_heads) if e.permute_heads else w
+
+
+def _dense(raw: torch.Tensor, kind: GGMLQuantizationType, shape: tuple[int, ...]) -> torch.Tensor:
+    if kind == GGMLQuantizationType.F32:
+        return raw.view(torch.float32).reshape(shape)
+    if kind == GGMLQuantizationType.F16:
+        return raw.view(torch.float16).reshape(shape)
+    if kind == GGMLQuantizationType.BF16:
+        return raw.view(torch.bfloat16).reshape(shape)
+    return torch.from_numpy(np.ascontiguousarray(dequantize(raw.numpy(), kind))).reshape(shape)
+
+
+def gguf_weight_entries(reader: GGUFReader, cfg: Mapping[str, Any]) -> dict[str, _GGUFEntry]:
+    """HF name -> where and how the GGUF stores it, for every model tensor (unknown tensors are logged and skipped)."""
     arch = str(cfg["model_type"])
     heads, kv_heads = int(cfg["num_attention_heads"]), int(cfg["num_key_value_heads"])
-    for t in tqdm(
-        reader.tensors, desc=f"loading {path.name if path else 'gguf'}", unit="tensor", disable=not progress
-    ):
+    out: dict[str, _GGUFEntry] = {}
+    for t in reader.tensors:
         name = hf_tensor_name(t.name)
         if name is None:
             if t.name not in _SKIPPED_TENSORS:
                 logger.warning("ignoring unknown GGUF tensor %s", t.name)
             continue
-        w = dequantized_tensor(t)
+        permute = 0
         if arch in _PERMUTED_QK and ".self_attn.q_proj." in name:
-            w = interleaved_to_rotate_half(w, heads)
+            permute = heads
         elif arch in _PERMUTED_QK and ".self_attn.k_proj." in name:
-            w = interleaved_to_rotate_half(w, kv_heads)
-        yield name, w.to(dtype)
+            permute = kv_heads
+        shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims innermost first
+        out[name] = _GGUFEntry(t.name, t.tensor_type, shape, int(t.data_offset), int(t.n_bytes), permute)
+    return out
 
 
 def dequantized_tensor(t: ReaderTensor) -> torch.Tensor:
@@ -279,13 +328,13 @@ def dequantized_tensor(t: ReaderTensor) -> torch.Tensor:
 
 
 def read_gguf(
-    path: Path, dtype: torch.dtype, *, progress: bool = True
-) -> tuple[GGUFReader, dict[str, Any], dict[str, torch.Tensor]]:
-    """The open reader, the HF config dict and the HF-named weights of a GGUF."""
+    path: Path, dtype: torch.dtype, *, progress: bool = True, quantization: str = "auto"
+) -> tuple[GGUFReader, dict[str, Any], GGUFWeights]:
+    """The open reader (header only is touched), the HF config dict and the HF-named weights of a GGUF."""
+    del progress  # tensors are read later, as the model takes them
     reader = open_gguf(path)
     cfg = gguf_hf_config(reader, path)
-    weights = dict(iter_gguf_weights(reader, cfg, dtype, progress=progress, path=path))
-    return reader, cfg, weights
+    return reader, cfg, GGUFWeights(path, gguf_weight_entries(reader, cfg), dtype, quantization)
 
 
 def gguf_chat_template(reader: GGUFReader, path: Path) -> str | None:
@@ -318,16 +367,20 @@ def gguf_tokenizer_folder(gguf_path: Path) -> Path:
     return folder
 
 
-def load_gguf_checkpoint(path: Path, dtype: torch.dtype, *, progress: bool = True) -> Checkpoint:
+def load_gguf_checkpoint(
+    path: Path, dtype: torch.dtype, *, progress: bool = True, quantization: str = "auto"
+) -> Checkpoint:
     """Load a GGUF directly (no conversion on disk); its tokenizer is exported once into tandem's cache."""
-    reader, cfg, weights = read_gguf(path, dtype, progress=progress)
+    reader, cfg, weights = read_gguf(path, dtype, progress=progress, quantization=quantization)
     config = ModelConfig.from_hf(cfg)
     if has_tokenizer(reader):
         tokenizer_path = gguf_tokenizer_folder(path)
     else:
         logger.warning("%s has no tokenizer metadata; tokenizer_path is its folder", path)
         tokenizer_path = path.parent
-    return Checkpoint(config, weights, tokenizer_path, gguf_chat_template(reader, path), "gguf")
+    template = gguf_chat_template(reader, path)
+    del reader  # its mapping of the file goes with it: the weights are read with plain reads from here on
+    return Checkpoint(config, weights, tokenizer_path, template, "gguf")
 
 
 def convert_gguf_to_hf(
@@ -341,7 +394,8 @@ def convert_gguf_to_hf(
     src = Path(gguf_path).expanduser()
     if not src.is_file():
         raise ConfigError(f"GGUF file {src} does not exist")
-    reader, cfg, weights = read_gguf(src, dtype, progress=False)
+    reader, cfg, store = read_gguf(src, dtype, progress=False)
+    weights = {name: store[name] for name in store.names()}  # dense, in `dtype`
     ModelConfig.from_hf(cfg)  # fail early on an unsupported config
     cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
     if has_tokenizer(reader):

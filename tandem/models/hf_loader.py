@@ -1,38 +1,106 @@
-"""HF checkpoint folders: `config.json` + (sharded) safetensors, memory-mapped. Pickle checkpoints
-(`pytorch_model.bin`) are never loaded: unpickling can run arbitrary code."""
+"""HF checkpoint folders: `config.json` + (sharded) safetensors, read tensor by tensor. Pickle checkpoints
+(`pytorch_model.bin`) are never loaded: unpickling can run arbitrary code.
+
+The safetensors header (8 bytes of length, then JSON: name -> dtype, shape, byte range) is parsed here and each tensor
+is read with a plain read when the model asks for it (`SafetensorsWeights`), so no file mapping keeps its pages in the
+process and no dict holds every tensor at once.
+"""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
-from tqdm import tqdm
 
 from tandem.config import ConfigError, ModelConfig
 from tandem.models.checkpoint import (
     SAFETENSORS_FILE,
     SAFETENSORS_INDEX,
     Checkpoint,
+    WeightStore,
     expected_weight_names,
+    read_at,
     read_chat_template,
 )
 
+_ST_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}
 
-def load_hf_checkpoint(folder: Path, dtype: torch.dtype, *, progress: bool = True) -> Checkpoint:
-    """Read `config.json` and the (possibly sharded) safetensors of an HF folder; check that no weight is missing."""
+
+@dataclass(frozen=True)
+class _Entry:
+    file: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int  # absolute, in bytes
+    nbytes: int
+
+
+class SafetensorsWeights(WeightStore):
+    """The tensors of one or more safetensors files, each read when asked for and converted to `dtype`."""
+
+    def __init__(self, files: list[Path], dtype: torch.dtype, wanted: set[str] | None = None, quantization: str = "auto") -> None:
+        self.dtype = dtype
+        self.quantization = quantization
+        self._entries: dict[str, _Entry] = {}
+        for file in files:
+            for name, entry in read_safetensors_header(file).items():
+                if wanted is None or name in wanted:
+                    self._entries[name] = entry
+
+    def names(self) -> list[str]:
+        return list(self._entries)
+
+    def read(self, name: str) -> torch.Tensor:
+        e = self._entries[name]
+        return read_at(e.file, e.offset, e.nbytes).view(e.dtype).reshape(e.shape)
+
+
+def read_safetensors_header(file: Path) -> dict[str, _Entry]:
+    """name -> where its bytes are; ConfigError for a file that is not safetensors (corrupt or truncated)."""
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            if length > size - 8:
+                raise ValueError(f"header of {length} bytes in a file of {size}")
+            header = json.loads(f.read(length))
+    except (OSError, ValueError, struct.error, UnicodeDecodeError) as e:
+        raise ConfigError(f"{file} is not a readable safetensors file (corrupt or truncated?): {e}") from e
+    base = 8 + length
+    out: dict[str, _Entry] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = _ST_DTYPES[info["dtype"]]
+            begin, end = (int(v) for v in info["data_offsets"])
+            shape = tuple(int(d) for d in info["shape"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigError(f"{file}: bad safetensors entry for {name!r}: {info!r}") from e
+        if base + end > size or end - begin != torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size():
+            raise ConfigError(f"{file} is not a readable safetensors file (corrupt or truncated?): {name} is out of range")
+        out[name] = _Entry(file, dtype, shape, base + begin, end - begin)
+    return out
+
+
+def load_hf_checkpoint(
+    folder: Path, dtype: torch.dtype, *, progress: bool = True, quantization: str = "auto"
+) -> Checkpoint:
+    """Read `config.json` and the (possibly sharded) safetensors headers of an HF folder; check that no weight is
+    missing. The tensors are read later, one at a time, as the model takes them."""
+    del progress  # nothing slow happens here any more: the model's build reads (and reports) the tensors
     config = ModelConfig.from_json_file(folder / "config.json")
     expected = expected_weight_names(config)
-    wanted = set(expected)
-    weights: dict[str, torch.Tensor] = {}
-    files = safetensors_files(folder)
-    with tqdm(total=len(wanted), desc=f"loading {folder.name}", unit="tensor", disable=not progress) as bar:
-        for name, tensor in _iter_safetensors(files, wanted):
-            weights[name] = tensor.to(dtype)
-            bar.update(1)
-    missing = [n for n in expected if n not in weights]
+    weights = SafetensorsWeights(safetensors_files(folder), dtype, set(expected), quantization)
+    present = set(weights.names())
+    missing = [n for n in expected if n not in present]
     if missing:
         shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
         raise ConfigError(
@@ -71,17 +139,3 @@ def safetensors_files(folder: Path) -> list[Path]:
         f"{folder} has no {SAFETENSORS_FILE} or {SAFETENSORS_INDEX}{hint}; convert the weights to safetensors "
         "(.bin/pickle checkpoints are never loaded because unpickling can run code)"
     )
-
-
-def _iter_safetensors(files: list[Path], wanted: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) for every wanted name in the files (memory-mapped); buffers and extras are skipped."""
-    for file in files:
-        try:
-            with safe_open(str(file), framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118 - safe_open handles have no __iter__
-                    if name in wanted:
-                        yield name, f.get_tensor(name)
-        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-            raise ConfigError(
-                f"{file} is not a readable safetensors file (corrupt or truncated?): {e}"
-            ) from e

@@ -1,7 +1,9 @@
 """The Llama-family decoder (Llama 2/3, Mistral, TinyLlama, SmolLM/SmolLM2, Qwen2/2.5, Qwen3), switched by config.
 
-Weights are fused at load time (q/k/v -> one projection, gate/up -> one) and held as plain tensors and linear
-functions, not `nn.Module`s: the per-layer loop is one Python function with no module dispatch or hooks.
+Weights are fused at load time (q/k/v -> one projection, gate/up -> one) and held as plain tensors and projections
+(`layers/linear.py`), not `nn.Module`s: the per-layer loop is one Python function with no module dispatch or hooks.
+The model takes its weights from the checkpoint's store one layer at a time, each projection built (packed, kept
+quantized or not) before the next is read, so loading never holds more than the model plus one layer's inputs.
 """
 
 from __future__ import annotations
@@ -15,24 +17,43 @@ import torch.nn.functional as F
 
 from tandem.config import ConfigError, ModelConfig
 from tandem.layers.attention import AttentionMetadata
-from tandem.layers.linear import LinearFn, make_linear
+from tandem.layers.linear import DenseProjection, Projection, Weight, make_linear
 from tandem.layers.ops import LayerOps, select_ops
+from tandem.layers.quant import QuantizedTensor
+from tandem.models.checkpoint import WeightStore
 
 
 @dataclass
 class _Layer:
     input_norm: torch.Tensor  # [hidden]
-    qkv: LinearFn  # [T, hidden] -> [T, (H + 2 * KVH) * D]
-    o: LinearFn  # [T, H * D] -> [T, hidden]
+    qkv: Projection  # [T, hidden] -> [T, (H + 2 * KVH) * D]
+    o: Projection  # [T, H * D] -> [T, hidden]
     post_norm: torch.Tensor  # [hidden]
-    gate_up: LinearFn  # [T, hidden] -> [T, 2 * I]
-    down: LinearFn  # [T, I] -> [T, hidden]
+    gate_up: Projection  # [T, hidden] -> [T, 2 * I]
+    down: Projection  # [T, I] -> [T, hidden]
     q_norm: torch.Tensor | None  # [D] (Qwen3)
     k_norm: torch.Tensor | None
 
 
-def _maybe(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    return None if t is None else t.to(dtype)
+class ModelWeights:
+    """The model's view of a checkpoint: matrices as it keeps them (in `dtype`, or quantized when the store keeps them
+    so), vectors dense on `device` (norm weights float32: they scale the float32 residual stream; biases in `dtype`)."""
+
+    def __init__(self, weights: Mapping[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> None:
+        self._stored = weights.stored if isinstance(weights, WeightStore) else weights.__getitem__
+        self.names = set(weights)
+        self.dtype, self.device = dtype, device
+
+    def matrix(self, name: str) -> Weight:
+        w = self._stored(name)
+        if isinstance(w, QuantizedTensor):
+            return w.to(self.device) if w.device != self.device else w
+        return w.to(device=self.device, dtype=self.dtype)
+
+    def vector(self, name: str) -> torch.Tensor:
+        w = self._stored(name)
+        dense = w.dequantize(self.dtype) if isinstance(w, QuantizedTensor) else w
+        return dense.to(device=self.device, dtype=torch.float32 if name.endswith("norm.weight") else self.dtype)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -72,36 +93,68 @@ class LlamaModel:
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
-        # matrices in the model dtype; 1-D norm weights in float32 (they scale the float32 residual stream)
-        w = {k: v.to(device=device, dtype=torch.float32 if k.endswith("norm.weight") else dtype) for k, v in weights.items()}
-        self.embed = w["model.embed_tokens.weight"]  # [V, hidden]
-        self.norm = w["model.norm.weight"]
-        head = self.embed if cfg.tie_word_embeddings or "lm_head.weight" not in w else w["lm_head.weight"]
         self.use_kernels = use_kernels
-        self.lm_head = make_linear(head, use_kernels=use_kernels)
+        w = ModelWeights(weights, dtype, device)
+        self.norm = w.vector("model.norm.weight")
+        self.lm_head, self.embed = self._head_and_embedding(w)
         self.layers = [self._layer(w, i) for i in range(cfg.num_layers)]
+        self.windows = [cfg.layer_window(i) for i in range(cfg.num_layers)]  # sliding-window attention per layer
         freqs = torch.outer(torch.arange(cfg.max_position_embeddings, dtype=torch.float32), rope_inv_freq(cfg))  # [max_pos, D / 2]
         self.ops: LayerOps = select_ops(device, freqs.cos(), freqs.sin(), dtype, use_kernels)
 
-    def _layer(self, w: Mapping[str, torch.Tensor], i: int) -> _Layer:
+    def _head_and_embedding(self, w: ModelWeights) -> tuple[Projection, Projection]:
+        """The output projection and the embedding table; tied, they share one storage when the projection can hand
+        its rows back (bf16 GEMM packing, quantized blocks, plain tensors), else the table is kept beside it."""
+        embed = w.matrix("model.embed_tokens.weight")  # [V, hidden]
+        tied = self.cfg.tie_word_embeddings or "lm_head.weight" not in w.names
+        head = make_linear(embed if tied else w.matrix("lm_head.weight"), use_kernels=self.use_kernels, dtype=self.dtype)
+        if tied and head.has_rows:
+            return head, head
+        return head, self._embedding_table(embed)
+
+    def _embedding_table(self, embed: Weight) -> Projection:
+        """A table only read by rows: kept quantized (packed, rows dequantized by the kernels) or dense, never packed."""
+        if isinstance(embed, QuantizedTensor):
+            table = make_linear(embed, use_kernels=self.use_kernels, dtype=self.dtype)
+            if table.has_rows:
+                return table
+            embed = embed.dequantize(self.dtype)
+        return DenseProjection(embed, None)
+
+    def _layer(self, w: ModelWeights, i: int) -> _Layer:
         p = f"model.layers.{i}."
         a = p + "self_attn."
-        qkv_w = torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]])
-        qkv_b = None
-        if self.cfg.attention_bias or (a + "q_proj.bias") in w:
-            qkv_b = torch.cat([w[a + "q_proj.bias"], w[a + "k_proj.bias"], w[a + "v_proj.bias"]])
         m = p + "mlp."
-        gate_up = torch.cat([w[m + "gate_proj.weight"], w[m + "up_proj.weight"]])
+        qkv_b = o_b = None
+        if self.cfg.attention_bias or (a + "q_proj.bias") in w.names:
+            qkv_b = torch.cat([w.vector(a + f"{x}_proj.bias") for x in "qkv"])
+        if (a + "o_proj.bias") in w.names:
+            o_b = w.vector(a + "o_proj.bias")
+        k, dt = self.use_kernels, self.dtype
         return _Layer(
-            input_norm=w[p + "input_layernorm.weight"],
-            qkv=make_linear(qkv_w, qkv_b, use_kernels=self.use_kernels),
-            o=make_linear(w[a + "o_proj.weight"], w.get(a + "o_proj.bias"), use_kernels=self.use_kernels),
-            post_norm=w[p + "post_attention_layernorm.weight"],
-            gate_up=make_linear(gate_up, use_kernels=self.use_kernels),
-            down=make_linear(w[m + "down_proj.weight"], use_kernels=self.use_kernels),
-            q_norm=_maybe(w.get(a + "q_norm.weight"), self.dtype),  # q / k stay in the model dtype
-            k_norm=_maybe(w.get(a + "k_norm.weight"), self.dtype),
+            input_norm=w.vector(p + "input_layernorm.weight"),
+            qkv=make_linear([w.matrix(a + "q_proj.weight"), w.matrix(a + "k_proj.weight"), w.matrix(a + "v_proj.weight")], qkv_b, k, dt),
+            o=make_linear(w.matrix(a + "o_proj.weight"), o_b, k, dt),
+            post_norm=w.vector(p + "post_attention_layernorm.weight"),
+            gate_up=make_linear([w.matrix(m + "gate_proj.weight"), w.matrix(m + "up_proj.weight")], None, k, dt),
+            down=make_linear(w.matrix(m + "down_proj.weight"), None, k, dt),
+            # q / k norms (Qwen3) in the model dtype, as q and k are
+            q_norm=w.vector(a + "q_norm.weight").to(dt) if self.cfg.qk_norm else None,
+            k_norm=w.vector(a + "k_norm.weight").to(dt) if self.cfg.qk_norm else None,
         )
+
+    @property
+    def matmul_params(self) -> int:
+        """Parameters multiplied per token through every projection, the output one included."""
+        projections = [self.lm_head] + [x for la in self.layers for x in (la.qkv, la.o, la.gate_up, la.down)]
+        return sum(p.out_features * p.in_features for p in projections)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes the model's weights occupy as held (packed, quantized or dense; a shared table counted once)."""
+        projections = {id(p): p for p in [self.lm_head, self.embed] + [x for la in self.layers for x in (la.qkv, la.o, la.gate_up, la.down)]}
+        vectors = [self.norm] + [t for la in self.layers for t in (la.input_norm, la.post_norm, la.q_norm, la.k_norm) if t is not None]
+        return sum(p.nbytes for p in projections.values()) + sum(t.numel() * t.element_size() for t in vectors)
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
         """input_ids [T] -> final hidden states [T, hidden]; writes this step's K/V into `kv_caches` (one per layer)."""
@@ -112,9 +165,9 @@ class LlamaModel:
         rope = ops.rope_tables(meta.positions)
         dt = self.dtype
         # the residual stream x stays float32 (norm weights too); each layer's output is added into it by the next norm
-        x = F.embedding(input_ids, self.embed).float()  # [T, hidden]
+        x = self.embed.rows(input_ids)  # [T, hidden] float32
         delta: torch.Tensor | None = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for layer, kv_cache, window in zip(self.layers, kv_caches, self.windows):
             h = ops.add_rms_norm(x, delta, layer.input_norm, eps, dt)
             qkv = layer.qkv(h)  # [T, (H + 2 KVH) D]
             qk = qkv[:, : self.q_size + self.kv_size].view(T, H + KVH, D)
@@ -124,7 +177,7 @@ class LlamaModel:
                     [F.rms_norm(qk[:, :H], (D,), layer.q_norm, eps), F.rms_norm(qk[:, H:], (D,), layer.k_norm, eps)], dim=1
                 )
             qk = ops.rope_write_kv(qk, v, rope, kv_cache, meta, H)  # [T, H + KVH, D], k and v now in the cache
-            attn = ops.attention(qk, v, kv_cache, meta, H, self.scale, dt)  # [T, H D]
+            attn = ops.attention(qk, v, kv_cache, meta, H, self.scale, dt, window)  # [T, H D]
             h = ops.add_rms_norm(x, layer.o(attn), layer.post_norm, eps, dt)
             delta = layer.down(ops.silu_mul(layer.gate_up(h)))  # [T, hidden]
         return ops.add_rms_norm(x, delta, self.norm, eps, dt)
@@ -136,3 +189,4 @@ class LlamaModel:
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """One layer: [2 (K, V), kv_heads, num_blocks, block_size, head_dim]."""
         return (2, self.cfg.num_kv_heads, num_blocks, block_size, self.cfg.head_dim)
+

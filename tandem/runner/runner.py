@@ -7,10 +7,10 @@ on an accelerator the kernels queue asynchronously), so the caller's CPU work (g
 
 from __future__ import annotations
 
+import logging
 import os
 import time
-from collections.abc import Callable
-from concurrent.futures import Future
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -20,22 +20,12 @@ from tandem.config import CacheConfig, ConfigError, ModelConfig, SchedulerConfig
 from tandem.core.plan import StepPlan
 from tandem.layers.attention import AttentionMetadata, build_metadata
 from tandem.models.llama import LlamaModel
-from tandem.runner.memory import huge_page_zeros
+from tandem.runner.base import ForwardHandle, Runner
+from tandem.runner.memory import huge_page_zeros, release_freed_memory, resident_bytes
 from tandem.runner.tensor_thread import tensor_thread
 
 T = TypeVar("T")
-
-
-@dataclass
-class ForwardHandle:
-    """A launched forward; `collect` turns it into logits."""
-
-    future: Future[tuple[torch.Tensor, float]]
-    num_rows: int
-    finished_at: float = 0.0  # perf_counter() when the forward finished (set by collect)
-
-
-DEFAULT_CPU_KV_BYTES = 4 * 2**30  # the default KV budget on the host when none is given (as vLLM's CPU backend)
+logger = logging.getLogger("tandem")
 
 
 def available_memory(device: torch.device) -> int:
@@ -57,34 +47,66 @@ def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int
     return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * torch.tensor([], dtype=dtype).element_size()
 
 
+@dataclass(frozen=True)
+class KvCachePlan:
+    """How many KV blocks the cache holds, and why."""
+
+    num_blocks: int
+    block_size: int
+    block_bytes: int
+    dtype: torch.dtype
+    reason: str
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_blocks * self.block_bytes
+
+    def describe(self) -> str:
+        tokens = self.num_blocks * self.block_size
+        dtype = str(self.dtype).removeprefix("torch.")
+        return f"KV cache {self.nbytes / 2**30:.2f} GiB {dtype}: {self.num_blocks} blocks x {self.block_size} = {tokens} tokens ({self.reason})"
+
+
+def plan_kv_cache(
+    cfg: ModelConfig, cache: CacheConfig, sched: SchedulerConfig, dtype: torch.dtype, device: torch.device
+) -> KvCachePlan:
+    """Blocks for the work: `max_num_seqs` requests of `max_model_len` tokens, capped at `memory_fraction` of the
+    memory available now (after the weights); `kv_cache_memory` (bytes) or `num_blocks` set it outright."""
+    per_block = kv_block_bytes(cfg, cache.block_size, dtype)
+
+    def plan(num: int, reason: str) -> KvCachePlan:
+        if num < 1:
+            raise ConfigError(f"the KV cache holds no block of {per_block} bytes ({reason}); raise kv_cache_memory or memory_fraction")
+        return KvCachePlan(int(num), cache.block_size, per_block, dtype, reason)
+
+    if cache.num_blocks is not None:
+        return plan(cache.num_blocks, "num_kv_blocks")
+    if cache.kv_cache_memory is not None:
+        return plan(cache.kv_cache_memory // per_block, f"kv_cache_memory {cache.kv_cache_memory / 2**30:.2f} GiB")
+    blocks_per_seq = -(-sched.max_model_len // cache.block_size) + 1
+    demand = sched.max_num_seqs * blocks_per_seq
+    free = available_memory(device)
+    cap = int(free * cache.memory_fraction) // per_block
+    work = f"max_num_seqs {sched.max_num_seqs} x max_model_len {sched.max_model_len}"
+    if demand <= cap:
+        return plan(demand, work)
+    return plan(cap, f"{work} capped at memory_fraction {cache.memory_fraction} of {free / 2**30:.1f} GiB available")
+
+
 def plan_num_blocks(
     cfg: ModelConfig, cache: CacheConfig, sched: SchedulerConfig, dtype: torch.dtype, device: torch.device
 ) -> int:
-    """KV blocks that fit the budget, capped at what `max_num_seqs` full-length requests could ever use."""
-    if cache.num_blocks is not None:
-        return cache.num_blocks
-    per_block = kv_block_bytes(cfg, cache.block_size, dtype)
-    budget = cache.kv_cache_memory
-    if budget is None:
-        budget = int(available_memory(device) * cache.memory_fraction)
-        if device.type == "cpu":
-            budget = min(budget, DEFAULT_CPU_KV_BYTES)  # host memory is shared with everything else
-    blocks_per_seq = -(-sched.max_model_len // cache.block_size) + 1
-    num = min(budget // per_block, sched.max_num_seqs * blocks_per_seq)
-    if num < 1:
-        raise ConfigError(
-            f"KV cache budget of {budget} bytes holds no block of {per_block} bytes; raise kv_cache_memory or memory_fraction"
-        )
-    return int(num)
+    """KV blocks of `plan_kv_cache`."""
+    return plan_kv_cache(cfg, cache, sched, dtype, device).num_blocks
 
 
-class ModelRunner:
+class ModelRunner(Runner):
     """One device: model weights, paged KV cache, input preparation, launch / collect."""
 
     def __init__(
         self,
         model_config: ModelConfig,
-        weights: dict[str, torch.Tensor],
+        weights: Mapping[str, torch.Tensor],
         dtype: torch.dtype,
         device: str | torch.device,
         cache_config: CacheConfig,
@@ -103,7 +125,7 @@ class ModelRunner:
         self._host.run(self._build, weights, cache_config, scheduler_config, num_threads, use_kernels)
 
     def _build(
-        self, weights: dict[str, torch.Tensor], cache_config: CacheConfig, scheduler_config: SchedulerConfig,
+        self, weights: Mapping[str, torch.Tensor], cache_config: CacheConfig, scheduler_config: SchedulerConfig,
         num_threads: int | None, use_kernels: bool,
     ) -> None:
         if self.device.type == "cpu":
@@ -111,15 +133,38 @@ class ModelRunner:
         self._num_threads = torch.get_num_threads()
         model_config, dtype = self.model_config, self.dtype
         self.model = LlamaModel(model_config, weights, dtype, self.device, use_kernels=use_kernels)
+        release_freed_memory()  # the load's temporaries are gone; hand their pages back before sizing the cache
         self.kv_dtype = self.model.ops.kv_cache_dtype
-        self.num_blocks = plan_num_blocks(model_config, cache_config, scheduler_config, self.kv_dtype, self.device)
+        self.kv_plan = plan_kv_cache(model_config, cache_config, scheduler_config, self.kv_dtype, self.device)
+        self.num_blocks = self.kv_plan.num_blocks
         shape = self.model.kv_cache_shape(self.num_blocks, self.block_size)
-        # zero-filled: padded key slots are masked, but 0 * NaN from uninitialised memory would still poison the output
+        # zero-filled: padded key slots are masked, but 0 * NaN from uninitialised memory would still poison the output.
+        # On the host the zeros are fresh anonymous pages, resident only once a block is written.
         if self.device.type == "cpu":
-            self.kv_caches = [huge_page_zeros(shape, self.kv_dtype) for _ in range(model_config.num_layers)]
+            self.kv_caches = [self._host_cache(shape) for _ in range(model_config.num_layers)]
         else:
             self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(model_config.num_layers)]
         self.kv_cache_bytes = sum(t.numel() * t.element_size() for t in self.kv_caches)
+        self.weight_bytes = self.model.weight_bytes
+        logger.info("%s", self.memory_summary())
+
+    def _host_cache(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """One layer's host cache [2, KVH, NB, BS, D]. For the CPU kernels (which take any head and block strides) it
+        is stored block-major, [2, NB, KVH, BS, D]: a block of every head is contiguous, so the first requests commit
+        one 2 MiB page per layer and K/V instead of one per kv head (24 layers x 32 heads x 2 x 2 MiB = 3 GiB for a
+        1.7B model's first token otherwise)."""
+        if self.model.ops.name != "tandem-cpu":
+            return huge_page_zeros(shape, self.kv_dtype)
+        two, kvh, nb, bs, d = shape
+        return huge_page_zeros((two, nb, kvh, bs, d), self.kv_dtype).permute(0, 2, 1, 3, 4)
+
+    def memory_summary(self) -> str:
+        """Weights as held, the KV cache as planned, and the process's resident memory now and at its peak."""
+        rss, peak = resident_bytes()
+        return (
+            f"weights {self.weight_bytes / 2**30:.2f} GiB, {self.kv_plan.describe()}; "
+            f"RSS {rss / 2**30:.2f} GiB (peak {peak / 2**30:.2f} GiB)"
+        )
 
     @property
     def vocab_size(self) -> int:
@@ -133,11 +178,6 @@ class ModelRunner:
         fut = self._host.submit(self._forward, input_ids, meta, rows)
         return ForwardHandle(fut, plan.num_logits_rows)
 
-    def collect(self, handle: ForwardHandle) -> torch.Tensor:
-        """Wait for the forward; logits [R, V] float32 on the device, R = plan.num_logits_rows, in plan order."""
-        logits, handle.finished_at = handle.future.result()
-        return logits
-
     def on_tensor_thread(self, fn: Callable[..., T], *args: Any) -> T:
         """Run `fn(*args)` where the forward runs (the process's tensor thread) and wait for it: host-side tensor work
         (sampling, verification) belongs there, not on the caller's thread (see tandem/runner/tensor_thread.py)."""
@@ -148,9 +188,6 @@ class ModelRunner:
         if n != self._num_threads:
             self._num_threads = n
             self._host.run(torch.set_num_threads, n)
-
-    def execute(self, plan: StepPlan) -> torch.Tensor:
-        return self.collect(self.launch(plan))
 
     @torch.inference_mode()
     def _forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, rows: torch.Tensor) -> tuple[torch.Tensor, float]:

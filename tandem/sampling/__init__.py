@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tandem.sampling.bitmask import apply_token_bitmask_, bitmask_words, unpack_token_bitmask
-from tandem.sampling.rejection import DraftRows, rejection_sample, residual_probs
+from tandem.sampling.rejection import DraftRows, Verified, rejection_sample, residual_probs
 from tandem.sampling.sampler import RowLogprobs, Sampler, SamplerOutput, SamplingRow, prompt_logprobs
 
 __all__ = [
@@ -12,6 +12,7 @@ __all__ = [
     "Sampler",
     "SamplerOutput",
     "SamplingRow",
+    "Verified",
     "apply_token_bitmask_",
     "bitmask_words",
     "prompt_logprobs",

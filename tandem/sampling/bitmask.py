@@ -45,6 +45,11 @@ def apply_token_bitmask_(logits: Tensor, bitmask: Tensor, rows: Tensor | None = 
     """
     vocab_size = logits.shape[-1]
     bitmask = bitmask.to(logits.device, non_blocking=True)
+    if logits.is_cuda and _triton_kernel() is not None:
+        _check_rows(bitmask, logits, rows)
+        rows_t = None if rows is None else torch.as_tensor(rows, dtype=torch.long).to(logits.device, non_blocking=True)
+        _triton_kernel()(logits, bitmask, rows_t)  # type: ignore[misc]
+        return
     disallowed = ~unpack_token_bitmask(bitmask, vocab_size)  # [B, V]
     if rows is None:
         if bitmask.shape[0] != logits.shape[0]:
@@ -57,3 +62,26 @@ def apply_token_bitmask_(logits: Tensor, bitmask: Tensor, rows: Tensor | None = 
     selected = logits.index_select(0, rows)  # [B, V]
     selected.masked_fill_(disallowed, float("-inf"))
     logits.index_copy_(0, rows, selected)
+
+
+def _check_rows(bitmask: Tensor, logits: Tensor, rows: Tensor | None) -> None:
+    if rows is None and bitmask.shape[0] != logits.shape[0]:
+        raise ValueError(f"bitmask has {bitmask.shape[0]} rows but logits have {logits.shape[0]}; pass `rows`")
+    if rows is not None and len(rows) != bitmask.shape[0]:
+        raise ValueError(f"bitmask has {bitmask.shape[0]} rows but `rows` names {len(rows)}")
+
+
+def _triton_kernel():  # type: ignore[no-untyped-def]
+    """The one-kernel path (tandem/sampling/bitmask_triton.py) where Triton is installed, else None."""
+    global _KERNEL
+    if _KERNEL is False:
+        try:
+            from tandem.sampling.bitmask_triton import apply_token_bitmask_triton_
+
+            _KERNEL = apply_token_bitmask_triton_
+        except ImportError:
+            _KERNEL = None
+    return _KERNEL
+
+
+_KERNEL: object = False  # not looked up yet

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -27,6 +28,15 @@ class DraftRows:
 
     draft_token_ids: list[int]
     draft_probs: Tensor | None = None  # [k, V] q per draft position; None = deterministic proposer (one-hot)
+
+
+class Verified(NamedTuple):
+    """One request's verification: the emitted tokens (accepted drafts, then the recovered or bonus token). `dead`:
+    the walk reached a row where no token is allowed (see `Sampler.dead_rows`); `tokens` then holds only the drafts
+    accepted before that row, and the request cannot go on."""
+
+    tokens: list[int]
+    dead: bool = False
 
 
 def _index(ids: Sequence[int], device: torch.device) -> Tensor:
@@ -81,9 +91,10 @@ def rejection_sample(
     rows: Sequence[SamplingRow],
     drafts: Sequence[DraftRows],
     bitmask: Tensor | None = None,
-) -> list[list[int]]:
-    """Verify each request's drafts; returns per request the emitted tokens (accepted drafts + one more), or no
-    token at all for a request with a row where nothing is allowed (see `Sampler.dead_rows`).
+) -> list[Verified]:
+    """Verify each request's drafts; returns per request the emitted tokens (accepted drafts + one more), or, when
+    its walk reaches a row where nothing is allowed (see `Sampler.dead_rows`), the drafts accepted before it and
+    `dead`. Rows past the walk's end (after a rejection) do not matter, dead or not.
 
     target_logits [sum(k_i + 1), V]: request i owns k_i + 1 consecutive rows (its last real token's position, then
     each draft's); `rows` and `bitmask` match those rows one to one. Seeded requests draw, in order, k uniforms,
@@ -127,7 +138,9 @@ def rejection_sample(
 
     emitted = _accept_walk(drafts, accept.tolist(), recovered.tolist(), bonus.tolist())
     dead = (p.sum(dim=-1) == 0).tolist()  # [N] rows with nothing allowed come out of `probs` all zero
-    return [[] if any(dead[s : s + n]) else e for e, s, n in zip(emitted, starts, sizes, strict=True)]
+    # a dead row has p(d) = 0, so no draft there is accepted: the walk's last token comes from the first dead row
+    # it reaches, and means nothing
+    return [Verified(e[:-1], True) if dead[s + len(e) - 1] else Verified(e) for e, s in zip(emitted, starts, strict=True)]
 
 
 def _accept_walk(

@@ -3,7 +3,7 @@
 
 Request life: auth and body-size checks (ASGI middleware) -> pydantic body -> SamplingParams (ParamError -> 400)
 -> model name (404) -> admission (429 when the bounded queue is full, 503 when the engine is dead or the server is
-shutting down) -> engine. The first delta of a request is awaited before any response starts, so a prompt the engine
+draining or shutting down) -> engine. The first delta of a request is awaited before any response starts, so a prompt the engine
 refuses, or a grammar that fails to compile, still gets a plain 400. Afterwards a client disconnect, a timeout (504)
 or the engine's death ends the request and aborts it in the engine (its KV blocks are freed).
 """
@@ -88,6 +88,7 @@ class ServerConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     engine_start_timeout_s: float = 900.0
     tool_call_parser: str = "auto"  # 'auto' (from the chat template) | 'hermes' | 'llama3_json' | 'mistral'
+    shutdown_grace_period_s: float = 30.0  # on SIGTERM, how long requests in flight may run on before they are failed
 
 
 @dataclass
@@ -96,6 +97,7 @@ class ServerState:
     config: ServerConfig
     metrics: ServerMetrics
     admitted_seqs: int = 0
+    draining: bool = False
     shutting_down: bool = False
     loop: asyncio.AbstractEventLoop | None = None
     created: int = field(default_factory=lambda: int(time.time()))
@@ -109,6 +111,18 @@ class ServerState:
         template the engine core reported."""
         template = self.client.info.chat_template if self.client.info is not None else None
         return choose_parser(self.config.tool_call_parser, template)
+
+    def begin_drain(self) -> None:
+        """Stop accepting (new requests and /health answer 503 "draining"); the requests in flight run on."""
+        self.draining = True
+        self.client.accepting = False
+
+    async def drain(self, grace_s: float) -> bool:
+        """Wait until no request is in flight, at most `grace_s` seconds; True when none is left."""
+        deadline = time.monotonic() + grace_s
+        while self.admitted_seqs > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return self.admitted_seqs <= 0
 
     def begin_shutdown(self) -> None:
         """Stop accepting and fail everything in flight (safe to call from a signal handler)."""
@@ -461,6 +475,9 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
             return error_response(APIError(f"engine core is down: {client.dead_reason}", 503, type="server_error", code="engine_dead"))
         if state.shutting_down:
             return error_response(APIError("the server is shutting down", 503, type="server_error", code="shutting_down"))
+        if state.draining:
+            return error_response(APIError(f"the server is draining: {state.admitted_seqs} sequences in flight finish, "
+                                           "new requests go elsewhere", 503, type="server_error", code="draining"))
         return JSONResponse({"status": "ok", "engine_core_pid": client.core_pid, "in_flight": client.num_in_flight,
                              "engine_restarts": client.restarts})
 
@@ -558,6 +575,9 @@ async def _serve(
     client, config = state.client, state.config
     if client.dead_reason is not None:
         raise _engine_error(EngineDeadError(client.dead_reason), in_flight=False)
+    if state.draining and not state.shutting_down:
+        raise APIError("the server is draining before it shuts down; retry on another instance", 503,
+                       type="server_error", code="draining")
     if state.shutting_down or not client.accepting:
         raise APIError("the server is shutting down", 503, type="server_error", code="shutting_down")
     num_seqs = params.n * len(prompts)
@@ -901,16 +921,43 @@ class _CompletionFormat(_Format):
 
 
 class GracefulServer(uvicorn.Server):
-    """On SIGTERM / SIGINT: refuse new requests and fail those in flight at once, then uvicorn's own shutdown
-    (stop listening, wait up to timeout_graceful_shutdown for connections, lifespan shutdown: the core exits)."""
+    """On SIGTERM / SIGINT, a drain: still listening, /health and new requests answer 503 "draining" (a load
+    balancer takes the instance out), the requests in flight run on for up to the grace period; then whatever is
+    left is failed ("the server is shutting down") and uvicorn's own shutdown follows (stop listening, wait up to
+    timeout_graceful_shutdown for connections, lifespan shutdown: the core exits). A second signal, or a grace
+    period of 0, skips the drain."""
 
     def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
         super().__init__(config)
         self.tandem_state = state
+        self._drain_requested = False
+        self._drain_task: asyncio.Future[None] | None = None
 
     def handle_exit(self, sig: int, frame: Any) -> None:
-        self.tandem_state.begin_shutdown()
+        """The signal handler (main thread, between the loop's callbacks): only flags and a callback scheduled."""
+        state, loop = self.tandem_state, self.tandem_state.loop
+        if not self._drain_requested and state.config.shutdown_grace_period_s > 0 and loop is not None and not loop.is_closed():
+            self._drain_requested = True
+            state.begin_drain()
+            loop.call_soon_threadsafe(self._start_drain, sig, frame)
+            return
+        state.begin_shutdown()
         super().handle_exit(sig, frame)
+
+    def _start_drain(self, sig: int, frame: Any) -> None:
+        self._drain_task = asyncio.ensure_future(self._drain_then_exit(sig, frame))
+
+    async def _drain_then_exit(self, sig: int, frame: Any) -> None:
+        state = self.tandem_state
+        grace = state.config.shutdown_grace_period_s
+        logger.info("draining: %d sequences in flight, up to %.0f s", state.admitted_seqs, grace)
+        if await state.drain(grace):
+            logger.info("drained: every request in flight finished")
+        else:
+            logger.warning("grace period over: failing %d sequences still in flight", state.admitted_seqs)
+        if not self.should_exit:
+            state.begin_shutdown()
+            super().handle_exit(sig, frame)
 
 
 def run_server(app: FastAPI, host: str, port: int, log_level: str = "info", graceful_timeout_s: int = 5) -> None:

@@ -48,6 +48,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--tool-call-parser", default="auto", choices=["auto", "hermes", "llama3_json", "mistral"],
                    help="how the model writes tool calls (default: read off the chat template; Hermes <tool_call> "
                         "with a fallback prompt for templates that know no tools)")
+    p.add_argument("--shutdown-grace-period", type=float, default=30.0,
+                   help="on SIGTERM: seconds the requests in flight may run on (health and new requests: 503 draining) "
+                        "before they are failed and the server exits; 0: fail them at once (default 30)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_engine_args(p)
     p.set_defaults(func=run_serve)
@@ -63,6 +66,8 @@ def run_serve(args: argparse.Namespace) -> int:
     api_key = args.api_key if args.api_key is not None else os.environ.get("TANDEM_API_KEY") or None
     if args.max_queue < 0:
         raise SystemExit("--max-queue must be >= 0")
+    if args.shutdown_grace_period < 0:
+        raise SystemExit("--shutdown-grace-period must be >= 0")
     config = ServerConfig(
         served_model_names=served_model_names(args.model, args.served_model_name),
         api_key=api_key,
@@ -71,6 +76,7 @@ def run_serve(args: argparse.Namespace) -> int:
         request_timeout_s=args.request_timeout,
         max_body_bytes=args.max_body_size,
         tool_call_parser=args.tool_call_parser,
+        shutdown_grace_period_s=args.shutdown_grace_period,
     )
     client = EngineClient(args.model, engine_kwargs_from_args(args))
     app = create_app(client, config)

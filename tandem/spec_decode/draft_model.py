@@ -526,23 +526,29 @@ class DraftModelProposer(Proposer):
         return self.propose_async(batch).result()
 
     def propose_async(self, batch: Sequence[DraftRequest]) -> Future[dict[str, Drafts]]:
-        """Start drafting for `batch` and return at once; the future holds one `Drafts` per request id.
+        """Queue drafting for `batch` and return at once (never waits for an earlier proposal: proposals run in
+        call order on the drafting thread); the future holds one `Drafts` per request id.
 
-        What to send is computed here, from `token_ids` as they are now, so the engine may change them once this
-        returns. The future never raises for a draft failure: it then holds empty drafts. Waits for the previous
-        proposal first (proposals are applied in call order).
+        The token lists are copied here, so the engine may change them once this returns. The future never raises
+        for a draft failure: it then holds empty drafts.
         """
-        self._wait_inflight()
         results = {r.request_id: Drafts([]) for r in batch}
         if not self.enabled or self._closed:
             return _done(results)
+        snapshot = [DraftRequest(r.request_id, list(r.token_ids), r.num_prompt_tokens, r.max_drafts) for r in batch]
+        self._inflight = self._executor.submit(self._sync_and_run, snapshot, results)
+        return self._inflight
+
+    def _sync_and_run(self, batch: list[DraftRequest], results: dict[str, Drafts]) -> dict[str, Drafts]:
+        """Drafting thread: bring the mirrors up to `batch` and run one call to the draft."""
+        if not self.enabled:
+            return results
         jobs = self._sync_jobs(batch)
         with self._lock:
             releases, self._pending_releases = self._pending_releases, []
         if not jobs and not releases:
-            return _done(results)
-        self._inflight = self._executor.submit(self._run, releases, jobs, results)
-        return self._inflight
+            return results
+        return self._run(releases, jobs, results)
 
     def on_verified(self, request_id: str, accepted: Sequence[int], num_drafted: int) -> None:
         """Count acceptance; the KV rollback itself happens at the next proposal (it compares token lists)."""

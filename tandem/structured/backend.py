@@ -259,7 +259,7 @@ def backend_reason(exc: BaseException) -> str:
 # --- vocabularies that do not come from a Hugging Face tokenizer (large-vocabulary mask benchmarks) ---------------
 
 # The pre-tokenization patterns tiktoken ships for its encodings (only used by llguidance's own tokenize()).
-_TIKTOKEN_PATTERNS = {
+TIKTOKEN_PATTERNS = {
     "o200k_base": "|".join(
         [
             r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
@@ -273,7 +273,7 @@ _TIKTOKEN_PATTERNS = {
     ),
     "cl100k_base": r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+""",
 }
-_TIKTOKEN_SPECIALS = {
+TIKTOKEN_SPECIALS = {
     "o200k_base": {"<|endoftext|>": 199999, "<|endofprompt|>": 200018},
     "cl100k_base": {"<|endoftext|>": 100257, "<|fim_prefix|>": 100258, "<|fim_middle|>": 100259, "<|fim_suffix|>": 100260, "<|endofprompt|>": 100276},
 }
@@ -326,11 +326,11 @@ def load_tiktoken(path: str | Path) -> TiktokenVocab:
     """Read a `.tiktoken` file (lines 'base64(token) rank'); the name (o200k_base, cl100k_base) picks the pattern."""
     path = Path(path)
     name = path.name.removesuffix(".tiktoken")
-    if name not in _TIKTOKEN_PATTERNS:
-        raise ValueError(f"unknown tiktoken encoding {name!r}; known: {sorted(_TIKTOKEN_PATTERNS)}")
+    if name not in TIKTOKEN_PATTERNS:
+        raise ValueError(f"unknown tiktoken encoding {name!r}; known: {sorted(TIKTOKEN_PATTERNS)}")
     ranks: dict[bytes, int] = {}
     for line in path.read_bytes().splitlines():
         if line.strip():
             piece, rank = line.split()
             ranks[base64.b64decode(piece)] = int(rank)
-    return TiktokenVocab(name, ranks, dict(_TIKTOKEN_SPECIALS[name]), _TIKTOKEN_PATTERNS[name])
+    return TiktokenVocab(name, ranks, dict(TIKTOKEN_SPECIALS[name]), TIKTOKEN_PATTERNS[name])

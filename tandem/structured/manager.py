@@ -72,7 +72,7 @@ class StructuredOutputConfig:
     rejected_entries: int = 1024  # negative cache (specs a backend rejected), bounded by count
     stats_window: int = 10_000  # durations kept for percentiles
     promote_after: int = 4  # auto: a grammar asked for this often also gets xgrammar's precompiled masks (0: never)
-    max_fill_ms: float = 100.0  # a mask fill slower than this moves its request to llguidance, or ends it
+    max_fill_ms: float = 100.0  # a mask fill using more CPU time than this moves its request to llguidance, or ends it
     isolate_compiles: bool = True  # xgrammar compiles in worker processes that are killed at compile_timeout_s
 
     def __post_init__(self) -> None:
@@ -135,6 +135,7 @@ class _Request:
 
 
 _Work = tuple[str, Matcher, int]  # (request id, matcher, bitmask row)
+_Filled = tuple[str, float, float, str | None]  # (request id, seconds, CPU seconds of the filling thread, error)
 
 
 class StructuredOutputManager:
@@ -298,13 +299,13 @@ class StructuredOutputManager:
         if first_row < 0 or first_row + len(draft_tokens) >= bitmask.shape[0]:
             raise ValueError(f"rows {first_row}..{first_row + len(draft_tokens)} do not fit a bitmask of {bitmask.shape[0]} rows")
         matcher = self._matcher(request_id)
-        results: list[tuple[str, float, str | None]] = []
+        results: list[_Filled] = []
         accepted = 0
         try:
             for j in range(len(draft_tokens) + 1):
-                started = time.perf_counter()
+                started, cpu = time.perf_counter(), time.thread_time()
                 matcher.fill_bitmask(bitmask, first_row + j)
-                results.append((request_id, time.perf_counter() - started, None))
+                results.append((request_id, time.perf_counter() - started, time.thread_time() - cpu, None))
                 if j == len(draft_tokens) or matcher.accept([int(draft_tokens[j])]) != 1:
                     break
                 accepted += 1
@@ -437,18 +438,19 @@ class StructuredOutputManager:
         with self._lock:
             self._counts[name] += n
 
-    def _after_fills(self, results: list[tuple[str, float, str | None]]) -> dict[str, str]:
-        """Record fill times (overall and per grammar); move or fail requests whose fill was too slow or failed."""
-        failures = {rid: err for rid, _, err in results if err is not None}
+    def _after_fills(self, results: list[_Filled]) -> dict[str, str]:
+        """Record fill times (overall and per grammar); move or fail requests whose fill failed, or used more than
+        `max_fill_ms` of CPU time (CPU, not wall: a fill preempted on a busy machine is not slow)."""
+        failures = {rid: err for rid, _, _, err in results if err is not None}
         slow: dict[str, float] = {}
-        for rid, seconds, err in results:
+        for rid, _, cpu, err in results:
             request = self._requests.get(rid)
             if err is None and request is not None and request.grammar is not None:
-                self._router.record_fill(request.grammar.backend, request.text_key, seconds)
-                if seconds * 1e3 > self.config.max_fill_ms:
-                    slow[rid] = max(slow.get(rid, 0.0), seconds)
+                self._router.record_fill(request.grammar.backend, request.text_key, cpu)
+                if cpu * 1e3 > self.config.max_fill_ms:
+                    slow[rid] = max(slow.get(rid, 0.0), cpu)
         with self._lock:
-            self._fill_row_s.extend(s for _, s, err in results if err is None)
+            self._fill_row_s.extend(s for _, s, _, err in results if err is None)
             self._counts["rows_filled"] += len(results)
             self._counts["fill_errors"] += len(failures)
             self._counts["slow_fills"] += len(slow)
@@ -462,7 +464,7 @@ class StructuredOutputManager:
         """After a slow xgrammar fill: serve the request by llguidance from its current position; None when moved,
         else why the request must end (the fill has already happened: its row is valid, later ones would stall)."""
         request = self._requests[request_id]
-        took = f"a mask took {1e3 * seconds:.0f} ms, over the limit of {self.config.max_fill_ms:g} ms"
+        took = f"a mask took {1e3 * seconds:.0f} ms of CPU time, over the limit of {self.config.max_fill_ms:g} ms"
         assert request.grammar is not None
         if request.grammar.backend == "llguidance" or request.requested != "auto":
             return f"{request.grammar.backend}: {took}"
@@ -626,18 +628,19 @@ def _combined(rejections: Sequence[GrammarError]) -> GrammarError:
     return GrammarError("auto", "; ".join(str(e) for e in rejections))
 
 
-def _fill_chunk(chunk: Sequence[_Work], bitmask: np.ndarray, eos: Sequence[int]) -> list[tuple[str, float, str | None]]:
-    """Fill one chunk's rows: (request id, seconds, error or None) per row. A failed row allows only EOS."""
-    out: list[tuple[str, float, str | None]] = []
+def _fill_chunk(chunk: Sequence[_Work], bitmask: np.ndarray, eos: Sequence[int]) -> list[_Filled]:
+    """Fill one chunk's rows: (request id, seconds, CPU seconds, error or None) per row. A failed row allows only
+    EOS."""
+    out: list[_Filled] = []
     for rid, matcher, row in chunk:
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.thread_time()
         try:
             matcher.fill_bitmask(bitmask, row)
             error = None
         except Exception as e:  # noqa: BLE001 - one request's grammar failing must not fail the step
             fill_only(bitmask, row, eos)
             error = f"mask computation failed: {type(e).__name__}: {e}"
-        out.append((rid, time.perf_counter() - started, error))
+        out.append((rid, time.perf_counter() - started, time.thread_time() - cpu, error))
     return out
 
 

@@ -186,3 +186,20 @@ def test_demo_model_greedy_matches_transformers(demo_model_dir) -> None:  # type
             exp = ref.generate(ids, max_new_tokens=24, do_sample=False)[0, ids.shape[1] :].tolist()
         assert len(exp) >= 8
         assert got[str(i)].outputs[0].token_ids[: len(exp)] == exp, p
+
+
+def test_stats_count_what_ran(stories_engine_factory) -> None:  # type: ignore[no-untyped-def]
+    """get_stats(): token counters equal what the outputs and prompts hold; each timed phase ran."""
+    from tandem.params import StructuredOutputsParams
+
+    engine = stories_engine_factory(enable_prefix_caching=False)
+    prompts = {"a": "Once upon a time", "b": "The little dog ran", "c": "Tom"}
+    for rid, p in prompts.items():
+        so = StructuredOutputsParams(choice=["yes", "no"]) if rid == "c" else None
+        engine.add_request(rid, p, SamplingParams(temperature=0.0, max_tokens=7, structured_outputs=so))
+    done = run_all(engine, {})
+    stats = engine.get_stats()
+    assert stats["num_generated_tokens"] == sum(len(o.outputs[0].token_ids) for o in done.values())
+    assert stats["num_prompt_tokens"] == sum(len(o.prompt_token_ids) for o in done.values())
+    assert stats["forward_s"] > 0 and stats["sample_s"] > 0 and stats["grammar_mask_fill_s"] > 0
+    assert stats["num_running"] == stats["num_waiting"] == 0 and stats["kv_cache_usage"] == 0.0

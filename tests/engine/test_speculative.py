@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -220,3 +221,94 @@ def test_draft_model_worker_process_lossless(stories_engine_factory, stories_dir
         assert stats["spec_num_accepted"] > 0 and stats["draft_threads"] >= 1
     finally:
         spec.shutdown()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# K = 3 with the real proposers, top-k / top-p, n > 1: the joint law of three tokens
+# ---------------------------------------------------------------------------------------------------------------
+CYCLIC_PROMPT = [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]  # repeats: both proposers draft from the first step on
+TEMPERATURE, TOP_K, TOP_P = 0.9, 4, 0.85
+
+
+def reference_filter(logits: list[float], temperature: float, top_k: int, top_p: float) -> list[float]:
+    """The target's sampling law written out: softmax(logits / T) over the top_k tokens, then the smallest set of
+    them, most likely first, whose mass reaches top_p; renormalised."""
+    z = [x / temperature for x in logits]
+    order = sorted(range(len(z)), key=lambda t: -z[t])[:top_k]
+    m = max(z[t] for t in order)
+    w = {t: math.exp(z[t] - m) for t in order}
+    total = sum(w.values())
+    kept, mass = [], 0.0
+    for t in order:
+        kept.append(t)
+        mass += w[t] / total
+        if mass >= top_p:
+            break
+    norm = sum(w[t] for t in kept)
+    return [w[t] / norm if t in kept else 0.0 for t in range(len(logits))]
+
+
+def _exact_triple_probs(engine: LLMEngine, prompt: list[int], law: Callable[[list[float]], list[float]]) -> dict[tuple[int, ...], float]:
+    """p(t1, t2, t3 | prompt) from the engine's own forward (1 + V + V^2 queries), each row through `law`."""
+    from tandem.core.plan import ScheduledRequest, StepPlan
+
+    r = engine.runner
+    table = list(range(4))
+
+    def nxt(ids: list[int]) -> list[float]:
+        return law(r.execute(StepPlan(0, [ScheduledRequest("x", ids, 0, table)]))[0].tolist())
+
+    p1 = nxt(prompt)
+    out: dict[tuple[int, ...], float] = {}
+    for a in range(V):
+        if p1[a] == 0.0:
+            continue
+        p2 = nxt(prompt + [a])
+        for b in range(V):
+            if p2[b] == 0.0:
+                continue
+            p3 = nxt(prompt + [a, b])
+            for c in range(V):
+                out[(a, b, c)] = p1[a] * p2[b] * p3[c]
+    return out
+
+
+def _triple_counts(engine: LLMEngine, n: int, seed: int) -> Counter[tuple[int, ...]]:
+    p = SamplingParams(n=n, temperature=TEMPERATURE, top_k=TOP_K, top_p=TOP_P, seed=seed, max_tokens=4, ignore_eos=True)
+    out = run_all(engine, {"s": CYCLIC_PROMPT}, p)["s"]
+    return Counter(tuple(o.token_ids[:3]) for o in out.outputs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_sampled_k3_top_k_top_p_distribution_is_preserved(tiny_vocab_dir: Path, method: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """3,000 samples of one request (n = 3000, seeded) with 3 drafts per step from the real proposer: the joint
+    law of its first three tokens (the second and third come out of verifying the drafts) is the target's under
+    temperature, top-k and top-p. Negative controls: the same counts against the law without top-k / top-p, and
+    a broken residual rule at K = 3, both fail the test."""
+    from tandem.engine.llm import build_engine
+
+    n = 3000
+    spec = build_engine(str(tiny_vocab_dir), dtype="float32", progress=False, max_num_seqs=n, num_kv_blocks=5 * n,
+                        block_size=4, max_num_batched_tokens=16 * n,
+                        speculative_config={"method": method, "num_speculative_tokens": 3, "adaptive": False})
+    law = _exact_triple_probs(spec, CYCLIC_PROMPT, lambda row: reference_filter(row, TEMPERATURE, TOP_K, TOP_P))
+    assert abs(sum(law.values()) - 1.0) < 1e-6
+    counts = _triple_counts(spec, n, seed=21)
+    stats = spec.get_stats()
+    assert stats["spec_num_drafted"] >= 2 * n and stats["spec_num_accepted"] >= n // 2  # K = 3 drafts really verified
+    assert set(counts) <= {k for k, v in law.items() if v > 0}  # nothing top-k / top-p excludes ever comes out
+    stat, dof = _chi2(counts, law, n)
+    assert stat < _chi2_threshold(dof), (stat, dof)
+    # the test can tell: without the top-k / top-p filters the law is another one
+    plain = _exact_triple_probs(spec, CYCLIC_PROMPT, lambda row: reference_filter(row, TEMPERATURE, V, 1.0))
+    stat_p, dof_p = _chi2(counts, plain, n)
+    assert stat_p > _chi2_threshold(dof_p), (stat_p, dof_p)
+    if method == "ngram":  # and a broken rejection rule at K = 3 is caught
+        import tandem.sampling.rejection as rej
+
+        monkeypatch.setattr(rej, "residual_probs", lambda target, draft: target)
+        broken = _triple_counts(spec, n, seed=21)
+        stat_b, dof_b = _chi2(broken, law, n)
+        assert stat_b > _chi2_threshold(dof_b), (stat_b, dof_b)
+    spec.shutdown()

@@ -1,5 +1,9 @@
 """Structured outputs through the whole engine: every kind and backend gives valid output, also on a model whose
-logits are near-random; guided and unguided requests mix; failures stay with their request."""
+logits are near-random; guided and unguided requests mix; failures stay with their request.
+
+Every output is checked whatever it ended with (tests/structured/oracle.py): its tokens by fresh matchers of both
+backends (the other backend is an independent implementation), its text by `json` / `jsonschema` when complete and
+by the `regex` module's partial matching when cut by max_tokens or a stop string."""
 
 from __future__ import annotations
 
@@ -12,7 +16,9 @@ import pytest
 
 from tandem.engine.engine import LLMEngine
 from tandem.params import ParamError, SamplingParams, StructuredOutputsParams
+from tandem.request import CompletionOutput
 
+from ..structured.oracle import GrammarOracle, check_text, choice_pattern
 from .test_engine import run_all
 
 SCHEMA = {
@@ -25,6 +31,8 @@ SCHEMA = {
 GBNF = 'root ::= "(" expr ")"\nexpr ::= num (("+" | "*") num)*\nnum ::= [0-9]+\n'
 LARK = 'start: "(" expr ")"\nexpr: NUM (("+" | "*") NUM)*\nNUM: /[0-9]+/\n'
 EXPR = re.compile(r"\(\d+([+*]\d+)*\)")
+PATTERNS = {"regex": r"[a-z]{2,5}-\d{2}", "choice": choice_pattern(["red", "green", "blue"]), "gbnf": EXPR.pattern,
+            "lark": EXPR.pattern}
 
 
 def _check(kind: str, text: str) -> None:
@@ -54,6 +62,15 @@ def _params(kind: str, backend: str) -> StructuredOutputsParams:
     return StructuredOutputsParams(grammar=LARK, backend=backend)
 
 
+def _verify(oracle: GrammarOracle, kind: str, so: StructuredOutputsParams, o: CompletionOutput) -> bool:
+    """Check one output, complete or cut; True when the grammar ended it (EOS)."""
+    complete = o.finish_reason == "stop" and o.stop_reason is None
+    assert o.finish_reason in ("stop", "length"), (o.finish_reason, o.text)
+    oracle.accepts(so, o.token_ids, complete)
+    check_text(kind, o.text, complete, schema=SCHEMA, pattern=PATTERNS.get(kind))
+    return complete
+
+
 KINDS = ["json", "json_object", "regex", "choice", "gbnf", "lark"]
 CASES = [(k, b) for k in KINDS for b in ("xgrammar", "llguidance") if not (k == "lark" and b == "xgrammar")]
 
@@ -63,31 +80,35 @@ def stories(stories_engine_factory) -> LLMEngine:  # type: ignore[no-untyped-def
     return stories_engine_factory(max_model_len=512)
 
 
+@pytest.fixture(scope="module")
+def stories_oracle(stories: LLMEngine) -> GrammarOracle:
+    return GrammarOracle(stories.tokenizer.hf, stories.vocab_size, stories.eos_token_ids)
+
+
 @pytest.mark.parametrize("kind,backend", CASES)
-def test_every_kind_and_backend_valid(stories: LLMEngine, kind: str, backend: str) -> None:
+def test_every_kind_and_backend_valid(stories: LLMEngine, stories_oracle: GrammarOracle, kind: str, backend: str) -> None:
     """stories260K knows no JSON or grammar: its logits are effectively random here, which stresses the masks."""
     p = SamplingParams(temperature=1.0, seed=5, max_tokens=200, n=3, structured_outputs=_params(kind, backend))
     out = run_all(stories, {"g": "Once upon a time"}, p)["g"]
     assert out.error is None and out.metrics is not None and out.metrics.grammar_backend == backend
-    for o in out.outputs:
-        if o.finish_reason == "stop":
-            _check(kind, o.text)
-        else:  # cut by max_tokens: still a valid prefix, reported as "length"
-            assert o.finish_reason == "length"
+    assert p.structured_outputs is not None
+    for o in out.outputs:  # complete, or cut by max_tokens ("length"): a checked prefix
+        _verify(stories_oracle, kind, p.structured_outputs, o)
 
 
-def test_mixed_batch_and_greedy_mask_modes_agree(stories_engine_factory) -> None:  # type: ignore[no-untyped-def]
+def test_mixed_batch_and_greedy_mask_modes_agree(stories_engine_factory, stories_oracle: GrammarOracle) -> None:  # type: ignore[no-untyped-def]
     prompts = {f"u{i}": "Once upon a time" for i in range(3)} | {f"g{i}": "Tom and Lily" for i in range(3)}
+    so = StructuredOutputsParams(json=SCHEMA)
 
     def run(mode: str) -> dict[str, list[int]]:
         engine = stories_engine_factory(max_model_len=512, structured_mask_mode=mode)
         for rid, p in prompts.items():
-            so = StructuredOutputsParams(json=SCHEMA) if rid.startswith("g") else None
-            engine.add_request(rid, p, SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=so))
+            engine.add_request(rid, p, SamplingParams(temperature=0.0, max_tokens=60,
+                                                      structured_outputs=so if rid.startswith("g") else None))
         done = run_all(engine, {})
         for rid, out in done.items():
-            if rid.startswith("g") and out.outputs[0].finish_reason == "stop":
-                _check("json", out.outputs[0].text)
+            if rid.startswith("g"):
+                _verify(stories_oracle, "json", so, out.outputs[0])
         return {rid: out.outputs[0].token_ids for rid, out in done.items()}
 
     cpu, device = run("cpu"), run("device")
@@ -120,27 +141,47 @@ def test_bad_grammar_fails_alone(stories: LLMEngine) -> None:
     assert not stories.has_unfinished_requests()
 
 
-def test_compile_timeout_isolated(stories_engine_factory) -> None:  # type: ignore[no-untyped-def]
-    engine = stories_engine_factory(max_model_len=512, structured_outputs_config={"compile_timeout_s": 1e-6})
-    engine.add_request("ok", "Once", SamplingParams(temperature=0.0, max_tokens=10))
-    nested: dict = {"type": "string"}
-    for i in range(6):
-        nested = {"type": "object", "properties": {f"a{i}": nested, f"b{i}": nested}, "required": [f"a{i}"]}
-    engine.add_request("slow", "Once", SamplingParams(structured_outputs=StructuredOutputsParams(json=nested)))
-    done = run_all(engine, {})
-    assert "timed out" in (done["slow"].error or "")
+def test_compile_timeout_isolated(stories_engine_factory, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """A compile that keeps burning CPU (a stand-in for a grammar bomb, which never finishes first whatever the
+    machine's speed) ends its request alone with "timed out"; the other request completes."""
+    import threading
+
+    from tandem.structured.llguidance_backend import LLGuidanceBackend
+
+    release = threading.Event()
+    real_compile = LLGuidanceBackend.compile
+
+    def burning_compile(self, spec):  # type: ignore[no-untyped-def]
+        if "bomb" not in spec.text:
+            return real_compile(self, spec)
+        while not release.is_set():  # CPU time of the compiling thread, until the test ends
+            sum(range(1000))
+        raise AssertionError("released")
+
+    monkeypatch.setattr(LLGuidanceBackend, "compile", burning_compile)
+    engine = stories_engine_factory(max_model_len=512, structured_outputs_config={"compile_timeout_s": 0.05,
+                                                                                 "isolate_compiles": False})
+    try:
+        engine.add_request("ok", "Once", SamplingParams(temperature=0.0, max_tokens=10))
+        bomb = {"type": "object", "properties": {"bomb": {"type": "string"}}, "required": ["bomb"]}
+        engine.add_request("slow", "Once", SamplingParams(structured_outputs=StructuredOutputsParams(json=bomb, backend="llguidance")))
+        done = run_all(engine, {})
+    finally:
+        release.set()
+    assert "timed out" in (done["slow"].error or "") and done["slow"].outputs[0].finish_reason == "error"
     assert done["ok"].error is None and len(done["ok"].outputs[0].token_ids) == 10
+    assert engine.get_stats()["grammar_timeouts"] == 1
 
 
-def test_speculation_with_grammar_validates(stories_engine_factory) -> None:  # type: ignore[no-untyped-def]
+def test_speculation_with_grammar_validates(stories_engine_factory, stories_oracle: GrammarOracle) -> None:  # type: ignore[no-untyped-def]
     engine = stories_engine_factory(max_model_len=512, speculative_config={"method": "ngram", "num_speculative_tokens": 4})
     p = SamplingParams(temperature=0.0, max_tokens=120, structured_outputs=StructuredOutputsParams(json=SCHEMA))
     base = stories_engine_factory(max_model_len=512)
     want = run_all(base, {"a": "Once upon a time"}, p)["a"].outputs[0]
     got = run_all(engine, {"a": "Once upon a time"}, p)["a"].outputs[0]
     assert got.token_ids == want.token_ids
-    if got.finish_reason == "stop":
-        _check("json", got.text)
+    assert p.structured_outputs is not None
+    _verify(stories_oracle, "json", p.structured_outputs, got)
     assert engine.get_stats()["guided_forced_tokens"] > 0
 
 
@@ -193,17 +234,21 @@ def random_model(tmp_path_factory: pytest.TempPathFactory, shared_data) -> LLMEn
     return build_engine(str(d), dtype="float32", progress=False, max_model_len=1024)
 
 
+@pytest.fixture(scope="module")
+def random_oracle(random_model: LLMEngine) -> GrammarOracle:
+    return GrammarOracle(random_model.tokenizer.hf, random_model.vocab_size, random_model.eos_token_ids)
+
+
 @pytest.mark.parametrize("kind,backend", CASES)
-def test_random_logits_model_stays_valid(random_model: LLMEngine, kind: str, backend: str) -> None:
-    """Every sampled token passes the matcher (else the request would end with an error) and what ends is valid."""
+def test_random_logits_model_stays_valid(random_model: LLMEngine, random_oracle: GrammarOracle, kind: str, backend: str) -> None:
+    """Every sampled token passes the matcher (else the request would end with an error) and every output is valid:
+    whole documents, and prefixes of one where max_tokens cut them (the unbounded kinds mostly)."""
     p = SamplingParams(temperature=1.0, seed=3, max_tokens=300, n=4, structured_outputs=_params(kind, backend))
     out = run_all(random_model, {"r": "hello world"}, p)["r"]
-    assert out.error is None
-    finished = [o for o in out.outputs if o.finish_reason == "stop"]
-    for o in finished:
-        _check(kind, o.text)
+    assert out.error is None and p.structured_outputs is not None
+    complete = [_verify(random_oracle, kind, p.structured_outputs, o) for o in out.outputs]
     if kind in ("choice", "regex"):
-        assert finished  # bounded grammars end within 300 tokens even from noise
+        assert any(complete)  # bounded grammars end within 300 tokens even from noise
 
 
 def test_request_ending_and_grammar_complaint_on_same_token_finishes_once(stories_engine_factory, monkeypatch) -> None:  # type: ignore[no-untyped-def]
@@ -217,3 +262,86 @@ def test_request_ending_and_grammar_complaint_on_same_token_finishes_once(storie
     assert done["a"].outputs[0].finish_reason == "length"
     more = run_all(engine, {"b": "Once"}, SamplingParams(temperature=0.0, max_tokens=3))
     assert len(more["b"].outputs[0].token_ids) == 3
+
+
+# ------------------------------------------------------------------ a grammar with min_tokens / stop_token_ids
+# A grammar whose document is complete allows only EOS; min_tokens bans EOS (and stop_token_ids) until it is met.
+# vLLM applies both and is left with no token (its matcher then rejects whatever is drawn and the request is
+# terminated). tandem ends that request alone with finish_reason "error", keeps the document generated so far
+# (the drafts accepted before the dead row included), and says which constraints collided; nothing is drawn from
+# a row where no token is allowed, and its blocks are freed.
+@pytest.mark.parametrize("speculation", [None, "ngram"])
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_grammar_complete_before_min_tokens_ends_with_its_document_and_a_clear_error(
+    stories_engine_factory, stories_oracle: GrammarOracle, backend: str, speculation: str | None  # type: ignore[no-untyped-def]
+) -> None:
+    spec = {"method": speculation, "num_speculative_tokens": 3} if speculation else None
+    engine = stories_engine_factory(max_model_len=512, speculative_config=spec)
+    so = StructuredOutputsParams(choice=["yes", "no"], backend=backend)
+    engine.add_request("plain", "Once upon a time", SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    done = run_all(engine, {"short": "Once", "enough": "Once"}, SamplingParams(temperature=0.0, max_tokens=20,
+                                                                                min_tokens=3, structured_outputs=so))
+    out = done["short"]
+    o = out.outputs[0]
+    assert o.finish_reason == "error" and out.error is not None
+    assert "min_tokens=3" in out.error and "the grammar" in out.error, out.error
+    assert o.text in ("yes", "no")  # the whole document, nothing drawn from the dead row
+    stories_oracle.accepts(so, o.token_ids, complete=False)
+    assert done["plain"].error is None and len(done["plain"].outputs[0].token_ids) == 12
+    # met in time: the same request with min_tokens 2 ("no" is 2 tokens) ends normally
+    ok = run_all(engine, {"ok": "Once"}, SamplingParams(temperature=0.0, max_tokens=20, min_tokens=2, structured_outputs=so))["ok"]
+    assert (ok.error, ok.outputs[0].finish_reason, ok.outputs[0].text) == (None, "stop", o.text)
+    assert engine.block_manager.num_free_blocks == engine.runner.num_blocks
+
+
+def test_stop_token_ids_inside_a_grammar(stories_engine_factory, stories_oracle: GrammarOracle) -> None:  # type: ignore[no-untyped-def]
+    """A stop token the grammar allows ends the request there ("stop", stop_reason = the id, its text left out):
+    a prefix of a document. Under min_tokens the same token is banned, and when the grammar allows nothing else the
+    request ends with an error naming both."""
+    engine = stories_engine_factory(max_model_len=512)
+    so = StructuredOutputsParams(choice=["no"])
+    free = run_all(engine, {"f": "Once"}, SamplingParams(temperature=0.0, max_tokens=20, structured_outputs=so))["f"]
+    n_id, o_id, eos = free.outputs[0].token_ids  # "n", "o", EOS: the tokens the grammar walks through here
+    assert eos in engine.eos_token_ids
+    stop = SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[o_id], structured_outputs=so)
+    out = run_all(engine, {"s": "Once"}, stop)["s"].outputs[0]
+    assert (out.finish_reason, out.stop_reason, out.text, out.token_ids) == ("stop", o_id, "n", [n_id, o_id])
+    stories_oracle.accepts(so, out.token_ids, complete=False)
+    banned = SamplingParams(temperature=0.0, max_tokens=20, min_tokens=5, stop_token_ids=[o_id], structured_outputs=so)
+    res = run_all(engine, {"b": "Once"}, banned)["b"]
+    assert res.outputs[0].finish_reason == "error" and res.outputs[0].token_ids == [n_id]
+    assert res.error is not None and "min_tokens=5" in res.error and "the grammar" in res.error
+    assert engine.block_manager.num_free_blocks == engine.runner.num_blocks
+
+
+def test_guided_request_prefills_while_its_grammar_compiles(stories_engine_factory, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """While its grammar compiles, a guided request prefills all but its last prompt token and samples nothing; an
+    unguided neighbour decodes meanwhile. Once the grammar is ready it goes on and ends valid."""
+    import threading
+
+    from tandem.structured.llguidance_backend import LLGuidanceBackend
+
+    release = threading.Event()
+    real = LLGuidanceBackend.compile
+
+    def held(self, spec):  # type: ignore[no-untyped-def]
+        release.wait(120)
+        return real(self, spec)
+
+    monkeypatch.setattr(LLGuidanceBackend, "compile", held)
+    engine = stories_engine_factory(max_model_len=512)
+    prompt = engine.tokenizer.encode("Once upon a time, there was a little girl")
+    so = StructuredOutputsParams(choice=["yes", "no"], backend="llguidance")
+    engine.add_request("g", prompt, SamplingParams(temperature=0.0, max_tokens=5, structured_outputs=so))
+    engine.add_request("u", "Tom", SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    try:
+        for _ in range(6):
+            engine.step()
+        g = engine._seqs["g"].req
+        assert engine.guidance.has_pending and g.hold_sampling
+        assert g.num_computed_tokens == len(prompt) - 1 and g.num_output_tokens == 0
+        assert engine._seqs["u"].req.num_output_tokens >= 5  # the batch was not blocked
+    finally:
+        release.set()
+    done = run_all(engine, {})
+    assert done["g"].outputs[0].text in ("yes", "no") and done["g"].outputs[0].finish_reason == "stop"

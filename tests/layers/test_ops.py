@@ -21,6 +21,10 @@ pytestmark = pytest.mark.skipif(not load_cpu_kernels(), reason="tandem CPU kerne
 BS = 4  # block size
 
 
+def _gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
 def _ops(dtype: torch.dtype, D: int = 16, max_pos: int = 64) -> tuple[TorchOps, CpuKernelOps]:
     freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), 1.0 / (10000 ** (torch.arange(0, D, 2) / D)))
     t = select_ops(torch.device("cpu"), freqs.cos(), freqs.sin(), dtype, use_kernels=False)
@@ -33,9 +37,10 @@ def _ops(dtype: torch.dtype, D: int = 16, max_pos: int = 64) -> tuple[TorchOps, 
 @pytest.mark.parametrize("with_delta", [False, True])
 def test_add_rms_norm(dtype: torch.dtype, with_delta: bool) -> None:
     t, k = _ops(dtype)
-    x = torch.randn(5, 96)
-    delta = torch.randn(5, 96).to(dtype) if with_delta else None
-    w = torch.rand(96) + 0.5
+    g = _gen(1)
+    x = torch.randn(5, 96, generator=g)
+    delta = torch.randn(5, 96, generator=g).to(dtype) if with_delta else None
+    w = torch.rand(96, generator=g) + 0.5
     x1, x2 = x.clone(), x.clone()
     want = t.add_rms_norm(x1, delta, w, 1e-5, dtype)
     got = k.add_rms_norm(x2, delta, w, 1e-5, dtype)
@@ -47,7 +52,7 @@ def test_add_rms_norm(dtype: torch.dtype, with_delta: bool) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_mul(dtype: torch.dtype) -> None:
     t, k = _ops(dtype)
-    gu = torch.randn(3, 2 * 40).to(dtype)
+    gu = torch.randn(3, 2 * 40, generator=_gen(2)).to(dtype)
     torch.testing.assert_close(k.silu_mul(gu).float(), t.silu_mul(gu).float(), atol=1e-5, rtol=1e-2)
 
 
@@ -66,7 +71,7 @@ def test_rope_write_kv_matches_torch(dtype: torch.dtype) -> None:
     plan = _plan([3, 1, 5], [0, 7, 2], 4)
     meta = build_metadata(plan, BS, torch.device("cpu"))
     T = meta.num_tokens
-    qkv = torch.randn(T, (H + 2 * KVH) * D).to(dtype)
+    qkv = torch.randn(T, (H + 2 * KVH) * D, generator=_gen(3)).to(dtype)
     qk = qkv[:, : (H + KVH) * D].view(T, H + KVH, D)  # strided rows, as the model passes them
     v = qkv[:, (H + KVH) * D :].view(T, KVH, D)
     c1, c2 = torch.zeros(2, KVH, 12, BS, D), torch.zeros(2, KVH, 12, BS, D)
@@ -80,54 +85,79 @@ def test_rope_write_kv_matches_torch(dtype: torch.dtype) -> None:
     torch.testing.assert_close(CpuKernelOps.from_standard_layout(c1), c2, atol=tol, rtol=tol)
 
 
+def _dense_reference(
+    qk: torch.Tensor, cache_std: torch.Tensor, plan: StepPlan, news: list[int], starts: list[int], H: int, D: int,
+    window: int | None,
+) -> list[torch.Tensor]:
+    """Plain SDPA per request over the keys / values its block table holds (in float32), causal and windowed by an
+    explicit mask: one [n, H * D] tensor per request."""
+    out, row = [], 0
+    for r, n, s in zip(plan.requests, news, starts):
+        slots = torch.tensor([r.block_table[p // BS] * BS + p % BS for p in range(s + n)])
+        kv = cache_std.flatten(2, 3).index_select(2, slots).float()  # [2, KVH, s + n, D]
+        pos = torch.arange(s, s + n)[:, None]
+        keys = torch.arange(s + n)[None, :]
+        mask = (keys <= pos) & ((keys > pos - window) if window is not None else True)
+        q = qk[row : row + n, :H].transpose(0, 1)  # [H, n, D]
+        ref = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask, scale=D**-0.5, enable_gqa=True)
+        out.append(ref.transpose(0, 1).reshape(n, H * D))
+        row += n
+    return out
+
+
+@pytest.mark.parametrize("window", [None, 5], ids=["causal", "window5"])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16], ids=["f32-cache", "bf16-cache"])
 @pytest.mark.parametrize("H,KVH", [(4, 2), (3, 3), (6, 1), (8, 1)])
-def test_paged_attention_matches_dense_causal_attention(H: int, KVH: int) -> None:
-    """Mixed step: a fresh prefill, decodes and multi-token (speculative) queries with scattered blocks."""
+def test_paged_attention_matches_dense_causal_attention(
+    H: int, KVH: int, cache_dtype: torch.dtype, window: int | None
+) -> None:
+    """Mixed step: a fresh prefill, decodes and multi-token (speculative) queries with scattered blocks, against
+    plain SDPA over what the cache holds; the kernels' cache in float32 and in bf16 (the model dtype it holds on a
+    bf16 model); with a sliding window, requests whose first blocks fall wholly outside it."""
     D = 16
-    t, k = _ops(torch.float32, D)
+    t, k = _ops(cache_dtype, D)
+    g = _gen(4)
     news, starts = [6, 1, 4, 1, 9, 16], [0, 13, 5, 2, 20, 3]  # 16 queries x 8 heads: > 64 rows in one work item
     nb = 10
     plan = _plan(news, starts, nb)
     # scatter each request's blocks over the cache so a wrong table lookup cannot pass
-    perm = torch.randperm(len(news) * nb).tolist()
+    perm = torch.randperm(len(news) * nb, generator=g).tolist()
     for r in plan.requests:
         r.block_table = [perm[b] for b in r.block_table]
     meta = build_metadata(plan, BS, torch.device("cpu"))
     T = meta.num_tokens
-    cache_t, cache_k = torch.zeros(2, KVH, len(perm), BS, D), torch.zeros(2, KVH, len(perm), BS, D)
-    # earlier tokens of every request: random keys / values at their slots
-    history = {}
-    for i, (r, s) in enumerate(zip(plan.requests, starts)):
-        kv = torch.randn(2, s, KVH, D)
-        history[i] = kv
+    cache_t = torch.zeros(2, KVH, len(perm), BS, D)  # the torch operations' float32 cache
+    for r, s in zip(plan.requests, starts):  # earlier tokens of every request: random keys / values at their slots
         if s:
+            kv = torch.randn(2, s, KVH, D, generator=g)
             slots = torch.tensor([r.block_table[p // BS] * BS + p % BS for p in range(s)])
             write_kv(cache_t, kv[0], kv[1], slots)
-    cache_k = CpuKernelOps.from_standard_layout(cache_t)
-    qkv = torch.randn(T, (H + 2 * KVH) * D)
+    cache_k = CpuKernelOps.from_standard_layout(cache_t).to(cache_dtype)  # the kernels' cache in the model dtype
+    assert k.kv_cache_dtype == cache_dtype
+    qkv = torch.randn(T, (H + 2 * KVH) * D, generator=g).to(cache_dtype)  # the projection's output, model dtype
     qk = qkv[:, : (H + KVH) * D].view(T, H + KVH, D)
     v = qkv[:, (H + KVH) * D :].view(T, KVH, D)
-    rq_t = t.rope_write_kv(qk, v, t.rope_tables(meta.positions), cache_t, meta, H)
+    # the runner's block-major storage [2, NB, KVH, BS, D] seen as [2, KVH, NB, BS, D]: same results to the bit
+    cache_bm = torch.zeros(2, len(perm), KVH, BS, D, dtype=cache_dtype).permute(0, 2, 1, 3, 4)
+    cache_bm.copy_(cache_k)
     rq_k = k.rope_write_kv(qk, v, k.rope_tables(meta.positions), cache_k, meta, H)
-    want = t.attention(rq_t, v, cache_t, meta, H, D**-0.5, torch.float32)
-    got = k.attention(rq_k, v, cache_k, meta, H, D**-0.5, torch.float32)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
-    # and against plain causal attention over each request's full sequence
-    row = 0
-    for i, (n, s) in enumerate(zip(news, starts)):
-        keys = torch.cat([history[i][0], rq_t[row : row + n, H:]])  # [s + n, KVH, D]
-        vals = torch.cat([history[i][1], v[row : row + n]])
-        q = rq_t[row : row + n, :H].transpose(0, 1)  # [H, n, D]
-        mask = torch.ones(n, s + n, dtype=torch.bool).tril(diagonal=s)
-        ref = F.scaled_dot_product_attention(
-            q, keys.transpose(0, 1), vals.transpose(0, 1), attn_mask=mask, scale=D**-0.5, enable_gqa=True
-        )  # [H, n, D]
-        torch.testing.assert_close(got[row : row + n].view(n, H, D), ref.transpose(0, 1), atol=1e-5, rtol=1e-4)
-        row += n
+    rq_bm = k.rope_write_kv(qk, v, k.rope_tables(meta.positions), cache_bm, meta, H)
+    assert torch.equal(rq_bm, rq_k) and torch.equal(cache_bm, cache_k)
+    got = k.attention(rq_k, v, cache_k, meta, H, D**-0.5, torch.float32, window)
+    assert torch.equal(k.attention(rq_bm, v, cache_bm, meta, H, D**-0.5, torch.float32, window), got)
+    refs = _dense_reference(rq_k, CpuKernelOps.to_standard_layout(cache_k), plan, news, starts, H, D, window)
+    torch.testing.assert_close(got, torch.cat(refs), atol=1e-5, rtol=1e-4)
+    if cache_dtype == torch.float32:  # and the torch path (its own float32 cache) gives the same
+        rq_t = t.rope_write_kv(qk, v, t.rope_tables(meta.positions), cache_t, meta, H)
+        want = t.attention(rq_t, v, cache_t, meta, H, D**-0.5, torch.float32, window)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    if window is not None:  # the window changed something: requests longer than it differ from plain causal
+        causal = torch.cat(_dense_reference(rq_k, CpuKernelOps.to_standard_layout(cache_k), plan, news, starts, H, D, None))
+        assert (got - causal).abs().max() > 1e-2
 
 
 def test_paged_attention_rejects_short_block_table() -> None:
-    q = torch.randn(1, 2, 8)
+    q = torch.randn(1, 2, 8, generator=_gen(5))
     cache = torch.zeros(2, 1, 4, BS, 8)
     info = torch.tensor([[0, 1, 9]])  # 10 tokens need 3 blocks, the table holds 2
     with pytest.raises(RuntimeError, match="more blocks"):
@@ -165,10 +195,11 @@ def test_bf16_gemm_matches_float_reference_and_is_row_invariant(with_bias: bool)
 
     if not _bf16_gemm_available():
         pytest.skip("no AVX512-BF16 on this CPU")
-    w = torch.randn(112, 96).bfloat16()  # 7 blocks of 16 columns: a partial 64-column group too
-    b = torch.randn(112).bfloat16() if with_bias else None
+    g = _gen(6)
+    w = torch.randn(112, 96, generator=g).bfloat16()  # 7 blocks of 16 columns: a partial 64-column group too
+    b = torch.randn(112, generator=g).bfloat16() if with_bias else None
     f = make_linear(w, b, use_kernels=True)
-    x = torch.randn(13, 96).bfloat16()  # 3 full 4-row tiles and a 1-row tail
+    x = torch.randn(13, 96, generator=g).bfloat16()  # 3 full 4-row tiles and a 1-row tail
     y = f(x)
     ref = x.float() @ w.float().T + (b.float() if b is not None else 0.0)
     assert y.dtype == torch.bfloat16 and y.shape == (13, 112)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
-import time
 from pathlib import Path
 from typing import Any
 
@@ -119,9 +118,15 @@ def test_demo_model_path_converts_once(
     monkeypatch.setenv("TANDEM_HOME", str(tmp_path))
     folder = demo_model_path()
     assert folder.parent == tmp_path / "models" and folder.name.startswith("SmolLM2-135M-Instruct-")
-    start = time.perf_counter()
-    assert demo_model_path() == folder
-    assert time.perf_counter() - start < 1.0  # reused, not converted again
+    stamp = (folder / "model.safetensors").stat().st_mtime_ns
+    import tandem.models.demo as demo_module
+
+    def no_second_conversion(*args: object, **kw: object) -> None:
+        raise AssertionError("the demo model was converted again")
+
+    monkeypatch.setattr(demo_module, "convert_gguf_to_hf", no_second_conversion)
+    assert demo_model_path() == folder  # reused, not converted again
+    assert (folder / "model.safetensors").stat().st_mtime_ns == stamp
     assert [p.name for p in (tmp_path / "models").iterdir()] == [folder.name]  # no temp folder left behind
 
     ckpt = load_checkpoint(folder, torch.float32, progress=False)

@@ -59,8 +59,12 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(model: PreTrainedModel, kind: str, path: Path, *, quantize: bool = True) -> Path:
-    """Write `model` as llama.cpp would: GGUF names, q/k permuted for llama, one Q8_0 and one F16 tensor."""
+def write_gguf(
+    model: PreTrainedModel, kind: str, path: Path, *, quantize: bool = True,
+    raw: dict[str, tuple[np.ndarray, gguf.GGMLQuantizationType]] | None = None,
+) -> Path:
+    """Write `model` as llama.cpp would: GGUF names, q/k permuted for llama, one Q8_0 and one F16 tensor; `raw`:
+    tensors written as given blocks of a quantized type instead (already in the GGUF's layout)."""
     cfg = model.config
     arch = GGUF_ARCH[kind]
     names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
@@ -90,7 +94,10 @@ def write_gguf(model: PreTrainedModel, kind: str, path: Path, *, quantize: bool 
         if kind == "llama" and base.endswith("k_proj"):
             array = llama_cpp_permute(array, cfg.num_key_value_heads)
         gguf_name = f"{names.get_name(base)}.{suffix}"
-        if quantize and hf_name == Q8_TENSOR:
+        if raw is not None and hf_name in raw:
+            blocks, qtype = raw[hf_name]
+            w.add_tensor(gguf_name, blocks, raw_dtype=qtype)
+        elif quantize and hf_name == Q8_TENSOR:
             q8 = gguf.GGMLQuantizationType.Q8_0
             w.add_tensor(gguf_name, gguf.quants.quantize(array, q8), raw_dtype=q8)
         elif quantize and hf_name == F16_TENSOR:
@@ -214,3 +221,100 @@ def test_llama3_rope_scaling_recovered_from_rope_freqs(factor: float, low: float
 def test_rope_freqs_that_are_not_llama3_are_refused() -> None:
     with pytest.raises(ConfigError, match="rope_freqs"):
         llama3_scaling_from_rope_freqs(np.linspace(1, 8, 64), 500000.0, 128, Path("x.gguf"))
+
+
+# ------------------------------------------------------------------------------------------------ K-quants
+K_QUANT = gguf.GGMLQuantizationType
+K_TENSORS = {  # every K-quant on projections of both layers, q and k among them (un-permuted after dequantizing)
+    "model.layers.0.self_attn.q_proj.weight": K_QUANT.Q4_K,
+    "model.layers.0.self_attn.k_proj.weight": K_QUANT.Q6_K,
+    "model.layers.0.self_attn.v_proj.weight": K_QUANT.Q5_K,
+    "model.layers.0.self_attn.o_proj.weight": K_QUANT.Q3_K,
+    "model.layers.0.mlp.gate_proj.weight": K_QUANT.Q2_K,
+    "model.layers.1.self_attn.q_proj.weight": K_QUANT.Q6_K,
+    "model.layers.1.self_attn.k_proj.weight": K_QUANT.Q2_K,
+    "model.layers.1.mlp.up_proj.weight": K_QUANT.Q5_K,
+    "model.layers.1.mlp.down_proj.weight": K_QUANT.Q4_K,
+}
+# where each K-quant block (256 values) keeps its float16 super-block scale(s) d (and dmin)
+K_SCALE_OFFSETS = {K_QUANT.Q2_K: (80, 82), K_QUANT.Q3_K: (108,), K_QUANT.Q4_K: (0, 2), K_QUANT.Q5_K: (0, 2),
+                   K_QUANT.Q6_K: (208,)}
+
+
+def random_k_quant(rows: int, cols: int, qtype: gguf.GGMLQuantizationType, rng: np.random.Generator) -> np.ndarray:
+    """Raw blocks of `qtype` for a [rows, cols] tensor: random quants and sub-scales, float16 scales of a size
+    that keeps the weights in a model's range. (gguf-py dequantizes K-quants but cannot quantize to them.)"""
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    for off in K_SCALE_OFFSETS[qtype]:
+        scales = rng.uniform(2e-4, 2e-3, (rows, cols // block)).astype(np.float16)
+        raw[:, :, off : off + 2] = scales.view(np.uint8).reshape(rows, cols // block, 2)
+    return raw.reshape(rows, -1)
+
+
+def llama_cpp_unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """The inverse of `llama_cpp_permute`: interleaved pairs -> HF rotate-half rows."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+@pytest.fixture(scope="module")
+def k_quant_gguf(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, PreTrainedModel, dict[str, torch.Tensor]]:
+    """A Llama GGUF (rows of 256 values: one K-quant block each) with the projections above as raw K-quant
+    blocks; the HF model carries gguf's own dequantization of those blocks, so it is the reference."""
+    model = tiny_model("llama", hidden_size=256, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                       tie_word_embeddings=False)
+    rng = np.random.default_rng(0)
+    blocks: dict[str, np.ndarray] = {}
+    expected: dict[str, torch.Tensor] = {}
+    heads = {"q_proj": model.config.num_attention_heads, "k_proj": model.config.num_key_value_heads}
+    for name, qtype in K_TENSORS.items():
+        rows, cols = model.state_dict()[name].shape
+        blocks[name] = random_k_quant(rows, cols, qtype, rng)
+        dense = gguf.quants.dequantize(blocks[name], qtype)  # the GGUF side: q/k rows permuted as llama.cpp stores them
+        assert dense.shape == (rows, cols) and np.isfinite(dense).all()
+        proj = name.split(".")[-2]
+        expected[name] = torch.from_numpy(llama_cpp_unpermute(dense, heads[proj]) if proj in heads else dense.copy())
+    with torch.no_grad():
+        for name, w in expected.items():
+            model.state_dict()[name].copy_(w)
+    path = tmp_path_factory.mktemp("kquant") / "k.gguf"
+    write_gguf(model, "llama", path, quantize=False, raw={name: (blocks[name], K_TENSORS[name]) for name in K_TENSORS})
+    return path, model, expected
+
+
+def test_unpermute_inverts_llama_cpp_permute() -> None:
+    w = np.arange(8 * 3, dtype=np.float32).reshape(8, 3)
+    assert np.array_equal(llama_cpp_unpermute(llama_cpp_permute(w, 2), 2), w)
+
+
+def test_k_quant_tensors_match_ggufs_own_dequantization(k_quant_gguf: tuple[Path, PreTrainedModel, dict[str, torch.Tensor]]) -> None:
+    path, model, expected = k_quant_gguf
+    reader = gguf.GGUFReader(str(path))
+    stored = {t.name: t.tensor_type for t in reader.tensors}
+    assert sorted(stored[n].name for n in stored if stored[n] in K_SCALE_OFFSETS) == sorted(q.name for q in K_TENSORS.values())
+    ckpt = load_checkpoint(path, torch.float32, progress=False)
+    for name, want in expected.items():
+        assert torch.equal(ckpt.weights[name], want), name
+    bf16 = load_checkpoint(path, torch.bfloat16, progress=False)
+    for name, want in expected.items():
+        assert torch.equal(bf16.weights[name], want.to(torch.bfloat16)), name
+
+
+def test_k_quant_model_logits_match_transformers(k_quant_gguf: tuple[Path, PreTrainedModel, dict[str, torch.Tensor]]) -> None:
+    """Through the runner: the GGUF with K-quant tensors gives the logits of the HF model holding gguf's
+    dequantized weights (float32, both op paths)."""
+    from tandem.config import CacheConfig, SchedulerConfig
+    from tandem.core.plan import ScheduledRequest, StepPlan
+    from tandem.runner.runner import ModelRunner
+
+    path, model, _ = k_quant_gguf
+    ckpt = load_checkpoint(path, torch.float32, progress=False)
+    ids = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = model(ids).logits[0]
+    for kernels in (True, False):
+        runner = ModelRunner(ckpt.config, ckpt.weights, torch.float32, "cpu", CacheConfig(block_size=4, num_blocks=8),
+                             SchedulerConfig(max_model_len=64), use_kernels=kernels)
+        got = runner.execute(StepPlan(0, [ScheduledRequest("a", ids[0].tolist(), 0, list(range(6)), all_logits=True)]))
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        runner.shutdown()

@@ -27,8 +27,13 @@ def _tiny(arch: str) -> transformers.PreTrainedModel:
         model = transformers.LlamaForCausalLM(cfg)
     elif arch == "mistral":
         model = transformers.MistralForCausalLM(transformers.MistralConfig(**TINY, sliding_window=None))
+    elif arch == "mistral-window":  # every layer sees the last 7 keys: parity past the window needs the window
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(**TINY, sliding_window=7))
     elif arch == "qwen2":
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**TINY))
+    elif arch == "qwen2-window":  # layer 0 full attention, layer 1 a window of 6 (max_window_layers)
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**TINY, use_sliding_window=True, sliding_window=6,
+                                                                         max_window_layers=1))
     elif arch == "qwen3":
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**TINY, head_dim=32))
     else:
@@ -41,8 +46,9 @@ def _tiny(arch: str) -> transformers.PreTrainedModel:
 
 
 @pytest.mark.parametrize("kernels", [True, False], ids=["tandem-cpu-kernels", "torch-ops"])
-@pytest.mark.parametrize("arch", ["llama", "llama3", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "llama3", "mistral", "mistral-window", "qwen2", "qwen2-window", "qwen3"])
 def test_logits_match_transformers(arch: str, kernels: bool, tmp_path: Path) -> None:
+    """30 positions: a prefill chunk, a chunk over the cache, decodes (past the window for the windowed models)."""
     ref = _tiny(arch)
     ref.save_pretrained(tmp_path, safe_serialization=True)
     ckpt = load_checkpoint(tmp_path, torch.float32, progress=False)
@@ -62,13 +68,15 @@ def test_logits_match_transformers(arch: str, kernels: bool, tmp_path: Path) -> 
     torch.testing.assert_close(torch.cat(got), expected, rtol=1e-4, atol=1e-4)
 
 
-def test_batched_decode_and_verify_rows_match_transformers(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kernels", [True, False], ids=["tandem-cpu-kernels", "torch-ops"])
+@pytest.mark.parametrize("arch", ["qwen2", "mistral-window"])
+def test_batched_decode_and_verify_rows_match_transformers(arch: str, kernels: bool, tmp_path: Path) -> None:
     """Several requests in one step: a prefill, plain decodes and a multi-token (speculative) chunk."""
-    ref = _tiny("qwen2")
+    ref = _tiny(arch)
     ref.save_pretrained(tmp_path, safe_serialization=True)
     ckpt = load_checkpoint(tmp_path, torch.float32, progress=False)
     runner = ModelRunner(ckpt.config, ckpt.weights, torch.float32, "cpu", CacheConfig(block_size=4, num_blocks=64),
-                         SchedulerConfig(max_model_len=64))
+                         SchedulerConfig(max_model_len=64), use_kernels=kernels)
     g = torch.Generator().manual_seed(2)
     seqs = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (9, 14, 21)]
     tables = [list(range(i * 8, i * 8 + 8)) for i in range(3)]
@@ -102,7 +110,7 @@ def test_bfloat16_close_to_float32(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run scripts/device_check.sh there)")
-@pytest.mark.parametrize("arch", ["llama3", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama3", "qwen2", "qwen3", "mistral-window", "qwen2-window"])
 def test_cuda_logits_match_cpu_reference(arch: str, tmp_path: Path) -> None:
     """The same checks on the accelerator: pinned buffers, non-blocking copies, SDPA's fused kernels."""
     ref = _tiny(arch)

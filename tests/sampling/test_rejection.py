@@ -84,7 +84,7 @@ def _first_two_tokens(target: _Target, n: int, q1: torch.Tensor | None, q2: torc
     for a, b in zip(d1.tolist(), d2.tolist(), strict=True):
         rows += [target.row([]), target.row([a]), target.row([a, b])]
         drafts.append(DraftRows([a, b], q_after[a]))
-    emitted = rejection_sample(target.sampler, logits.reshape(3 * n, V), rows, drafts)
+    emitted = [v.tokens for v in rejection_sample(target.sampler, logits.reshape(3 * n, V), rows, drafts)]
     assert all(1 <= len(e) <= 3 for e in emitted)
     short = [i for i, e in enumerate(emitted) if len(e) == 1]
     if short:  # next step without drafts: one token from p(. | x1)
@@ -92,9 +92,9 @@ def _first_two_tokens(target: _Target, n: int, q1: torch.Tensor | None, q2: torc
         nxt = rejection_sample(
             target.sampler, target.second[firsts], [target.row([a]) for a in firsts], [DraftRows([], None)] * len(short)
         )
-        for i, e in zip(short, nxt, strict=True):
-            assert len(e) == 1
-            emitted[i].append(e[0])
+        for i, v in zip(short, nxt, strict=True):
+            assert len(v.tokens) == 1 and not v.dead
+            emitted[i].append(v.tokens[0])
     return torch.tensor([e[:2] for e in emitted])
 
 
@@ -165,7 +165,7 @@ def test_greedy_accepts_the_matching_prefix_then_the_argmax() -> None:
     ]
     logits = torch.cat([_greedy_target(a) for a in argmaxes])
     rows = [row] * logits.shape[0]
-    assert rejection_sample(sampler, logits, rows, drafts) == [[1, 2, 3, 4], [1, 2], [1], [0], [3, 3]]
+    assert [v.tokens for v in rejection_sample(sampler, logits, rows, drafts)] == [[1, 2, 3, 4], [1, 2], [1], [0], [3, 3]]
     # Exactly what non-speculative greedy emits at those positions.
     assert sampler.sample(logits, rows).token_ids[:4] == [1, 2, 3, 4]
 
@@ -178,10 +178,10 @@ def test_greedy_respects_penalties_and_bitmask_per_row() -> None:
     params = SamplingParams(temperature=0.0, repetition_penalty=3.0)
     # Row j sees drafts[:j] as outputs: after draft 1 the penalty makes token 2 the argmax.
     rows = [SamplingRow(params, [0], []), SamplingRow(params, [0], [1]), SamplingRow(params, [0], [1, 2])]
-    assert rejection_sample(sampler, logits, rows, [DraftRows([1, 2])]) == [[1, 2, 1]]
+    assert rejection_sample(sampler, logits, rows, [DraftRows([1, 2])]) == [([1, 2, 1], False)]
     bitmask = torch.full((3, 1), -1, dtype=torch.int32)
     bitmask[2, 0] = 1 << 4  # last row: only token 4
-    assert rejection_sample(sampler, logits, rows, [DraftRows([1, 2])], bitmask=bitmask) == [[1, 2, 4]]
+    assert rejection_sample(sampler, logits, rows, [DraftRows([1, 2])], bitmask=bitmask) == [([1, 2, 4], False)]
 
 
 # --------------------------------------------------------------------------------------------------- seeding ---
@@ -209,7 +209,7 @@ def _seeded_run(seed: int, position: int, batch: int) -> list[list[int]]:
             rows += [SamplingRow(other)] * (k + 1)
             drafts.append(DraftRows(list(range(k))))
     target = torch.cat(logits)
-    return [rejection_sample(sampler, target, rows, drafts)[position] for _ in range(6)]
+    return [rejection_sample(sampler, target, rows, drafts)[position].tokens for _ in range(6)]
 
 
 def test_seeded_requests_reproduce_whatever_the_batch() -> None:
@@ -227,11 +227,56 @@ def test_narrower_draft_vocabulary_is_padded_with_zero_mass() -> None:
     q[0, 0] = 1.0  # the draft model (vocabulary V - 2) always proposes token 0
     rows = [SamplingRow(SamplingParams())] * 2
     for _ in range(20):
-        [emitted] = rejection_sample(sampler, logits, rows, [DraftRows([0], q)])
-        assert len(emitted) == 1 and emitted[0] != 0
+        [(emitted, dead)] = rejection_sample(sampler, logits, rows, [DraftRows([0], q)])
+        assert len(emitted) == 1 and emitted[0] != 0 and not dead
 
 
 def test_row_count_mismatch_raises() -> None:
     sampler = Sampler(V, [EOS])
     with pytest.raises(ValueError):
         rejection_sample(sampler, torch.zeros(2, V), [SamplingRow(SamplingParams())] * 2, [DraftRows([1, 2])])
+
+
+# --------------------------------------------------------------------------------- rows where nothing is allowed ---
+def _only(*allowed: int) -> int:
+    """A bitmask word allowing just `allowed` (V <= 32)."""
+    return sum(1 << t for t in allowed)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_dead_row_reached_by_the_walk_keeps_the_drafts_accepted_before_it(temperature: float) -> None:
+    """Drafts [1, 2]: rows 0 and 1 allow (only) them, row 2 allows nothing. Both drafts are accepted, the bonus row
+    is dead: the request gets [1, 2] and `dead`, never a token drawn from the dead row."""
+    sampler = Sampler(V, [EOS])
+    rows = [SamplingRow(SamplingParams(temperature=temperature, seed=1), generator=torch.Generator().manual_seed(1))] * 3
+    bitmask = torch.tensor([[_only(1)], [_only(2)], [0]], dtype=torch.int32)
+    assert rejection_sample(sampler, torch.zeros(3, V), rows, [DraftRows([1, 2])], bitmask=bitmask) == [([1, 2], True)]
+    # a dead first row: nothing at all
+    bitmask = torch.tensor([[0], [_only(2)], [_only(3)]], dtype=torch.int32)
+    assert rejection_sample(sampler, torch.zeros(3, V), rows, [DraftRows([1, 2])], bitmask=bitmask) == [([], True)]
+
+
+def test_dead_row_past_a_rejection_does_not_matter() -> None:
+    """Draft 1 is rejected at row 0 (the target wants 3): rows 1 and 2 are never reached, so the dead row 2 must
+    not end the request; it emits the target's token 3. A neighbour with all rows alive is unaffected."""
+    sampler = Sampler(V, [EOS])
+    greedy = SamplingRow(SamplingParams(temperature=0.0))
+    logits = torch.zeros(5, V)
+    logits[0, 3] = 5.0  # row 0: argmax 3, so draft 1 is rejected
+    logits[3:, 4] = 5.0
+    bitmask = torch.tensor([[-1], [-1], [0], [-1], [-1]], dtype=torch.int32)
+    out = rejection_sample(sampler, logits, [greedy] * 5, [DraftRows([1, 2]), DraftRows([4])], bitmask=bitmask)
+    assert out == [([3], False), ([4, 4], False)]
+
+
+def test_sampler_reports_dead_rows_and_draws_nothing_from_them() -> None:
+    """min_tokens bans EOS where a grammar allows only EOS: that row is dead; the others sample normally."""
+    sampler = Sampler(V, [EOS])
+    logits = torch.zeros(3, V)
+    rows = [SamplingRow(SamplingParams(min_tokens=2), [0], [5]), SamplingRow(SamplingParams(min_tokens=2), [0], [5, 6]),
+            SamplingRow(SamplingParams(temperature=0.0))]
+    bitmask = torch.tensor([[_only(EOS)], [_only(EOS)], [_only(3, EOS)]], dtype=torch.int32)
+    out = sampler.sample(logits, rows, bitmask)
+    assert out.dead_rows == [0]  # row 1 has 2 outputs already: EOS is allowed again
+    assert out.token_ids[1:] == [EOS, 3]
+    assert sampler.probs(logits, rows, bitmask)[0].sum() == 0

@@ -319,10 +319,17 @@ def test_32_concurrent_streams_all_complete(server: Server) -> None:
 
 @demo
 def test_metrics_parse_and_count(server: Server) -> None:
+    """The counters move by exactly the traffic this test sends (whatever other tests sent before it)."""
+    ok, missing = "tandem_requests_total{endpoint=/v1/chat/completions,status=200}", "tandem_requests_total{endpoint=/v1/chat/completions,status=404}"
+    before = _wait_idle(server)  # nothing of an earlier test still counting
+    usage = [chat(server, f"Say {i}.", max_tokens=3, temperature=0).usage for i in range(3)]  # type: ignore[attr-defined]
+    with pytest.raises(openai.NotFoundError):
+        server.client().chat.completions.create(model="gpt-nope", messages=[{"role": "user", "content": "hi"}])
     m = server.metrics()
-    assert m["tandem_requests_total{endpoint=/v1/chat/completions,status=200}"] >= 3
-    assert m["tandem_requests_total{endpoint=/v1/chat/completions,status=404}"] >= 1
-    assert m["tandem_prompt_tokens_total"] > 0 and m["tandem_generation_tokens_total"] > 0
+    assert m[ok] - before.get(ok, 0.0) == 3 and m[missing] - before.get(missing, 0.0) == 1
+    assert m["tandem_prompt_tokens_total"] - before.get("tandem_prompt_tokens_total", 0.0) == sum(u.prompt_tokens for u in usage)
+    assert m["tandem_generation_tokens_total"] - before.get("tandem_generation_tokens_total", 0.0) == sum(
+        u.completion_tokens for u in usage)
     for name in ("tandem_time_to_first_token_seconds_count", "tandem_inter_token_latency_seconds_count",
                  "tandem_e2e_request_latency_seconds_count"):
         assert m[name] > 0, name
@@ -337,33 +344,44 @@ def test_metrics_parse_and_count(server: Server) -> None:
 @demo
 def test_engine_core_killed_under_load_restarts_and_serves_again(server: Server) -> None:
     """Crash-only recovery: kill the engine core while 6 streams and 2 plain requests run. Every one of them ends
-    at once (error event or 503, none hangs), /health says restarting, then a new core serves within 30 s."""
+    at once (error event or 503, none hangs), /health says restarting, then a new core serves again."""
     pid = httpx.get(f"{server.url}/health").json()["engine_core_pid"]
     restarts = server.metrics().get("tandem_engine_core_restarts_total", 0.0)
 
+    streaming = [asyncio.Event() for _ in range(6)]
+
     async def one(i: int) -> str:
-        async with httpx.AsyncClient(timeout=60) as c:
+        async with httpx.AsyncClient(timeout=120) as c:
             body = {"model": MODEL, "prompt": f"Story {i}:", "max_tokens": 300, "stream": i < 6, "ignore_eos": True}
             async with c.stream("POST", f"{server.url}/v1/completions", json=body,
                                 headers={"Authorization": f"Bearer {API_KEY}"}) as r:
-                text = (await r.aread()).decode()
-                return f"{r.status_code} {text[-300:]}"
+                if i >= 6:
+                    return f"{r.status_code} {(await r.aread()).decode()[-300:]}"
+                lines = []
+                async for line in r.aiter_lines():
+                    lines.append(line)
+                    streaming[i].set()  # its first event arrived
+                return f"{r.status_code} {chr(10).join(lines)[-300:]}"
 
     async def load_then_kill() -> list[str]:
         tasks = [asyncio.ensure_future(one(i)) for i in range(8)]
-        await asyncio.sleep(1.5)  # all admitted, several decoding
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in streaming)), 300)  # (hang guard)
+        async with httpx.AsyncClient(timeout=60) as c:  # and the 2 plain ones run too (max_num_seqs 8)
+            while "tandem_num_requests_running 8.0" not in (await c.get(f"{server.url}/metrics")).text:
+                assert not any(t.done() for t in tasks), [t.result() for t in tasks if t.done()]
+                await asyncio.sleep(0.05)
         os.kill(pid, signal.SIGKILL)
-        t0 = time.monotonic()
-        results = await asyncio.wait_for(asyncio.gather(*tasks), 20)
-        assert time.monotonic() - t0 < 10  # nobody waited for a timeout
-        return results
+        # a hang guard only: the requests (timeout 120 s) end on the core's death, which the checks below tell
+        # apart from a timeout (a 504 / "timed out")
+        return await asyncio.wait_for(asyncio.gather(*tasks), 100)
 
     results = asyncio.run(load_then_kill())
-    for r in results:  # streams: 200 with an error event naming the kill; the others: 503
-        assert r.startswith("503") or ("SIGKILL" in r and r.startswith("200")), r
+    for i, r in enumerate(results):  # streams: 200 with an error event naming the kill; the others: 503
+        assert ("SIGKILL" in r and r.startswith("200")) if i < 6 else r.startswith("503"), r
+        assert "timed out" not in r
     health = httpx.get(f"{server.url}/health")
     assert health.status_code == 200 or health.json()["error"]["code"] in ("engine_restarting", "engine_dead")
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 300  # a hang guard (the restart time is reported by docs/server_soak.md)
     while (health := httpx.get(f"{server.url}/health")).status_code != 200:
         assert time.monotonic() < deadline, health.text
         time.sleep(0.2)

@@ -12,7 +12,6 @@ import logging
 import os
 import shutil
 import signal
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -233,7 +232,7 @@ def test_worker_process_starts_matches_in_process_and_stops(target_dir: Path, ta
 
 
 def test_killed_worker_gives_empty_drafts_with_a_warning(target_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
-    p = worker(target_dir, timeout_s=20.0)
+    p = worker(target_dir, timeout_s=3600.0)  # only the pipe's EOF can end the wait below, never the timeout
     pid = p.info.pid
     try:
         assert len(p.propose([DraftRequest("a", [1, 403], 1, K)])["a"].token_ids) == K
@@ -241,10 +240,8 @@ def test_killed_worker_gives_empty_drafts_with_a_warning(target_dir: Path, caplo
         batch = [DraftRequest("a", [1, 403, 407], 1, K), DraftRequest("b", [1], 1, K)]
         fut = p.propose_async(batch)
         os.kill(pid, signal.SIGKILL)
-        t0 = time.monotonic()
         with caplog.at_level(logging.WARNING, logger="tandem.spec_decode.draft_model"):
-            assert fut.result(timeout=15) == {"a": Drafts([]), "b": Drafts([])}
-        assert time.monotonic() - t0 < 10  # death is noticed through the pipe's EOF, not the 20 s timeout
+            assert fut.result(timeout=300) == {"a": Drafts([]), "b": Drafts([])}  # (a hang guard, not a speed bound)
         assert "speculation turned off" in caplog.text and "killed by signal 9" in caplog.text
         assert not p.enabled
         assert p.propose(batch) == {"a": Drafts([]), "b": Drafts([])}  # speculation off, nothing lost
@@ -257,10 +254,8 @@ def test_hung_worker_times_out(target_dir: Path, caplog: pytest.LogCaptureFixtur
     p = worker(target_dir, timeout_s=1.0)
     try:
         os.kill(p.info.pid, signal.SIGSTOP)
-        t0 = time.monotonic()
         with caplog.at_level(logging.WARNING, logger="tandem.spec_decode.draft_model"):
             assert p.propose([DraftRequest("a", [1, 403], 1, K)]) == {"a": Drafts([])}
-        assert time.monotonic() - t0 < 8
         assert "did not answer a proposal within 1.0 s" in caplog.text
         assert not p.backend.process.is_alive()  # type: ignore[attr-defined]
     finally:

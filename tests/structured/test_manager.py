@@ -535,13 +535,15 @@ def test_a_failing_fill_ends_only_its_request(manager: StructuredOutputManager, 
 
 
 class _SlowMatcher:
-    """Wraps a real matcher; every fill takes `delay_s` (as xgrammar's fills do on some hostile regexes)."""
+    """Wraps a real matcher; every fill burns `delay_s` of CPU (as xgrammar's fills do on some hostile regexes)."""
 
     def __init__(self, inner: Any, delay_s: float) -> None:
         self.inner, self.delay_s = inner, delay_s
 
     def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
-        time.sleep(self.delay_s)
+        start = time.thread_time()
+        while time.thread_time() - start < self.delay_s:
+            sum(range(1000))
         self.inner.fill_bitmask(bitmask, row)
 
     def __getattr__(self, name: str) -> Any:

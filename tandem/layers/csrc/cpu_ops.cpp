@@ -10,7 +10,9 @@
 //   linear_bf16    y = x @ W^T (+ bias) over a VNNI-packed weight
 // Registered as torch ops (`torch.ops.tandem.*`); built on first use by `tandem/runner/kernels.py`.
 // Layouts: one layer's KV cache is [2, KVH, num_blocks, block_size * D] in the model dtype, slot = block * block_size +
-// offset; a V block is [block_size, D], a K block is stored transposed, [D, block_size] (see paged_attention).
+// offset; a V block is [block_size, D], a K block is stored transposed, [D, block_size] (see paged_attention). Blocks
+// are contiguous; heads and blocks may be strided (the runner stores a block of all heads together, [2, NB, KVH, ...],
+// so the first writes to a cache on huge pages commit one page per layer, not one per head).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -180,12 +182,13 @@ Tensor rope_write_kv(const Tensor& qk, const Tensor& v, const Tensor& positions,
                      Tensor kv_cache, const Tensor& slots, int64_t num_heads) {
   TORCH_CHECK(qk.dim() == 3 && qk.stride(2) == 1 && qk.stride(1) == qk.size(2), "rope_write_kv: qk must be [T, heads, D] with contiguous heads");
   TORCH_CHECK(v.dim() == 3 && v.stride(2) == 1 && v.stride(1) == v.size(2), "rope_write_kv: v must be [T, KVH, D] with contiguous heads");
-  TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.dim() == 5, "rope_write_kv: kv_cache must be contiguous [2, KVH, NB, BS, D]");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.stride(4) == 1 && kv_cache.stride(3) == kv_cache.size(4), "rope_write_kv: kv_cache must be [2, KVH, NB, BS, D] with contiguous blocks");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous(), "rope_write_kv: cos / sin must be contiguous float32");
   TORCH_CHECK(qk.scalar_type() == v.scalar_type(), "rope_write_kv: qk and v must share a dtype");
   const int64_t T = qk.size(0), NH = qk.size(1), D = qk.size(2), KVH = v.size(1), half = D / 2;
   TORCH_CHECK(NH == num_heads + KVH && kv_cache.size(1) == KVH && kv_cache.size(4) == D && D % 2 == 0, "rope_write_kv: head counts do not match the cache");
   const int64_t slots_per_head = kv_cache.size(2) * kv_cache.size(3), BS = kv_cache.size(3);
+  const int64_t S0 = kv_cache.stride(0), SH = kv_cache.stride(1), SB = kv_cache.stride(2);  // K -> V, head, block
   Tensor out = at::empty({T, NH, D}, qk.options().dtype(at::kFloat));
   Tensor pos = positions.to(at::kLong).contiguous();
   Tensor sl = slots.to(at::kLong).contiguous();
@@ -225,8 +228,8 @@ Tensor rope_write_kv(const Tensor& qk, const Tensor& v, const Tensor& positions,
             if (h >= num_heads) {
               const int64_t kvh = h - num_heads;
               // K block [D, BS] (key index fastest), V block [BS, D]
-              C* kc = cache + (kvh * slots_per_head + (slot / BS) * BS) * D + slot % BS;
-              C* vc = cache + ((KVH + kvh) * slots_per_head + slot) * D;
+              C* kc = cache + kvh * SH + (slot / BS) * SB + slot % BS;
+              C* vc = cache + S0 + kvh * SH + (slot / BS) * SB + (slot % BS) * D;
               const S* vx = vp + t * vs + kvh * D;
               for (int64_t i = 0; i < D; ++i) st(kc, i * BS, o[i]);
 #pragma omp simd
@@ -244,7 +247,8 @@ Tensor rope_write_kv(const Tensor& qk, const Tensor& v, const Tensor& positions,
 // q float32 [T, H, D] (heads contiguous, any row stride); kv_cache [2, KVH, NB, BS, D] (float32, bfloat16 or float16);
 // seq_info int64 [B, 3] = (first row in T, number of queries n, tokens cached before them `start`);
 // block_tables int64 [B, max_blocks]; out [T, H * D] (any float dtype), rows of the listed requests written.
-// Query j of a request sits at position start + j and attends keys [0, start + j] (causal). Heads are grouped (GQA):
+// Query j of a request sits at position start + j and attends keys [0, start + j] (causal), or with a sliding
+// `window` > 0 the last `window` of them, [start + j - window + 1, start + j] (Mistral, Qwen2). Heads are grouped (GQA):
 // query head h reads kv head h / G. One work item is (request, kv head): its n * G query rows read each key once.
 // The math is float32 whatever the cache holds.
 // dst[r, 0:BS] = scale * sum_d q[r][d] * K[d, 0:BS] for RBc query rows against one K block stored [D, BS]; dst rows
@@ -272,18 +276,18 @@ inline void score_tile(const float* const* q, const C* kt, int64_t BSrt, int64_t
   }
 }
 
-// o[r] = sc[r] * sum_{t < keys} w[r][t] * V_t for RBc rows; V blocks [BS, D] of kv head `kvh` through `table`.
+// o[r] = sc[r] * sum_{b0 BS <= t < keys} w[r][t] * V_t for RBc rows; V blocks [BS, D] of kv head `kvh` through `table`.
 template <int RBc, int64_t DC, typename C, typename O>
-inline void value_tile(const float* const* w, const float* sc, const C* vc, int64_t kvh, int64_t NB, const int64_t* table,
-                       int64_t BS, int64_t Drt, int64_t keys, O* const* o) {
+inline void value_tile(const float* const* w, const float* sc, const C* vc, int64_t SB, const int64_t* table,
+                       int64_t BS, int64_t Drt, int64_t b0, int64_t keys, O* const* o) {
   const int64_t D = DC > 0 ? DC : Drt;
   float acc[RBc][DC > 0 ? DC : 512];
   for (int r = 0; r < RBc; ++r) {
 #pragma omp simd
     for (int64_t i = 0; i < D; ++i) acc[r][i] = 0.f;
   }
-  for (int64_t b = 0; b * BS < keys; ++b) {
-    const C* vb = vc + (kvh * NB + table[b]) * BS * D;  // [BS, D]
+  for (int64_t b = b0; b * BS < keys; ++b) {
+    const C* vb = vc + table[b] * SB;  // [BS, D]
     const int64_t te = std::min(BS, keys - b * BS);
     for (int64_t t = 0; t < te; ++t) {
       const C* v = vb + t * D;
@@ -308,21 +312,24 @@ inline void value_tile(const float* const* w, const float* sc, const C* vc, int6
 // s[r, 0:BS] += q[r, d] * K[d, 0:BS] over d: vector FMAs across keys, no horizontal sums.
 template <int64_t DC, int64_t BSC, typename C, typename O>
 void attend_item(const float* qp, int64_t qs, const C* kc, const C* vc, const int64_t* table, int64_t row0, int64_t n,
-                 int64_t start, int64_t kvh, int64_t G, int64_t H, int64_t NB, int64_t BSrt, int64_t Drt, float scale, O* op,
-                 std::vector<float>& p, std::vector<float>& kbuf) {
+                 int64_t start, int64_t kvh, int64_t G, int64_t H, int64_t SB, int64_t BSrt, int64_t Drt, float scale,
+                 int64_t window, O* op, std::vector<float>& p, std::vector<float>& kbuf) {
   constexpr int64_t RB = 4;  // query rows per score tile
   const int64_t D = DC > 0 ? DC : Drt;
   const int64_t BS = BSC > 0 ? BSC : BSrt;
   const int64_t L = start + n, R = n * G;
   const int64_t nblocks = (L + BS - 1) / BS, Lp = nblocks * BS;
+  // the first key row r sees: 0, or with a window the oldest key inside it; blocks before the first row's are skipped
+  auto first_key = [&](int64_t r) { return window > 0 ? std::max<int64_t>(0, start + r / G - window + 1) : int64_t{0}; };
+  const int64_t b0 = first_key(0) / BS;
   p.resize(R * Lp);
   auto qrow = [&](int64_t r) { return qp + (row0 + r / G) * qs + (kvh * G + r % G) * D; };
   const int64_t block_bytes = BS * D * static_cast<int64_t>(sizeof(C));
-  for (int64_t b = 0; b < nblocks; ++b) {
-    const C* kt = kc + (kvh * NB + table[b]) * BS * D;  // [D, BS]
+  for (int64_t b = b0; b < nblocks; ++b) {
+    const C* kt = kc + table[b] * SB;  // [D, BS]
     if (b + 1 < nblocks) {  // blocks are scattered: the hardware prefetcher cannot guess the next one
-      const char* nk = reinterpret_cast<const char*>(kc + (kvh * NB + table[b + 1]) * BS * D);
-      const char* nv = reinterpret_cast<const char*>(vc + (kvh * NB + table[b + 1]) * BS * D);
+      const char* nk = reinterpret_cast<const char*>(kc + table[b + 1] * SB);
+      const char* nv = reinterpret_cast<const char*>(vc + table[b + 1] * SB);
       for (int64_t off = 0; off < block_bytes; off += 64) {
         __builtin_prefetch(nk + off);
         __builtin_prefetch(nv + off);
@@ -341,19 +348,21 @@ void attend_item(const float* qp, int64_t qs, const C* kc, const C* vc, const in
       }
     }
   }
-  // softmax over each row's visible keys [0, start + j]; weights past them set to 0, normalised at the end
+  // softmax over each row's visible keys [lo, start + j]; weights outside them (from block b0 on) set to 0,
+  // normalised at the end
   float inv[64];
   for (int64_t r = 0; r < R; ++r) {
-    const int64_t len = start + r / G + 1;
+    const int64_t len = start + r / G + 1, lo = first_key(r);
     float* pr = p.data() + r * Lp;
     float m = -std::numeric_limits<float>::infinity();
-    for (int64_t t = 0; t < len; ++t) m = std::max(m, pr[t]);
+    for (int64_t t = lo; t < len; ++t) m = std::max(m, pr[t]);
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < len; ++t) {
+    for (int64_t t = lo; t < len; ++t) {
       pr[t] = exp_approx(pr[t] - m);
       sum += pr[t];
     }
+    std::fill(pr + b0 * BS, pr + lo, 0.f);
     std::fill(pr + len, pr + Lp, 0.f);
     inv[r % 64] = 1.f / sum;
     if (r % 64 == 63 || r == R - 1) {
@@ -372,10 +381,10 @@ void attend_item(const float* qp, int64_t qs, const C* kc, const C* vc, const in
           sc[i] = inv[row % 64];
         }
         switch (rr) {
-          case 4: value_tile<4, DC>(w, sc, vc, kvh, NB, table, BS, D, keys, o); break;
-          case 3: value_tile<3, DC>(w, sc, vc, kvh, NB, table, BS, D, keys, o); break;
-          case 2: value_tile<2, DC>(w, sc, vc, kvh, NB, table, BS, D, keys, o); break;
-          default: value_tile<1, DC>(w, sc, vc, kvh, NB, table, BS, D, keys, o); break;
+          case 4: value_tile<4, DC>(w, sc, vc, SB, table, BS, D, b0, keys, o); break;
+          case 3: value_tile<3, DC>(w, sc, vc, SB, table, BS, D, b0, keys, o); break;
+          case 2: value_tile<2, DC>(w, sc, vc, SB, table, BS, D, b0, keys, o); break;
+          default: value_tile<1, DC>(w, sc, vc, SB, table, BS, D, b0, keys, o); break;
         }
       }
     }
@@ -384,8 +393,8 @@ void attend_item(const float* qp, int64_t qs, const C* kc, const C* vc, const in
 
 template <typename C, typename O>
 void attend(const float* qp, int64_t qs, const C* kc, const C* vc, const int64_t* info, const int64_t* tables,
-            int64_t B, int64_t MB, int64_t H, int64_t KVH, int64_t NB, int64_t BS, int64_t D, float scale, O* op,
-            int64_t grain) {
+            int64_t B, int64_t MB, int64_t H, int64_t KVH, int64_t SH, int64_t SB, int64_t BS, int64_t D, float scale,
+            int64_t window, O* op, int64_t grain) {
   const int64_t G = H / KVH;
   at::parallel_for(0, B * KVH, grain, [&](int64_t w0, int64_t w1) {
     std::vector<float> p, kbuf;
@@ -394,8 +403,8 @@ void attend(const float* qp, int64_t qs, const C* kc, const C* vc, const int64_t
       const int64_t row0 = info[b * 3], n = info[b * 3 + 1], start = info[b * 3 + 2];
       const int64_t* table = tables + b * MB;
       auto item = [&](auto dc, auto bsc) {
-        attend_item<decltype(dc)::value, decltype(bsc)::value>(qp, qs, kc, vc, table, row0, n, start, kvh, G, H, NB, BS, D,
-                                                               scale, op, p, kbuf);
+        attend_item<decltype(dc)::value, decltype(bsc)::value>(qp, qs, kc + kvh * SH, vc + kvh * SH, table, row0, n, start,
+                                                               kvh, G, H, SB, BS, D, scale, window, op, p, kbuf);
       };
       using D64 = std::integral_constant<int64_t, 64>;
       using D128 = std::integral_constant<int64_t, 128>;
@@ -413,9 +422,9 @@ void attend(const float* qp, int64_t qs, const C* kc, const C* vc, const int64_t
 }
 
 void paged_attention(const Tensor& q, const Tensor& kv_cache, const Tensor& seq_info, const Tensor& block_tables, double scale,
-                     Tensor out) {
+                     Tensor out, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.stride(2) == 1 && q.stride(1) == q.size(2), "paged_attention: q must be float32 [T, H, D] with contiguous heads");
-  TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.dim() == 5, "paged_attention: kv_cache must be contiguous [2, KVH, NB, BS, D]");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.stride(4) == 1 && kv_cache.stride(3) == kv_cache.size(4), "paged_attention: kv_cache must be [2, KVH, NB, BS, D] with contiguous blocks");
   TORCH_CHECK(seq_info.scalar_type() == at::kLong && seq_info.is_contiguous() && seq_info.dim() == 2 && seq_info.size(1) == 3, "paged_attention: seq_info must be int64 [B, 3]");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() && block_tables.dim() == 2, "paged_attention: block_tables must be int64 [B, max_blocks]");
   TORCH_CHECK(out.is_contiguous() && out.size(0) == q.size(0) && out.numel() == q.size(0) * q.size(1) * q.size(2), "paged_attention: out must be contiguous [T, H * D]");
@@ -423,6 +432,7 @@ void paged_attention(const Tensor& q, const Tensor& kv_cache, const Tensor& seq_
   TORCH_CHECK(H % KVH == 0 && kv_cache.size(4) == D, "paged_attention: head counts do not match the cache");
   TORCH_CHECK(D <= 512 && BS <= 256, "paged_attention: head_dim <= 512 and block_size <= 256 are supported, got ", D,
               " and ", BS);
+  TORCH_CHECK(window >= 0, "paged_attention: window must be >= 0 (0: no sliding window), got ", window);
   const int64_t B = seq_info.size(0), MB = block_tables.size(1);
   const int64_t* info = seq_info.data_ptr<int64_t>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
@@ -442,8 +452,8 @@ void paged_attention(const Tensor& q, const Tensor& kv_cache, const Tensor& seq_
     dispatch_float(out.scalar_type(), "paged_attention out", [&](auto otag) {
       using O = decltype(otag);
       const C* kc = kv_cache.data_ptr<C>();
-      attend<C, O>(q.data_ptr<float>(), q.stride(0), kc, kc + KVH * NB * BS * D, info, tables, B, MB, H, KVH, NB, BS, D,
-                   static_cast<float>(scale), out.data_ptr<O>(), grain);
+      attend<C, O>(q.data_ptr<float>(), q.stride(0), kc, kc + kv_cache.stride(0), info, tables, B, MB, H, KVH,
+                   kv_cache.stride(1), kv_cache.stride(2), BS, D, static_cast<float>(scale), window, out.data_ptr<O>(), grain);
     });
   });
 }
@@ -546,7 +556,7 @@ TORCH_LIBRARY(tandem, m) {
   m.def("add_rms_norm(Tensor(a!) x, Tensor? delta, Tensor weight, float eps, ScalarType out_dtype) -> Tensor");
   m.def("silu_mul(Tensor gu) -> Tensor");
   m.def("rope_write_kv(Tensor qk, Tensor v, Tensor positions, Tensor cos, Tensor sin, Tensor(a!) kv_cache, Tensor slots, int num_heads) -> Tensor");
-  m.def("paged_attention(Tensor q, Tensor kv_cache, Tensor seq_info, Tensor block_tables, float scale, Tensor(a!) out) -> ()");
+  m.def("paged_attention(Tensor q, Tensor kv_cache, Tensor seq_info, Tensor block_tables, float scale, Tensor(a!) out, int window=0) -> ()");
   m.def("linear_bf16(Tensor x, Tensor wp, Tensor? bias) -> Tensor");
   m.def("has_bf16_gemm() -> bool", &has_bf16_gemm);
 }

@@ -1,0 +1,68 @@
+"""The model-runner seam: what the engine asks of the device side. `ModelRunner` runs a real model on one device;
+`SimulatedRunner` stands in for an accelerator when sizing the CPU side (benchmarks only)."""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+
+from tandem.core.plan import StepPlan
+from tandem.runner.tensor_thread import tensor_thread
+
+T = TypeVar("T")
+
+
+@dataclass
+class ForwardHandle:
+    """A launched forward; `collect` turns it into logits."""
+
+    future: Future[tuple[torch.Tensor, float]]
+    num_rows: int
+    finished_at: float = 0.0  # perf_counter() when the forward finished (set by collect)
+
+
+class Runner(ABC):
+    """Launches one step's forward and hands back its logits; owns the KV cache's memory."""
+
+    device: torch.device
+    num_blocks: int  # KV cache blocks the scheduler may hand out
+    kv_cache_bytes: int
+
+    @property
+    def forward_uses_host_cores(self) -> bool:
+        """The forward runs on the host's CPU cores (a CPU device): host work beside it competes for them."""
+        return self.device.type == "cpu"
+
+    @abstractmethod
+    def launch(self, plan: StepPlan) -> ForwardHandle:
+        """Start the forward of `plan` and return at once; the CPU is free until `collect`."""
+
+    def collect(self, handle: ForwardHandle) -> torch.Tensor:
+        """Wait for the forward; logits [R, V] float32 on the device, R = plan.num_logits_rows, in plan order."""
+        logits, handle.finished_at = handle.future.result()
+        return logits
+
+    def on_tensor_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run `fn(*args)` on the process's tensor thread and wait (host-side tensor work such as sampling belongs
+        there, see runner/tensor_thread.py)."""
+        return tensor_thread().run(fn, *args)
+
+    def set_num_threads(self, n: int) -> None:  # noqa: B027 - only a CPU forward has threads to lend
+        """Threads of the forward on the CPU from the next step on."""
+
+    def execute(self, plan: StepPlan) -> torch.Tensor:
+        return self.collect(self.launch(plan))
+
+    def shutdown(self) -> None:  # noqa: B027 - the tensor thread is the process's and outlives a runner
+        """Release what the runner holds."""
+
+
+def done_at_now(logits: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """A forward's result: logits and the time it finished."""
+    return logits, time.perf_counter()

@@ -1,0 +1,96 @@
+"""Scheduling ahead (`async_scheduling`): the next plan is scheduled and launched before the previous step's outputs
+are processed. Outputs must be exactly those of the synchronous engine (float32, stories260K): greedy and seeded
+sampling, stop strings, max_tokens, n > 1, logprobs, preemption under a tiny KV cache, structured outputs, aborts
+mid-flight; and every KV block comes back."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem.engine.engine import LLMEngine
+from tandem.params import SamplingParams, StructuredOutputsParams
+from tandem.request import RequestOutput
+
+from .test_engine import run_all
+
+WORDS = ["Once upon a time", "The little dog", "Lily and Tom went to", "One day, a big bird", "The sun was"]
+
+
+def _prompts(engine: LLMEngine, n: int) -> dict[str, list[int]]:
+    tok = engine.tokenizer
+    return {f"r{i}": tok.encode(WORDS[i % len(WORDS)] + " there" * (i % 4)) for i in range(n)}
+
+
+def _params(i: int) -> SamplingParams:
+    """A mix: greedy, seeded sampling with top-p/top-k, stop strings, n = 2, logprobs, varied max_tokens."""
+    kinds = [
+        SamplingParams(temperature=0.0, max_tokens=30),
+        SamplingParams(temperature=0.9, top_p=0.9, top_k=20, seed=100 + i, max_tokens=25, logprobs=2),
+        SamplingParams(temperature=0.0, max_tokens=40, stop=["park", "."]),
+        SamplingParams(temperature=1.0, seed=7 + i, n=2, max_tokens=12 + i % 5),
+        SamplingParams(temperature=0.0, max_tokens=1 + i % 3, ignore_eos=True),
+    ]
+    return kinds[i % len(kinds)]
+
+
+def _run(engine: LLMEngine, prompts: dict[str, list[int]]) -> dict[str, RequestOutput]:
+    for i, (rid, p) in enumerate(prompts.items()):
+        engine.add_request(rid, p, _params(i))
+    done: dict[str, RequestOutput] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return done
+
+
+def _same(a: dict[str, RequestOutput], b: dict[str, RequestOutput]) -> None:
+    assert set(a) == set(b)
+    for rid in a:
+        for x, y in zip(a[rid].outputs, b[rid].outputs, strict=True):
+            assert (x.token_ids, x.text, x.finish_reason, x.stop_reason) == (y.token_ids, y.text, y.finish_reason, y.stop_reason), rid
+            if x.logprobs is not None:
+                assert y.logprobs is not None and [list(d) for d in x.logprobs] == [list(d) for d in y.logprobs]
+
+
+@pytest.mark.parametrize("kv", [{}, {"num_kv_blocks": 14, "block_size": 8, "max_num_batched_tokens": 32}])
+def test_ahead_matches_synchronous(stories_engine_factory, kv) -> None:  # type: ignore[no-untyped-def]
+    """Same outputs with and without scheduling ahead, with plenty of KV and with so little that requests wait
+    or are preempted."""
+    sync = stories_engine_factory(async_scheduling=False, **kv)
+    ahead = stories_engine_factory(async_scheduling=True, **kv)
+    assert not sync.async_scheduling and ahead.async_scheduling
+    prompts = _prompts(sync, 15)
+    _same(_run(sync, prompts), _run(ahead, prompts))
+    assert ahead.block_manager.num_free_blocks == ahead.runner.num_blocks  # every block came back
+    assert ahead.get_stats()["launch_gap_s"] >= 0
+
+
+def test_ahead_structured_outputs_and_aborts(stories_engine_factory) -> None:  # type: ignore[no-untyped-def]
+    engine = stories_engine_factory(async_scheduling=True)
+    regex = StructuredOutputsParams(regex=r"(Lily|Tom) (ran|sat)( and (ran|sat))*\.")
+    guided = SamplingParams(temperature=0.0, max_tokens=30, structured_outputs=regex)
+    prompts = _prompts(engine, 6)
+    for rid, p in prompts.items():
+        engine.add_request(rid, p, guided if rid in ("r0", "r1", "r2") else SamplingParams(max_tokens=50, ignore_eos=True))
+    for _ in range(6):
+        engine.step()
+    engine.abort_request("r4")  # its next plan is already running: the result is dropped, its blocks freed
+    done: dict[str, RequestOutput] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    for rid in ("r0", "r1", "r2"):
+        import re
+
+        o = done[rid].outputs[0]
+        assert o.finish_reason in ("stop", "length")
+        if o.finish_reason == "stop":
+            assert re.fullmatch(r"(Lily|Tom) (ran|sat)( and (ran|sat))*\.", o.text), o.text
+    assert "r4" not in done
+    assert engine.block_manager.num_free_blocks == engine.runner.num_blocks
+    sync = stories_engine_factory(async_scheduling=False)
+    ref = run_all(sync, {rid: prompts[rid] for rid in ("r0", "r1", "r2")}, guided)
+    for rid in ref:
+        assert ref[rid].outputs[0].token_ids == done[rid].outputs[0].token_ids

@@ -1,0 +1,108 @@
+"""Look-ahead drafting (engine/speculation.py) with a proposer that drafts concurrently, no model: a proposal made
+ahead is used whenever the context it assumed came true and its first drafts match what was emitted since; on a
+miss the request drafts nothing that step and nothing waits for the stale proposal (the device waits at most once)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future
+
+from tandem.engine.speculation import SpeculativeDecoder
+from tandem.params import SamplingParams
+from tandem.request import Request
+from tandem.spec_decode.config import SpeculativeConfig
+from tandem.spec_decode.proposer import DraftRequest, Drafts, Proposer
+
+
+class _Counting(Proposer):
+    """Proposes `next, next + 1, ...` after the last token (+100 offset), concurrently; futures can be held back."""
+
+    name = "counting"
+    drafts_concurrently = True
+
+    def __init__(self) -> None:
+        self.calls: list[list[list[int]]] = []
+        self.hold = threading.Event()
+        self.hold.set()
+
+    def _drafts(self, r: DraftRequest) -> Drafts:
+        last = int(r.token_ids[-1])
+        return Drafts([last + 1 + j for j in range(r.max_drafts)])
+
+    def propose(self, batch: Sequence[DraftRequest]) -> dict[str, Drafts]:
+        self.calls.append([list(r.token_ids) for r in batch])
+        return {r.request_id: self._drafts(r) for r in batch}
+
+    def propose_async(self, batch: Sequence[DraftRequest]) -> Future[dict[str, Drafts]]:
+        self.calls.append([list(r.token_ids) for r in batch])
+        result = {r.request_id: self._drafts(r) for r in batch}
+        future: Future[dict[str, Drafts]] = Future()
+        if self.hold.is_set():
+            future.set_result(result)
+        else:  # completes only when released: a stale look-ahead still running
+            threading.Thread(target=lambda: (self.hold.wait(), future.set_result(result)), daemon=True).start()
+        return future
+
+    def on_verified(self, request_id: str, accepted: Sequence[int], num_drafted: int) -> None:
+        pass
+
+    def release(self, request_id: str) -> None:
+        pass
+
+
+def _setup(k: int = 3) -> tuple[SpeculativeDecoder, _Counting, Request]:
+    proposer = _Counting()
+    spec = SpeculativeDecoder(SpeculativeConfig(method="ngram", num_speculative_tokens=k, adaptive=False), proposer, 4096)
+    req = Request("r", [1, 2, 10], SamplingParams())
+    req.num_computed_tokens = req.num_tokens - 1  # steady decode
+    return spec, proposer, req
+
+
+def _emit(req: Request, tokens: list[int]) -> None:
+    req.append_tokens(tokens)
+    req.num_computed_tokens = req.num_tokens - 1
+    req.draft_token_ids = []
+
+
+def test_hit_uses_the_lookahead() -> None:
+    spec, proposer, req = _setup()
+    spec.draft([req], lambda r: 8)
+    assert req.draft_token_ids == [11, 12, 13]  # guess of the bonus: 14
+    spec.start_lookahead([req])  # assumes 11, 12, 13, 14 -> proposes 15, 16, 17, 18
+    spec.observe(req, [11, 12, 13], [11, 12, 13, 14])
+    _emit(req, [11, 12, 13, 14])
+    calls = len(proposer.calls)
+    spec.draft([req], lambda r: 8)
+    assert req.draft_token_ids == [15, 16, 17] and len(proposer.calls) == calls  # no new proposal
+    assert spec.stats.lookahead_hits == 1
+
+
+def test_miss_drafts_nothing_and_waits_for_nothing() -> None:
+    spec, proposer, req = _setup()
+    spec.draft([req], lambda r: 8)
+    proposer.hold.clear()  # the look-ahead will still be running when the outcome is known
+    spec.start_lookahead([req])
+    spec.observe(req, [11, 12, 13], [11, 99])  # one draft accepted, then a different token
+    _emit(req, [11, 99])
+    spec.draft([req], lambda r: 8)  # returns although the stale look-ahead never finished
+    assert req.draft_token_ids == [] and spec.stats.lookahead_misses == 1
+    assert proposer.calls[-1] == [[1, 2, 10, 11, 99]]  # a fresh proposal on the true context, started at once
+    proposer.hold.set()
+    # next step: one token decoded without drafts; the fresh proposal's first draft was 100 -> its rest are used
+    _emit(req, [100])
+    spec.draft([req], lambda r: 8)
+    assert req.draft_token_ids == [101, 102, 103] and spec.stats.lookahead_hits == 1
+
+
+def test_fresh_proposal_whose_first_draft_missed_is_not_used() -> None:
+    spec, proposer, req = _setup()
+    spec.draft([req], lambda r: 8)
+    spec.start_lookahead([req])
+    spec.observe(req, [11, 12, 13], [5])
+    _emit(req, [5])  # miss: fresh proposal on [..., 5] proposes 6, 7, 8, 9
+    spec.draft([req], lambda r: 8)
+    assert req.draft_token_ids == []
+    _emit(req, [42])  # decoded 42, not the proposal's 6: miss again, nothing used
+    spec.draft([req], lambda r: 8)
+    assert req.draft_token_ids == [] and spec.stats.lookahead_misses == 2

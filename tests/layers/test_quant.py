@@ -1,0 +1,162 @@
+"""Quantized weights: torch dequantizers against gguf's, and every CPU kernel (both ISAs) against
+dequantize-then-matmul in float64 / float32, on small random blocks that exercise every bit of each format."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from tandem.layers.kernels import load_cpu_kernels
+from tandem.layers.linear import QuantProjection, make_linear, quant_isa
+from tandem.layers.quant import FORMATS, QuantizedTensor, concat_rows, quantize_int8
+
+GGUF_FORMATS = [f for f in FORMATS if f != "I8"]
+# the fp16 fields of each block (d, and m / dmin): random bytes there would make inf / nan scales
+_SCALE_OFFSETS = {"Q8_0": [0], "Q4_0": [0], "Q5_0": [0], "Q4_1": [0, 2], "Q5_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2],
+                  "Q6_K": [208]}
+
+needs_kernels = pytest.mark.skipif(not load_cpu_kernels() or quant_isa() == 0, reason="no quantized CPU kernels here")
+
+
+def random_blocks(qtype: str, n: int, k: int, seed: int = 0) -> QuantizedTensor:
+    """Random GGUF blocks (every quant bit pattern possible) with sane fp16 scales."""
+    fmt = FORMATS[qtype]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(n, k // fmt.block, fmt.block_bytes), dtype=np.uint8)
+    for off in _SCALE_OFFSETS[qtype]:
+        halves = rng.uniform(0.002, 0.02, size=raw.shape[:2]).astype(np.float16)
+        raw[..., off : off + 2] = halves.view(np.uint8).reshape(*raw.shape[:2], 2)
+    return QuantizedTensor(qtype, (n, k), torch.from_numpy(raw.reshape(n, -1)))
+
+
+def quantized_activations(x: torch.Tensor, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """llama.cpp's activation quantization, as the kernels do it: (dequantized x [M, K] float64, d per block, s).
+
+    32-blocks (Q8_0 / Q8_1): d = amax / 127 kept as fp16, q = rint(x * 127 / amax), s = fp16(d * sum q);
+    256-blocks (Q8_K): iscale = -127 / (value of largest magnitude), q = min(127, rint(iscale * x)), d = 1 / iscale.
+    """
+    xb = x.float().numpy().reshape(x.shape[0], -1, block)
+    if block == 32:
+        amax = np.abs(xb).max(axis=2, keepdims=True)
+        d = amax / np.float32(127)
+        inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+        q = np.rint(xb * inv)
+        d16 = d.astype(np.float16).astype(np.float32)
+        s = (d * q.sum(axis=2, keepdims=True).astype(np.float32)).astype(np.float16).astype(np.float64)
+        return (q * d16).reshape(x.shape).astype(np.float64), d16, s
+    idx = np.abs(xb).argmax(axis=2)[..., None]
+    mx = np.take_along_axis(xb, idx, axis=2)
+    iscale = np.float32(-127) / mx
+    q = np.minimum(127, np.rint(iscale * xb))
+    return (q * (np.float32(1) / iscale)).reshape(x.shape).astype(np.float64), 1 / iscale, np.zeros(0)
+
+
+def reference(w: QuantizedTensor, x: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """Exact y = W x' over the quantized activations x' (float64), and a bound |W| |x'| on each entry's terms."""
+    block = 256 if w.qtype in ("Q4_K", "Q5_K", "Q6_K") else 32
+    xq, _, s = quantized_activations(x, block)
+    wd = w.dequantize(torch.float64).numpy() if w.qtype == "I8" else w.dequantize().double().numpy()
+    if w.qtype in ("Q4_1", "Q5_1"):  # the min term uses llama.cpp's s = fp16(d * sum q), not sum(x')
+        m = _f16_field(w, 2)  # [N, blocks]
+        wd_no_min = wd - np.repeat(m, 32, axis=1)
+        y = xq @ wd_no_min.T + s[:, :, 0] @ m.T
+    else:
+        y = xq @ wd.T
+    return y, np.abs(xq) @ np.abs(wd).T
+
+
+def _f16_field(w: QuantizedTensor, off: int) -> np.ndarray:
+    blocks = w.data.numpy().reshape(w.shape[0], -1, w.format.block_bytes)
+    return blocks[..., off : off + 2].copy().view(np.float16)[..., 0].astype(np.float64)
+
+
+@pytest.mark.parametrize("qtype", GGUF_FORMATS)
+def test_torch_dequantize_matches_gguf(qtype: str) -> None:
+    w = random_blocks(qtype, 5, 512)
+    want = gguf.quants.dequantize(w.data.numpy(), getattr(gguf.GGMLQuantizationType, qtype)).reshape(5, 512)
+    assert np.array_equal(w.dequantize().numpy(), want)
+
+
+def test_int8_quantizer_round_trip() -> None:
+    w = torch.randn(40, 96) * torch.linspace(0.01, 3, 40)[:, None]
+    q = quantize_int8(w, chunk_elems=96 * 7)  # several row chunks
+    assert q.data.dtype == torch.int8 and int(q.data.abs().max()) == 127
+    err = (q.dequantize() - w).abs() / q.scales[:, None]  # type: ignore[index]
+    assert float(err.max()) <= 0.5 + 1e-4  # at most half a step per row
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", GGUF_FORMATS)
+def test_packed_rows_are_the_dequantized_weight(qtype: str) -> None:
+    w = random_blocks(qtype, 37, 512)  # 37 rows: a partial 16-row group
+    proj = make_linear(w, use_kernels=True)
+    assert isinstance(proj, QuantProjection)
+    ids = torch.tensor([0, 36, 5, 16, 17, 36])
+    assert torch.equal(proj.rows(ids), w.dequantize()[ids])
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", [*GGUF_FORMATS, "I8"])
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+def test_kernel_matches_dequantize_then_matmul(qtype: str, isa: str) -> None:
+    isa_id = {"avx2": 1, "avx512": 2}[isa]
+    if isa_id > quant_isa():
+        pytest.skip(f"no {isa} on this CPU")
+    n, k = 53, 512  # 4 groups of 16 rows (one partial)
+    w = quantize_int8(torch.randn(n, k)) if qtype == "I8" else random_blocks(qtype, n, k, seed=len(qtype))
+    x = torch.randn(9, k) * torch.linspace(0.1, 4, k)  # uneven magnitudes: blocks get different scales
+    x[3, :64] = 0.0  # an all-zero activation block
+    proj = QuantProjection([w], None, isa_id)
+    y = proj(x).double().numpy()
+    want, bound = reference(w, x)
+    assert np.all(np.abs(y - want) <= 2e-6 * bound + 1e-9), np.abs(y - want).max()
+    # and against the float32 weights and activations themselves: within the activation rounding
+    dense = x @ w.dequantize().T
+    torch.testing.assert_close(torch.from_numpy(y).float(), dense, rtol=0, atol=float(0.02 * dense.abs().max()))
+    for m in (1, 2, 3, 5):  # a row's result does not depend on the rows computed with it
+        assert np.array_equal(proj(x[:m].contiguous()).double().numpy(), y[:m])
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "Q4_K", "Q6_K", "Q5_1"])
+def test_avx2_and_avx512_agree_to_the_bit(qtype: str) -> None:
+    if quant_isa() < 2:
+        pytest.skip("needs AVX512-VNNI to compare with")
+    w = random_blocks(qtype, 32, 768 if qtype.endswith("K") else 96)
+    x = torch.randn(6, w.shape[1]).bfloat16()
+    a, b = QuantProjection([w], None, 1)(x), QuantProjection([w], None, 2)(x)
+    assert a.dtype == torch.bfloat16 and torch.equal(a, b)
+
+
+@needs_kernels
+def test_fused_group_of_mixed_formats_with_bias() -> None:
+    """q, k, v as a Q4_K_M file stores them (v in Q6_K): one call, one output, same as three projections."""
+    parts = [random_blocks("Q4_K", 64, 256, 1), random_blocks("Q4_K", 32, 256, 2), random_blocks("Q6_K", 32, 256, 3)]
+    bias = torch.randn(128)
+    x = torch.randn(3, 256)
+    fused = make_linear(parts, bias, use_kernels=True)
+    assert isinstance(fused, QuantProjection) and fused.qtypes == ["Q4_K", "Q6_K"]  # adjacent Q4_K merged
+    separate = torch.cat([make_linear(p, use_kernels=True)(x) for p in parts], dim=1) + bias
+    torch.testing.assert_close(fused(x), separate, rtol=0, atol=1e-5)
+
+
+def test_quantized_weights_without_kernels_are_dequantized() -> None:
+    """The accelerator / no-kernel path: dequantized once with torch ops, then a dense projection."""
+    w = random_blocks("Q4_1", 16, 64)
+    proj = make_linear([w, concat_rows([w, w])], use_kernels=False, dtype=torch.float32)
+    x = torch.randn(2, 64)
+    torch.testing.assert_close(proj(x), x @ torch.cat([w.dequantize()] * 3).T)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("qtype", [*GGUF_FORMATS, "I8"])
+def test_dequantize_on_the_device(qtype: str) -> None:
+    """Accelerators: the blocks go to the device as bytes and are dequantized there with torch ops."""
+    w = quantize_int8(torch.randn(32, 512)) if qtype == "I8" else random_blocks(qtype, 32, 512)
+    on_device = w.to("cuda").dequantize(torch.float32)
+    assert on_device.device.type == "cuda"
+    assert torch.equal(on_device.cpu(), w.dequantize(torch.float32))
+    proj = make_linear(w.to("cuda"), use_kernels=True, dtype=torch.bfloat16)
+    assert proj.kind == "dense" and proj.weight.device.type == "cuda"  # type: ignore[attr-defined]

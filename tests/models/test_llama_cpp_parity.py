@@ -1,0 +1,118 @@
+"""Whole models on the same GGUF file: tandem's greedy tokens against llama.cpp's (llama-cpp-python, in its own
+process), the demo model's own Q4_1 file among them. Both keep the weights in the file's blocks and quantize
+activations to int8 blocks the same way (tandem with float32 activations, llama.cpp with a float32 KV cache), so
+what differs is summation order, and the int8 rounding of activations turns that into logit noise: ~0.1 mean
+absolute difference on logits spread ~3-4 (std), measured, the same distance that separates tandem's own quantized
+and dequantized runs of the file. So:
+  * greedy tokens (decode path) are identical up to the first difference, and there llama.cpp's own logits are a
+    near tie (< NEAR_TIE); after it the continuations differ and are not compared;
+  * over llama.cpp's sequences (teacher forcing, tandem's prefill path) the logits agree within that noise, and the
+    argmax agrees wherever llama.cpp's top two are further apart than NEAR_TIE.
+
+Needs llama-cpp-python (`make llama-cpp` builds it from source); skipped without it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tandem.config import ConfigError
+
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
+                       reason="llama-cpp-python is not installed (make llama-cpp builds it)"),
+    pytest.mark.demo,
+]
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n", "Once upon a time, there was a little"]
+NEW_TOKENS = 32
+NEAR_TIE = 0.5  # logits: 5x the measured mean difference; the demo model's logits spread ~3-4 (std)
+MEAN_LOGIT_DIFF = 0.3
+
+
+def _demo_gguf() -> Path:
+    from tandem.models.demo import find_demo_gguf
+
+    try:
+        return find_demo_gguf()
+    except ConfigError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="module")
+def demo_tokenizer() -> Path:
+    from tandem.models.gguf_loader import gguf_tokenizer_folder
+
+    return gguf_tokenizer_folder(_demo_gguf())
+
+
+def tandem_runs(path: Path, tokenizer: Path, prompts: list[list[int]], forced: list[list[int]]) -> tuple[list[list[int]], list[np.ndarray]]:
+    """tandem's greedy continuations of `prompts`, and its logits [len - 1, V] over each `forced` sequence."""
+    import torch
+
+    from tandem import LLM, SamplingParams
+    from tandem.core.plan import ScheduledRequest, StepPlan
+
+    llm = LLM(str(path), tokenizer=str(tokenizer), dtype="float32", max_model_len=256, max_num_seqs=4, progress=False)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True), use_tqdm=False)
+        runner = llm.llm_engine.runner  # idle now: its blocks are free to use directly
+        logits = []
+        for seq in forced:
+            plan = StepPlan(0, [ScheduledRequest("forced", seq, 0, list(range(16)), all_logits=True)])
+            logits.append(runner.execute(plan).to(torch.float32).numpy())
+        return [list(o.outputs[0].token_ids) for o in outs], logits
+    finally:
+        llm.shutdown()
+
+
+def assert_matches_llama_cpp(path: Path, tokenizer: Path) -> int:
+    """Both checks of the module doc; returns the number of greedy tokens that matched."""
+    from tandem.bench.peers import llama_cpp_greedy
+    from tandem.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_path(tokenizer)
+    prompts = [tok.encode(t) for t in PROMPTS]
+    theirs = llama_cpp_greedy(path, prompts, NEW_TOKENS)
+    ours, forced = tandem_runs(path, tokenizer, prompts, [p + t[:-1] for p, (t, _) in zip(prompts, theirs)])
+    matched = 0
+    for p, mine, (tokens, logits), tf in zip(prompts, ours, theirs, forced):
+        first = next((i for i, (a, b) in enumerate(zip(mine, tokens)) if a != b), len(tokens))
+        matched += first
+        if first < len(tokens):
+            gap = float(logits[first][tokens[first]] - logits[first][mine[first]])
+            assert gap < NEAR_TIE, f"{path.name}: token {first} differs ({mine[first]} vs llama.cpp {tokens[first]}), " \
+                                   f"llama.cpp's logits {gap:.3f} apart"
+        ours_tf = tf[len(p) - 1 :]  # rows predicting llama.cpp's tokens
+        diff = np.abs((ours_tf - ours_tf.mean(1, keepdims=True)) - (logits - logits.mean(1, keepdims=True)))
+        assert diff.mean() < MEAN_LOGIT_DIFF, f"{path.name}: mean logit difference {diff.mean():.3f}"
+        top2 = np.sort(logits, axis=1)[:, -2:]
+        clear = top2[:, 1] - top2[:, 0] > NEAR_TIE
+        assert np.array_equal(ours_tf.argmax(1)[clear], np.asarray(tokens)[clear]), f"{path.name}: argmax differs"
+    return matched
+
+
+def test_demo_q4_1_file_matches_llama_cpp(demo_tokenizer: Path) -> None:
+    """The demo model's own SmolLM2-135M-Instruct.Q4_1.gguf (Q4_1 layers, Q8_0 tied embedding)."""
+    matched = assert_matches_llama_cpp(_demo_gguf(), demo_tokenizer)
+    assert matched >= len(PROMPTS) * NEW_TOKENS // 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("file_type", ["Q8_0", "Q4_0", "Q4_K_M"])
+def test_llama_cpp_quantized_demo_matches_llama_cpp(file_type: str, demo_tokenizer: Path) -> None:
+    """The demo model quantized by llama.cpp itself: Q8_0, Q4_0, and Q4_K_M (Q4_K / Q6_K where rows are multiples of
+    256, its Q5_0 / Q8_0 fallbacks elsewhere)."""
+    from tandem.bench.peers import llama_cpp_quantize, write_bf16_gguf
+    from tandem.paths import tandem_home
+
+    folder = tandem_home() / "models"
+    folder.mkdir(parents=True, exist_ok=True)
+    bf16 = write_bf16_gguf(_demo_gguf(), folder / "SmolLM2-135M-Instruct.bf16.gguf")
+    path = llama_cpp_quantize(bf16, folder / f"SmolLM2-135M-Instruct.{file_type}.gguf", file_type)
+    assert assert_matches_llama_cpp(path, demo_tokenizer) >= len(PROMPTS) * NEW_TOKENS // 2

@@ -1,0 +1,67 @@
+"""Real-shaped random-weight models: the shapes' sizes, and GGUF files written as llama.cpp writes them (names, q/k
+order, quantized types, the Q4_K_M mix) that load back into the same weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from tandem.layers.quant import QuantizedTensor
+from tandem.models.gguf_writer import quantize_q4_k, quantize_q6_k, tensor_type, write_gguf
+from tandem.models.loader import load_checkpoint
+from tandem.models.shapes import SHAPES, ModelShape, random_weights
+
+TINY = ModelShape("tiny", "llama", 256, 512, 3, 4, 2, 320, False, 10000.0, 256)
+
+
+@pytest.mark.parametrize(("name", "params"), [
+    ("smollm2-135m", 134_515_008), ("smollm2-360m", 361_821_120), ("smollm2-1.7b", 1_711_376_384),
+    ("llama3.2-1b", 1_235_814_400), ("qwen2.5-0.5b", 494_032_768), ("llama3.1-8b", 8_030_261_248),
+])
+def test_shapes_have_the_architectures_parameter_counts(name: str, params: int) -> None:
+    assert SHAPES[name].num_params == params
+
+
+@pytest.mark.parametrize(("quantizer", "kind"), [(quantize_q4_k, gguf.GGMLQuantizationType.Q4_K),
+                                                  (quantize_q6_k, gguf.GGMLQuantizationType.Q6_K)])
+def test_k_quantizers_write_valid_blocks(quantizer, kind) -> None:  # type: ignore[no-untyped-def]
+    x = np.random.default_rng(0).standard_normal((6, 512)).astype(np.float32) * 0.02
+    x[0, :256] = 0.0  # an all-zero block
+    back = gguf.quants.dequantize(quantizer(x), kind).reshape(x.shape)
+    assert np.all(back[0, :256] == 0)
+    assert np.linalg.norm(back - x) / np.linalg.norm(x) < (0.1 if kind == gguf.GGMLQuantizationType.Q4_K else 0.03)
+
+
+def test_q4_k_m_mix_follows_llama_cpp() -> None:
+    n = 32  # use_more_bits: layers 0-3, 28-31 and every third in between
+    assert tensor_type("Q4_K_M", "blk.0.attn_v.weight", 4096, n, False) == gguf.GGMLQuantizationType.Q6_K
+    assert tensor_type("Q4_K_M", "blk.4.ffn_down.weight", 14336, n, False) == gguf.GGMLQuantizationType.Q4_K
+    assert tensor_type("Q4_K_M", "blk.6.ffn_down.weight", 14336, n, False) == gguf.GGMLQuantizationType.Q6_K
+    assert tensor_type("Q4_K_M", "blk.6.attn_q.weight", 4096, n, False) == gguf.GGMLQuantizationType.Q4_K
+    assert tensor_type("Q4_K_M", "output.weight", 4096, n, False) == gguf.GGMLQuantizationType.Q6_K
+    assert tensor_type("Q4_K_M", "token_embd.weight", 4096, n, False) == gguf.GGMLQuantizationType.Q4_K
+    assert tensor_type("Q4_K_M", "token_embd.weight", 576, n, True) == gguf.GGMLQuantizationType.Q8_0  # tied, 576 % 256
+    assert tensor_type("Q4_K_M", "blk.1.ffn_up.weight", 576, n, True) == gguf.GGMLQuantizationType.Q5_0
+
+
+@pytest.mark.parametrize("file_type", ["BF16", "Q8_0", "Q4_K_M"])
+def test_written_gguf_loads_back_to_the_same_weights(tmp_path: Path, file_type: str) -> None:
+    source = {name: torch.from_numpy(a).bfloat16().float() for name, a in random_weights(TINY, seed=3)}
+    path = write_gguf(tmp_path / f"tiny.{file_type}.gguf", TINY, ((n, t.numpy()) for n, t in source.items()), file_type, None)
+    ckpt = load_checkpoint(path, torch.float32, progress=False)
+    assert set(ckpt.weights) == set(source)
+    kinds = set()
+    for name, want in source.items():
+        stored = ckpt.weights.stored(name)
+        kinds.add(stored.qtype if isinstance(stored, QuantizedTensor) else "dense")
+        got = ckpt.weights[name]
+        if file_type == "BF16" or want.dim() == 1:
+            assert torch.equal(got, want), name  # exact: bf16 values, q/k rows back in HF order
+        else:
+            assert float((got - want).norm() / want.norm()) < 0.1, name
+    expected = {"BF16": {"dense"}, "Q8_0": {"dense", "Q8_0"}, "Q4_K_M": {"dense", "Q4_K", "Q6_K"}}[file_type]
+    assert kinds == expected
