@@ -143,12 +143,16 @@ def judge(req: CorpusRequest, out: RequestOutput, schemas: dict[str, Any]) -> tu
 
 
 def run_corpus(engine: LLMEngine, functions: Sequence[dict[str, Any]], backend: str, modes: Sequence[str] = MODES,
-               max_tokens: int = 160, concurrency: int = 32, seed: int = 0, every: Mapping[str, int] | None = None) -> dict[str, Any]:
-    """The requests of `modes` over the corpus on `backend` (see corpus_requests); {mode: Tally} plus the run's figures."""
+               max_tokens: int = 160, concurrency: int = 32, seed: int = 0, every: Mapping[str, int] | None = None,
+               sampling: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The requests of `modes` over the corpus on `backend` (see corpus_requests); {mode: Tally} plus the run's figures.
+    Greedy unless `sampling` (SamplingParams fields) says otherwise; a sampled request i gets seed `seed + i`."""
     reqs = corpus_requests(engine, functions, modes, seed, every)
     schemas = {e["function"]["name"]: e["function"].get("parameters") or {} for e in functions}
-    params = [SamplingParams(temperature=0.0, max_tokens=max_tokens, structured_outputs=r.plan.structured_outputs(backend))
-              for r in reqs]
+    kw = {"temperature": 0.0, **(sampling or {})}
+    params = [SamplingParams(max_tokens=max_tokens, structured_outputs=r.plan.structured_outputs(backend),
+                             **kw, **({"seed": seed + i} if kw["temperature"] > 0 else {}))
+              for i, r in enumerate(reqs)]
     outs: dict[int, RequestOutput] = {}
     t0 = time.perf_counter()
     res = drive(engine, [r.prompt for r in reqs], params, concurrency, f"tools-{backend}",

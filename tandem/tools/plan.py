@@ -17,7 +17,9 @@ Arguments are JSON with any whitespace in runs of at most MAX_JSON_WHITESPACE ch
 Schemas are closed before compiling: an object schema that lists `properties` and says nothing about
 `additionalProperties` gets `additionalProperties: false` (OpenAI's strict mode does the same), because a call's
 arguments become keyword arguments and an invented key fails the function. Objects directly under `allOf` are left
-open (closing them would make the conjunction unsatisfiable).
+open (closing them would make the conjunction unsatisfiable). Neither backend implements `uniqueItems`: an array of
+distinct values of a small enum (<= MAX_UNIQUE_ENUM values) becomes the enum of its subsequences, other arrays lose
+the keyword. The model is shown the schema as the client wrote it.
 
 Fallback format (templates without tools): a system message lists the functions as JSON inside <tools></tools>
 and asks for calls as `<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>` (Hermes), earlier calls are
@@ -28,6 +30,7 @@ written back in that format into the assistant turn, and tool results come back 
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import re
 from collections.abc import Mapping, Sequence
@@ -46,6 +49,9 @@ from tandem.tools.parsers import (
 # Arguments take any JSON whitespace, in runs of at most this many characters: a line break and an indent fit, a
 # model that loops on whitespace (small ones do, under a grammar that allows it anywhere) cannot.
 MAX_JSON_WHITESPACE = 4
+# uniqueItems over an enum of at most this many values is spelled out (2**8 = 256 subsequences at most).
+MAX_UNIQUE_ENUM = 8
+XGRAMMAR_IGNORES = ("not", "if", "contains", "dependentRequired", "dependentSchemas", "uniqueItems")
 NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 CHOICES = ("none", "auto", "required")
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
@@ -69,11 +75,13 @@ class ToolError(ValueError):
 
 @dataclass(frozen=True)
 class FunctionTool:
-    """One function offered to the model: its name, description and the (closed) JSON schema of its arguments."""
+    """One function offered to the model: its name, description, the JSON schema of its arguments as the client
+    wrote it (what the model is shown) and the copy the grammar compiles (`grammar_schema`)."""
 
     name: str
     description: str | None
     parameters: dict[str, Any]
+    grammar: dict[str, Any]
 
     def as_openai(self) -> dict[str, Any]:
         """The OpenAI tool object (what chat templates and the fallback prompt show)."""
@@ -99,30 +107,67 @@ def function_tools(tools: Sequence[Mapping[str, Any]]) -> list[FunctionTool]:
             raise ToolError(f"tools[{i}].function.parameters must be a JSON schema object", f"tools[{i}].function.parameters")
         if any(t.name == name for t in out):
             raise ToolError(f"two tools are named {name!r}", f"tools[{i}].function.name")
-        out.append(FunctionTool(name, fn.get("description"), close_schema(params)))
+        out.append(FunctionTool(name, fn.get("description"), params, grammar_schema(params)))
     return out
 
 
-def close_schema(schema: Any, under_all_of: bool = False) -> Any:
-    """A copy of `schema` whose object schemas with `properties` forbid keys they do not list (see the module doc)."""
+def grammar_schema(schema: Any, under_all_of: bool = False) -> Any:
+    """The copy of `schema` the grammar compiles (see the module doc): object schemas with `properties` closed,
+    `uniqueItems` arrays of a small enum spelled out (_unique_enum_array), other `uniqueItems` dropped."""
     if isinstance(schema, list):
-        return [close_schema(s) for s in schema]
+        return [grammar_schema(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: _close_child(k, v) for k, v in schema.items()}
+    out = {k: _grammar_child(k, v) for k, v in schema.items()}
     if "properties" in out and "additionalProperties" not in out and not under_all_of and "patternProperties" not in out:
         out["additionalProperties"] = False
+    if out.pop("uniqueItems", False) is True:
+        return _unique_enum_array(out)
     return out
 
 
-def _close_child(key: str, value: Any) -> Any:
+def xgrammar_gaps(schema: Any) -> list[str]:
+    """The keywords of a (grammar) schema that xgrammar ignores rather than enforces: `multipleOf` outside integers,
+    `not`, `if`, `contains`, `dependentRequired`, `dependentSchemas`, `uniqueItems` (llguidance enforces all but the
+    last, which grammar_schema spells out or drops)."""
+    found: list[str] = []
+    if isinstance(schema, list):
+        for s in schema:
+            found += xgrammar_gaps(s)
+    elif isinstance(schema, dict):
+        found += [k for k in XGRAMMAR_IGNORES if k in schema]
+        if "multipleOf" in schema and schema.get("type") != "integer":
+            found.append("multipleOf")
+        for key, value in schema.items():
+            if key not in ("enum", "const", "default", "examples") and isinstance(value, (dict, list)):
+                found += xgrammar_gaps(value)
+    return found
+
+
+def _grammar_child(key: str, value: Any) -> Any:
     if key in ("properties", "$defs", "definitions", "patternProperties") and isinstance(value, dict):
-        return {name: close_schema(s) for name, s in value.items()}
+        return {name: grammar_schema(s) for name, s in value.items()}
     if key == "allOf" and isinstance(value, list):
-        return [close_schema(s, under_all_of=True) for s in value]
+        return [grammar_schema(s, under_all_of=True) for s in value]
     if key in ("items", "additionalProperties", "anyOf", "oneOf", "not", "prefixItems", "contains", "if", "then", "else"):
-        return close_schema(value)
+        return grammar_schema(value)
     return copy.deepcopy(value)
+
+
+def _unique_enum_array(schema: dict[str, Any]) -> dict[str, Any]:
+    """An array of distinct values of a small enum as an enum of its subsequences (in the enum's order, within
+    minItems / maxItems): neither backend implements uniqueItems, and this keeps such calls valid. Any other array
+    is returned without the keyword (its items may repeat)."""
+    items = schema.get("items")
+    if not isinstance(items, dict) or set(items) - {"type", "enum", "description", "title"} or schema.get("prefixItems"):
+        return schema
+    values = items.get("enum")
+    if not isinstance(values, list) or not values or len(values) > MAX_UNIQUE_ENUM or len(set(map(json.dumps, values))) < len(values):
+        return schema
+    lo, hi = schema.get("minItems", 0), schema.get("maxItems", len(values))
+    subsets = [list(c) for r in range(lo, min(hi, len(values)) + 1) for c in itertools.combinations(values, r)]
+    rest = {k: v for k, v in schema.items() if k not in ("type", "items", "minItems", "maxItems")}
+    return {**rest, "enum": subsets}
 
 
 def choose_parser(flag: str, chat_template: str | None) -> tuple[ToolParser, bool]:
@@ -171,7 +216,7 @@ class ToolPlan:
         if self.choice == "none":
             return None
         fns = [f for f in self.tools if f.name == self.choice] or self.tools
-        tags = [{"type": "tag", "begin": self.parser.begin(f.name), "end": self.parser.end, "content": _json_format(f.parameters)}
+        tags = [{"type": "tag", "begin": self.parser.begin(f.name), "end": self.parser.end, "content": _json_format(f.grammar)}
                 for f in fns]
         calls = {"type": "tags_with_separator", "tags": tags, "separator": self.parser.separator, "at_least_one": True,
                  "stop_after_first": not self.parallel or self.choice not in CHOICES}
@@ -183,8 +228,14 @@ class ToolPlan:
                                                      "at_least_one": False, "stop_after_first": not self.parallel}}
 
     def structured_outputs(self, backend: str | None = None, answer_schema: Any = None) -> StructuredOutputsParams | None:
+        """The grammar as params. A backend left to choose (None, "auto") is pinned to llguidance when a schema uses
+        a keyword xgrammar ignores (`xgrammar_gaps`): `auto` could promote the grammar to xgrammar otherwise."""
         tag = self.structural_tag(answer_schema)
-        return None if tag is None else StructuredOutputsParams(structural_tag=tag, backend=backend)
+        if tag is None:
+            return None
+        if backend in (None, "auto") and any(xgrammar_gaps(f.grammar) for f in self.tools):
+            backend = "llguidance"
+        return StructuredOutputsParams(structural_tag=tag, backend=backend)
 
     def apply(self, params: SamplingParams) -> SamplingParams:
         """`params` with the plan's grammar and the special-token setting its parser needs. A forced call is the whole
