@@ -149,9 +149,9 @@ def run_corpus(engine: LLMEngine, functions: Sequence[dict[str, Any]], backend: 
     Greedy unless `sampling` (SamplingParams fields) says otherwise; a sampled request i gets seed `seed + i`."""
     reqs = corpus_requests(engine, functions, modes, seed, every)
     schemas = {e["function"]["name"]: e["function"].get("parameters") or {} for e in functions}
-    kw = {"temperature": 0.0, **(sampling or {})}
+    kw: dict[str, Any] = {"temperature": 0.0, **(sampling or {})}
     params = [SamplingParams(max_tokens=max_tokens, structured_outputs=r.plan.structured_outputs(backend),
-                             **kw, **({"seed": seed + i} if kw["temperature"] > 0 else {}))
+                             **{**kw, **({"seed": seed + i} if kw["temperature"] > 0 else {})})
               for i, r in enumerate(reqs)]
     outs: dict[int, RequestOutput] = {}
     t0 = time.perf_counter()

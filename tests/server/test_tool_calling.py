@@ -286,9 +286,9 @@ def test_instructor_default_mode(srv: Srv) -> None:
 def test_pydantic_ai_default_output(srv: Srv) -> None:
     from pydantic_ai import Agent, ModelSettings
     from pydantic_ai.messages import ToolCallPart
-    from pydantic_ai.usage import UsageLimits
     from pydantic_ai.models.openai import OpenAIChatModel
     from pydantic_ai.providers.openai import OpenAIProvider
+    from pydantic_ai.usage import UsageLimits
 
     model = OpenAIChatModel(MODEL, provider=OpenAIProvider(base_url=f"{srv.url}/v1", api_key="none"))
     agent = Agent(model, output_type=Weather, model_settings=ModelSettings(temperature=0, max_tokens=120), retries=0)
