@@ -54,7 +54,7 @@ def test_corpus_calls_validate(engine: Any, backend: str) -> None:
     assert len(functions) >= 100
     if backend == "xgrammar":  # what it ignores (fractional multipleOf) is served by llguidance unless xgrammar is asked for
         functions = [f for f in functions if not xgrammar_gaps(grammar_schema(f["function"]["parameters"]))]
-    every = {"named": 1, "required": 3, "auto": 5} if backend == "llguidance" else {"named": 10, "required": 10, "auto": 20}
+    every = {"named": 1, "required": 4, "auto": 6} if backend == "llguidance" else {"named": 16, "required": 16, "auto": 24}
     report = run_corpus(engine, functions, backend, every=every, max_tokens=160,
                         sampling={"temperature": 1.0, "logit_bias": _bias(engine)})
     for row in report_rows(report):
