@@ -28,12 +28,13 @@ from tandem.runner.tensor_thread import on_tensor_thread
 from tandem.spec_decode.config import SpeculativeConfig, build_proposer
 from tandem.structured.manager import StructuredOutputConfig
 from tandem.tokenizer import Tokenizer
+from tandem.tools import ToolParser, ToolPlan, choose_parser
 
 logger = logging.getLogger("tandem")
 
 # A prompt: text, token ids, or vLLM's dict forms {"prompt": ...} / {"prompt_token_ids": [...]}.
 PromptType = str | Sequence[int] | Mapping[str, Any]  # noqa: UP007 (a runtime alias on Python 3.10)
-ChatMessages = list[dict[str, str]]
+ChatMessages = list[dict[str, Any]]
 
 
 def build_engine(
@@ -217,14 +218,37 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        tool_choice: Any = None,
+        parallel_tool_calls: bool | None = None,
     ) -> list[RequestOutput]:
-        """Render each conversation with the model's chat template, then generate."""
+        """Render each conversation with the model's chat template, then generate.
+
+        `tools` (OpenAI function tools) go to the template as its `tools` argument, as in vLLM; a template that knows
+        no tools gets tandem's fallback prompt (docs/tool_calling.md). tandem's addition: a `tool_choice` ("auto",
+        "required" or {"type": "function", "function": {"name": ...}}) also holds the calls to their functions'
+        schemas with the tool grammar (it replaces the params' structured_outputs, whose backend it keeps); read calls
+        back with `tool_parser().parse(output.outputs[0].text)`. Without `tool_choice`, tools are only shown.
+        """
         convs: list[ChatMessages] = [messages] if messages and isinstance(messages[0], dict) else list(messages)  # type: ignore[list-item,arg-type]
         tok = self.llm_engine.tokenizer
         if chat_template is not None:
             tok.set_chat_template(chat_template)
-        items: list[PromptType] = [tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt) for c in convs]
-        return self._run(items, _params_list(sampling_params, len(items)), use_tqdm)
+        plan = ToolPlan.build(tools, "none" if tool_choice is None else tool_choice, parallel_tool_calls,
+                              *choose_parser("auto", tok.hf.chat_template)) if tools else None
+        kwargs = {**(chat_template_kwargs or {}), **(plan.template_kwargs() if plan is not None else {})}
+        items: list[PromptType] = [
+            tok.apply_chat_template(plan.conversation(c) if plan is not None else c, add_generation_prompt=add_generation_prompt,
+                                    **kwargs)
+            for c in convs
+        ]
+        params = _params_list(sampling_params, len(items))
+        return self._run(items, params if plan is None else [plan.apply(p) for p in params], use_tqdm)
+
+    def tool_parser(self) -> ToolParser:
+        """The tool-call parser of this model's chat template (Hermes for templates that know no tools)."""
+        return choose_parser("auto", self.llm_engine.tokenizer.hf.chat_template)[0]
 
     def _run(self, items: list[PromptType], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
