@@ -23,6 +23,7 @@ from tandem.models.checkpoint import Checkpoint, resolve_dtype
 from tandem.models.loader import load_checkpoint
 from tandem.params import EngineOverloaded, ParamError, SamplingParams
 from tandem.request import RequestOutput
+from tandem.runner.distributed import TensorParallelRunner, WorkerSpec, free_tcp_address
 from tandem.runner.runner import ModelRunner
 from tandem.runner.tensor_thread import on_tensor_thread
 from tandem.spec_decode.config import SpeculativeConfig, build_proposer
@@ -59,12 +60,15 @@ def build_engine(
     structured_mask_mode: str | None = None,
     async_scheduling: bool | None = None,
     quantization: str | None = None,
+    tensor_parallel_size: int = 1,
     progress: bool = True,
 ) -> LLMEngine:
     """Load a checkpoint (the built-in demo model when `model` is None) and build an engine around it.
 
     `quantization`: None keeps a GGUF's quantized blocks as stored (CPU kernels; dequantized on an accelerator),
     "none" dequantizes them to `dtype`, "int8" stores dense matrices (safetensors) as per-channel int8.
+    `tensor_parallel_size` > 1 shards the model over that many ranks (this process and worker processes,
+    `runner/distributed.py`), each on its share of the forward's cores (CPU) or its own device (CUDA).
     """
     path, dtype = _resolve_model(model, dtype)
     _check_device(device)
@@ -80,8 +84,7 @@ def build_engine(
     so_config = _structured_config(structured_outputs_config)
     budget = _cpu_budget(device, num_threads, sc, so_config if structured_outputs_config is not None else None)
     so_config = dataclasses.replace(so_config, num_threads=budget.grammar_threads)
-    runner = ModelRunner(ckpt.config, ckpt.weights, torch_dtype, device, config.cache, config.scheduler,
-                         num_threads=budget.forward_threads, use_kernels=cpu_kernels)
+    runner = _runner(ckpt, config, budget, cpu_kernels, quantization, tensor_parallel_size)
     del ckpt
     if progress:
         print(f"tandem: {runner.memory_summary()}", file=sys.stderr, flush=True)
@@ -91,6 +94,23 @@ def build_engine(
     gc.collect()
     gc.freeze()  # the long-lived objects of torch and the model never need scanning again: no GC pauses in the loop
     return engine
+
+
+def _runner(
+    ckpt: Checkpoint, config: EngineConfig, budget: CpuBudget, cpu_kernels: bool, quantization: str | None, tp_size: int,
+) -> ModelRunner:
+    """One device's runner, or rank 0 of a tensor-parallel group (whose workers load the checkpoint themselves)."""
+    dtype = ckpt.weights.dtype
+    if tp_size < 1:
+        raise ConfigError(f"tensor_parallel_size must be at least 1, got {tp_size}")
+    if tp_size == 1:
+        return ModelRunner(ckpt.config, ckpt.weights, dtype, config.device, config.cache, config.scheduler,
+                           num_threads=budget.forward_threads, use_kernels=cpu_kernels)
+    spec = WorkerSpec(model_path=str(config.model), dtype=str(dtype).removeprefix("torch."), quantization=quantization,
+                      device=config.device, cache=config.cache, scheduler=config.scheduler, use_kernels=cpu_kernels,
+                      rank=0, size=tp_size, init_method=free_tcp_address(), cores=budget.forward_cores,
+                      num_threads=budget.forward_threads)
+    return TensorParallelRunner(ckpt.config, ckpt.weights, spec)
 
 
 def _resolve_model(model: str | os.PathLike[str] | None, dtype: str) -> tuple[Path, str]:
@@ -273,9 +293,7 @@ def _vllm_compat(kwargs: dict[str, Any]) -> dict[str, Any]:
     for k, v in kwargs.items():
         if k in _VLLM_NO_EFFECT:
             continue
-        if k == "tensor_parallel_size":
-            if v not in (None, 1):
-                raise ConfigError(f"tensor_parallel_size={v}: tandem runs one device per engine; use 1")
+        if k == "tensor_parallel_size" and v is None:
             continue
         out[_VLLM_RENAMED.get(k, k)] = v
     if "memory_fraction" in out:
