@@ -61,6 +61,7 @@ def build_engine(
     async_scheduling: bool | None = None,
     quantization: str | None = None,
     tensor_parallel_size: int = 1,
+    cpu_cores: Sequence[int] | None = None,
     progress: bool = True,
 ) -> LLMEngine:
     """Load a checkpoint (the built-in demo model when `model` is None) and build an engine around it.
@@ -68,8 +69,10 @@ def build_engine(
     `quantization`: None keeps a GGUF's quantized blocks as stored (CPU kernels; dequantized on an accelerator),
     "none" dequantizes them to `dtype`, "int8" stores dense matrices (safetensors) as per-channel int8.
     `tensor_parallel_size` > 1 shards the model over that many ranks (this process and worker processes,
-    `runner/distributed.py`), each on its share of the forward's cores (CPU) or its own device (CUDA).
-    """
+    `runner/distributed.py`), each on its share of the forward's cores (CPU) or its own device (CUDA);
+    `cpu_cores`: the cores this engine may use (this process is pinned to them; a data-parallel replica's share)."""
+    if cpu_cores is not None:
+        pin_current_thread_pool(tuple(cpu_cores))  # before the tensor thread starts: it and its team inherit them
     path, dtype = _resolve_model(model, dtype)
     _check_device(device)
     ckpt = on_tensor_thread(_load, path, dtype, progress, quantization)
@@ -82,7 +85,7 @@ def build_engine(
     tok = _tokenizer(ckpt, tokenizer, chat_template)
     sc = SpeculativeConfig.from_dict(speculative_config) if speculative_config is not None else None
     so_config = _structured_config(structured_outputs_config)
-    budget = _cpu_budget(device, num_threads, sc, so_config if structured_outputs_config is not None else None)
+    budget = _cpu_budget(device, num_threads, sc, so_config if structured_outputs_config is not None else None, cpu_cores)
     so_config = dataclasses.replace(so_config, num_threads=budget.grammar_threads)
     runner = _runner(ckpt, config, budget, cpu_kernels, quantization, tensor_parallel_size)
     del ckpt
@@ -151,9 +154,11 @@ def _draft_on_cpu(sc: SpeculativeConfig | None) -> bool:
 
 
 def _cpu_budget(
-    device: str, num_threads: int | None, sc: SpeculativeConfig | None, so_config: StructuredOutputConfig | None
+    device: str, num_threads: int | None, sc: SpeculativeConfig | None, so_config: StructuredOutputConfig | None,
+    cores: Sequence[int] | None = None,
 ) -> CpuBudget:
     return plan_cpu_budget(
+        cores=tuple(cores) if cores is not None else None,
         device=torch.device(device).type, draft_on_cpu=_draft_on_cpu(sc), forward_threads=num_threads,
         grammar_threads=so_config.num_threads if so_config is not None else None,
         draft_threads=sc.draft_threads if sc else None, draft_cores=sc.draft_cores if sc else None,

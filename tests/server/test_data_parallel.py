@@ -1,0 +1,134 @@
+"""`tandem serve --data-parallel-size 2`: two engine cores behind one server. The router's choices without a server,
+then a DP=2 demo-model server: plain and streaming requests, 16 concurrent streams spread over both cores, and one
+core killed while the other keeps serving (it restarts on its own)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+
+import httpx2 as httpx
+import openai
+import pytest
+
+from tandem.bench.serve import free_port, launch_server
+from tandem.server.data_parallel import PREFIX_CHARS, ReplicaLoad, Router, prefix_key, replica_kwargs
+from tests.server.test_server import API_KEY, MODEL, Server, chat, demo
+
+
+def _load(in_flight: int, kv: float = 0.0, available: bool = True) -> ReplicaLoad:
+    return ReplicaLoad(in_flight, kv, available)
+
+
+def test_router_picks_the_least_loaded_available_replica() -> None:
+    r = Router()
+    assert r.pick([_load(3), _load(1)], None) == 1
+    assert r.pick([_load(1, kv=0.9), _load(3)], None) == 1  # a nearly full KV cache counts as load
+    assert r.pick([_load(0, available=False), _load(5)], None) == 1  # a restarting replica gets nothing
+    assert r.pick([_load(0, available=False)], None) is None
+
+
+def test_router_keeps_a_shared_prefix_on_its_replica_while_that_pays() -> None:
+    r = Router()
+    assert r.pick([_load(0), _load(0)], "k") == 0
+    assert r.pick([_load(2), _load(0)], "k") == 0  # busier, but within the slack: its prefix cache wins
+    assert r.pick([_load(9), _load(0)], "k") == 1  # too busy: the prefix moves
+    assert r.prefix_routed == 1
+
+
+def test_prefix_key_only_for_prompts_long_enough_to_share() -> None:
+    assert prefix_key({"prompt": "short"}) is None
+    long = "x" * PREFIX_CHARS
+    assert prefix_key({"prompt": long + "a"}) == prefix_key({"prompt": long + "b"}) is not None
+    assert prefix_key({"prompt_token_ids": list(range(PREFIX_CHARS))}) is not None
+
+
+def test_replicas_split_the_cores() -> None:
+    cores = sorted(os.sched_getaffinity(0))
+    kws = replica_kwargs({"device": "cpu"}, 2)
+    if len(cores) >= 2:
+        assert sorted(c for kw in kws for c in kw["cpu_cores"]) == cores
+    assert [kw["device"] for kw in replica_kwargs({"device": "cuda", "tensor_parallel_size": 2}, 2)] == ["cuda:0", "cuda:2"]
+
+
+@pytest.fixture(scope="module")
+def dp_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    log_path = tmp_path_factory.mktemp("serve-dp") / "server.log"
+    port = free_port()
+    args = ["--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "8", "--num-kv-blocks", "160",
+            "--max-queue", "32", "--request-timeout", "120", "--log-level", "warning", "--data-parallel-size", "2"]
+    env = {**os.environ, "TANDEM_API_KEY": API_KEY}
+    with open(log_path, "wb") as log:
+        try:
+            proc = launch_server(None, args, port, startup_timeout_s=420, log=log, env=env)
+        except RuntimeError as e:
+            pytest.fail(f"{e}\n{log_path.read_text()[-3000:]}")
+        yield Server(proc, f"http://127.0.0.1:{port}", log_path)
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            pytest.fail("the server did not exit within 30 s of SIGTERM")
+
+
+@demo
+def test_dp2_plain_and_streaming(dp_server: Server) -> None:
+    health = httpx.get(f"{dp_server.url}/health").json()
+    assert len(set(health["engine_core_pids"])) == 2
+    assert chat(dp_server, max_tokens=4, temperature=0).choices[0].message.content
+    text = "".join(c.choices[0].delta.content or "" for c in chat(dp_server, max_tokens=6, stream=True) if c.choices)
+    assert text
+
+
+async def _streams(url: str, n: int, max_tokens: int) -> list[int]:
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=300.0)
+
+    async def one(i: int) -> int:
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"Say the number {i}."}], max_tokens=max_tokens,
+            stream=True, stream_options={"include_usage": True})
+        usage = 0
+        async for chunk in stream:
+            if chunk.usage:
+                usage = chunk.usage.completion_tokens
+        return usage
+
+    try:
+        return list(await asyncio.gather(*(one(i) for i in range(n))))
+    finally:
+        await client.close()
+
+
+@demo
+def test_dp2_concurrent_streams_use_both_cores(dp_server: Server) -> None:
+    before = dp_server.metrics()
+    assert all(1 <= n <= 6 for n in asyncio.run(_streams(dp_server.url, 16, 6)))
+    m = dp_server.metrics()
+    assert m["tandem_engine_dp_replicas_alive"] == 2
+    # both cores ran requests: each replica's cumulative stats are summed, so both moved
+    assert m["tandem_prefix_cache_queries"] > before.get("tandem_prefix_cache_queries", 0.0)
+
+
+@demo
+def test_dp2_one_core_killed_the_other_serves(dp_server: Server) -> None:
+    pids = httpx.get(f"{dp_server.url}/health").json()["engine_core_pids"]
+    os.kill(pids[0], signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while dp_server.metrics()["tandem_engine_dp_replicas_alive"] != 1:  # its sentinel fired: it is out of the routing
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    health = httpx.get(f"{dp_server.url}/health")
+    assert health.status_code == 200  # one core still serves
+    for i in range(3):  # every request in the meantime goes to the live core
+        assert chat(dp_server, f"Say {i}.", max_tokens=3, temperature=0).choices[0].message.content is not None
+    deadline = time.monotonic() + 300
+    while dp_server.metrics()["tandem_engine_dp_replicas_alive"] != 2:  # the killed core restarted on its own
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    assert dp_server.metrics()["tandem_engine_core_restarts_total"] == 1
+    assert pids[1] in httpx.get(f"{dp_server.url}/health").json()["engine_core_pids"]  # the other one never stopped
