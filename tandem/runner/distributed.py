@@ -189,12 +189,11 @@ class TensorParallelRunner(ModelRunner):
     """Rank 0 of a tensor-parallel group: builds its own shard, launches the workers, broadcasts each plan."""
 
     def __init__(
-        self, model_config: ModelConfig, weights: Mapping[str, torch.Tensor], spec: WorkerSpec,
-        start_workers: WorkerLauncher | None = None,
+        self, model_config: ModelConfig, weights: Mapping[str, torch.Tensor], spec: WorkerSpec, launcher: WorkerLauncher,
     ) -> None:
         if dist.is_initialized():
             raise ConfigError("a tensor-parallel engine already runs in this process (one per process: shut it down first)")
-        self._launcher = start_workers or ProcessLauncher()
+        self._launcher = launcher
         self._launcher.start([dataclasses.replace(spec, rank=r) for r in range(1, spec.size)])
         tp = join_group(spec)
         device = rank_device(torch.device(spec.device), 0)
@@ -264,6 +263,10 @@ def die_with_parent() -> None:
 
 class WorkerLauncher(ABC):
     """Starts and stops the worker ranks: local processes (`ProcessLauncher`) or Ray actors."""
+
+    def driver_host(self) -> str:
+        """The address the workers reach rank 0's rendezvous at."""
+        return "127.0.0.1"
 
     @abstractmethod
     def start(self, specs: list[WorkerSpec]) -> None:

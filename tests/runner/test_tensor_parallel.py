@@ -116,3 +116,15 @@ def test_tp2_demo_model_structured_and_ngram_match_tp1(demo_model_dir: Path) -> 
     kw: dict[str, Any] = dict(max_model_len=256, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     one = _tokens(str(demo_model_dir), 1, prompts, params, **kw)
     assert _tokens(str(demo_model_dir), 2, prompts, params, **kw) == one
+
+
+def test_tp2_on_a_local_ray_cluster_matches_tp1(tmp_path: Path) -> None:
+    """The same worker code placed by Ray (skipped where Ray is not installed: it is optional)."""
+    ray = pytest.importorskip("ray")
+    folder = str(save_tiny(tmp_path / "tiny", tiny_model("llama")))
+    one = _tokens(folder, 1, PROMPTS, GREEDY)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        assert _tokens(folder, 2, PROMPTS, GREEDY, distributed_executor_backend="ray") == one
+    finally:
+        ray.shutdown()
