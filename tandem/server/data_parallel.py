@@ -183,17 +183,21 @@ class DataParallelClient:
 
 
 def replica_kwargs(engine_kwargs: Mapping[str, Any], size: int) -> list[dict[str, Any]]:
-    """Each replica's engine keywords: on the CPU its own share of the cores, on CUDA its own device(s) (a replica
-    of tensor-parallel size t takes devices i t ... i t + t - 1), unless the caller placed them."""
+    """Each replica's engine keywords: on the CPU its own share of the cores and of the host memory for the KV cache,
+    on CUDA its own device(s) (a replica of tensor-parallel size t takes devices i t ... i t + t - 1), unless the
+    caller placed them."""
     cores = sorted(os.sched_getaffinity(0))
     tp = int(engine_kwargs.get("tensor_parallel_size") or 1)
     out = []
     for i in range(size):
         kw = dict(engine_kwargs)
         device = str(kw.get("device", "cpu"))
-        if device.startswith("cpu") and kw.get("cpu_cores") is None and len(cores) >= size:
-            start, end = even_split(len(cores), size, i)
-            kw["cpu_cores"] = tuple(cores[start:end])
+        if device.startswith("cpu"):
+            # the replicas share the host's memory: each sizes its default KV cache from its share of it
+            kw["memory_fraction"] = float(kw.get("memory_fraction") or 0.5) / size
+            if kw.get("cpu_cores") is None and len(cores) >= size:
+                start, end = even_split(len(cores), size, i)
+                kw["cpu_cores"] = tuple(cores[start:end])
         elif device == "cuda":
             kw["device"] = f"cuda:{i * tp}"
         out.append(kw)
