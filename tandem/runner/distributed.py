@@ -211,6 +211,11 @@ class TensorParallelRunner(ModelRunner):
         fut = self._host.submit(self._send_and_forward, plan, *self._inputs(plan))
         return ForwardHandle(fut, plan.num_logits_rows)
 
+    def stats_dict(self) -> dict[str, float]:
+        """Ranks, and bytes rank 0 handed to each kind of collective so far (`tp_bytes_<op>`, cumulative)."""
+        meter = self.tp.meter
+        return {"tp_size": self.tp.size, **{f"tp_bytes_{op}": n for op, n in meter.bytes_by_op.items()}}
+
     def _send_and_forward(self, plan: StepPlan, *inputs: torch.Tensor) -> tuple[torch.Tensor, float]:
         self.channel.send(plan)
         return self._forward(*inputs)  # type: ignore[arg-type]
