@@ -4,12 +4,14 @@
 `Router` picks: the least loaded one (requests in flight there, plus its KV cache use from its last stats), unless the
 request's prompt starts with a prefix one replica served recently and that replica is not much busier than the least
 loaded one (its prefix cache then skips the shared blocks' prefill). While a replica restarts the others take
-everything; the server is down only when every replica is.
+everything; the server is down only when every replica is. A request whose replica dies before its first delta is
+sent again to another live replica (`RoutedStream`): nothing was delivered, so nothing is repeated.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import os
@@ -20,7 +22,7 @@ from typing import Any
 
 from tandem.layers.parallel import even_split
 from tandem.params import SamplingParams
-from tandem.server.engine_client import EngineClient, EngineDeadError, ModelInfo, RequestStream
+from tandem.server.engine_client import EngineClient, EngineDeadError, ModelInfo, RequestDelta, RequestStream
 
 KV_WEIGHT = 8.0  # a full KV cache counts as this many requests in flight
 PREFIX_SLACK = 4.0  # a replica holding the prompt's prefix is chosen while at most this much busier
@@ -92,6 +94,7 @@ class DataParallelClient:
         self.model = model
         self.replicas = [make_client(model, dict(kw)) for kw in replica_kwargs(engine_kwargs or {}, size)]
         self.router = Router()
+        self.resubmitted = 0  # requests sent again after their replica died before their first delta
 
     # ---- lifecycle ---------------------------------------------------------------------------------------------
     async def start(self, timeout_s: float = 900.0) -> ModelInfo:
@@ -159,6 +162,7 @@ class DataParallelClient:
             merged["kv_cache_usage"] = sum(live) / len(live)
         merged["dp_replicas_alive"] = sum(c.alive for c in self.replicas)
         merged["dp_prefix_routed"] = self.router.prefix_routed
+        merged["dp_resubmitted"] = self.resubmitted
         return merged
 
     # ---- requests ----------------------------------------------------------------------------------------------
@@ -168,10 +172,18 @@ class DataParallelClient:
 
     def add(self, request_id: str, prompt: Mapping[str, Any], params: SamplingParams) -> RequestStream:
         """Send the request to the replica the router picks; raises EngineDeadError when none is serving."""
-        chosen = self.router.pick(self.loads(), prefix_key(prompt))
+        return RoutedStream(self, request_id, dict(prompt), params)
+
+    def submit(self, request_id: str, prompt: Mapping[str, Any], params: SamplingParams, exclude: int | None = None,
+               ) -> tuple[int, RequestStream]:
+        """Send the request to the replica the router picks (never `exclude`); raises EngineDeadError."""
+        loads = self.loads()
+        if exclude is not None:
+            loads[exclude] = dataclasses.replace(loads[exclude], available=False)
+        chosen = self.router.pick(loads, prefix_key(prompt))
         if chosen is None:
             raise EngineDeadError(self.dead_reason or "no engine core is accepting requests")
-        return self.replicas[chosen].add(request_id, prompt, params)
+        return chosen, self.replicas[chosen].add(request_id, prompt, params)
 
     def abort(self, request_id: str) -> None:
         for c in self.replicas:
@@ -180,6 +192,42 @@ class DataParallelClient:
     def abort_all(self, reason: str) -> None:
         for c in self.replicas:
             c.abort_all(reason)
+
+
+class RoutedStream(RequestStream):
+    """A request's deltas from its replica; sent again to another replica if its own dies before the first delta."""
+
+    def __init__(self, dp: DataParallelClient, request_id: str, prompt: dict[str, Any], params: SamplingParams) -> None:
+        self.request_id, self.finished = request_id, False
+        self.dp, self.prompt, self.params = dp, prompt, params
+        self.replica, self.inner = dp.submit(request_id, prompt, params)
+        self.started = False
+
+    async def next(self) -> RequestDelta:
+        while True:
+            try:
+                delta = await self.inner.next()
+            except EngineDeadError:
+                if self.started or self.finished or not self.resubmit():
+                    self.finished = True
+                    raise
+                continue
+            self.started, self.finished = True, delta.finished
+            return delta
+
+    def resubmit(self) -> bool:
+        """Send the request to another live replica; False when none takes it."""
+        try:
+            self.replica, self.inner = self.dp.submit(self.request_id, self.prompt, self.params, exclude=self.replica)
+        except EngineDeadError:
+            return False
+        self.dp.resubmitted += 1
+        return True
+
+    def abort(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self.inner.abort()
 
 
 def replica_kwargs(engine_kwargs: Mapping[str, Any], size: int) -> list[dict[str, Any]]:

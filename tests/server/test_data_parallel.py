@@ -16,7 +16,16 @@ import openai
 import pytest
 
 from tandem.bench.serve import free_port, launch_server
-from tandem.server.data_parallel import PREFIX_CHARS, ReplicaLoad, Router, prefix_key, replica_kwargs
+from tandem.params import SamplingParams
+from tandem.server.data_parallel import (
+    PREFIX_CHARS,
+    DataParallelClient,
+    ReplicaLoad,
+    Router,
+    prefix_key,
+    replica_kwargs,
+)
+from tandem.server.engine_client import EngineDeadError, RequestDelta
 from tests.server.test_server import API_KEY, MODEL, Server, chat, demo
 
 
@@ -54,6 +63,50 @@ def test_replicas_split_the_cores() -> None:
     if len(cores) >= 2:
         assert sorted(c for kw in kws for c in kw["cpu_cores"]) == cores
     assert [kw["device"] for kw in replica_kwargs({"device": "cuda", "tensor_parallel_size": 2}, 2)] == ["cuda:0", "cuda:2"]
+
+
+class _FakeStream:
+    def __init__(self, dies: bool) -> None:
+        self.dies, self.aborted = dies, False
+
+    async def next(self) -> RequestDelta:
+        if self.dies:
+            raise EngineDeadError("engine core process was killed by SIGKILL")
+        return RequestDelta("r", 3, 0, True, None)
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
+class _FakeReplica:
+    """What the router reads of an EngineClient, and an `add` whose stream dies (the core was killed) or answers."""
+
+    def __init__(self, dies: bool) -> None:
+        self.dies, self.alive, self.accepting, self.added = dies, True, True, 0
+        self.stats: dict[str, float] = {}
+        self.dead_reason: str | None = None
+
+    @property
+    def num_in_flight(self) -> int:
+        return 0
+
+    def add(self, request_id: str, prompt: object, params: SamplingParams) -> _FakeStream:
+        self.added += 1
+        if self.dies:
+            self.alive, self.dead_reason = False, "killed"  # its sentinel fires after the request was sent
+        return _FakeStream(self.dies)
+
+
+def test_a_request_whose_core_dies_before_its_first_delta_goes_to_another() -> None:
+    fakes = [_FakeReplica(dies=True), _FakeReplica(dies=False)]
+    dp = DataParallelClient(None, {}, 2, make_client=lambda model, kw: fakes.pop(0))  # type: ignore[arg-type,return-value]
+    stream = dp.add("r", {"prompt": "hi"}, SamplingParams())
+    assert stream.replica == 0  # type: ignore[attr-defined]  # both idle: the first
+    delta = asyncio.run(stream.next())
+    assert delta.finished and stream.replica == 1 and dp.resubmitted == 1  # type: ignore[attr-defined]
+    lone = DataParallelClient(None, {}, 1, make_client=lambda model, kw: _FakeReplica(dies=True))  # type: ignore[arg-type,return-value]
+    with pytest.raises(EngineDeadError):  # nobody left to take it: the error reaches the API (503)
+        asyncio.run(lone.add("r", {"prompt": "hi"}, SamplingParams()).next())
 
 
 @pytest.fixture(scope="module")
