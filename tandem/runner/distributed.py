@@ -23,9 +23,11 @@ import ctypes
 import dataclasses
 import datetime
 import logging
-import multiprocessing as mp
 import os
+import pickle
 import socket
+import subprocess
+import sys
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -238,7 +240,12 @@ def run_worker(spec: WorkerSpec) -> None:
     pin_thread(spec.rank_cores)
     die_with_parent()
     tp = join_group(spec)
-    tensor_thread().run(serve_plans, spec, tp)
+    try:
+        tensor_thread().run(serve_plans, spec, tp)
+    except RuntimeError as e:  # gloo / NCCL: rank 0 is gone (its engine crashed or was killed); so is this rank's work
+        print(f"tandem tensor-parallel rank {spec.rank}: the group broke ({str(e).splitlines()[0][:200]}); exiting",
+              file=sys.stderr, flush=True)
+        return
     dist.destroy_process_group()
 
 
@@ -283,22 +290,29 @@ class WorkerLauncher(ABC):
 
 
 class ProcessLauncher(WorkerLauncher):
-    """Workers as spawned local processes."""
+    """Workers as local child processes: `python -c` running `run_worker` on the spec pickled to its stdin. Plain
+    subprocesses rather than multiprocessing children, so a server's engine core (itself a daemonic multiprocessing
+    child, which may not have any) can start them; each dies with its parent (`die_with_parent`)."""
 
     def __init__(self) -> None:
-        self.processes: list[mp.process.BaseProcess] = []
+        self.processes: list[subprocess.Popen[bytes]] = []
 
     def start(self, specs: list[WorkerSpec]) -> None:
-        ctx = mp.get_context("spawn")
         for spec in specs:
-            p = ctx.Process(target=run_worker, args=(spec,), name=f"tandem-tp-{spec.rank}", daemon=True)
-            p.start()
+            p = subprocess.Popen([sys.executable, "-c", WORKER_COMMAND], stdin=subprocess.PIPE)
+            assert p.stdin is not None
+            p.stdin.write(pickle.dumps(spec))
+            p.stdin.close()
             self.processes.append(p)
 
     def stop(self) -> None:
         for p in self.processes:
-            p.join(timeout=10)
-            if p.is_alive():
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
                 p.kill()
-                p.join()
+                p.wait()
         self.processes.clear()
+
+
+WORKER_COMMAND = "import pickle, sys; from tandem.runner.distributed import run_worker; run_worker(pickle.load(sys.stdin.buffer))"

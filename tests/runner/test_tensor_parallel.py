@@ -68,7 +68,7 @@ def test_shards_rebuild_the_weights() -> None:
         w = torch.randn(shape)
         parts = [WeightShard(cfg, TensorParallel(r, 2)).cut(name, w) for r in range(2)]
         dim = 1 if ("o_proj" in name or "down_proj" in name) else 0
-        expect = w if name.endswith("norm.weight") else torch.cat(parts, dim=dim)  # type: ignore[list-item]
+        expect = w if name.endswith("norm.weight") else torch.cat(parts, dim=dim)  # type: ignore[arg-type]
         assert torch.equal(expect, w) and all(isinstance(p, torch.Tensor) for p in parts)
     q = quantize_int8(torch.randn(8, 64))
     assert torch.equal(slice_weight(q, 1, 32, 64).dequantize(), q.dequantize()[:, 32:])  # type: ignore[union-attr]

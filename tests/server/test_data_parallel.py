@@ -10,11 +10,13 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx2 as httpx
 import openai
 import pytest
 
+from tandem import LLM
 from tandem.bench.serve import free_port, launch_server
 from tandem.params import SamplingParams
 from tandem.server.data_parallel import (
@@ -27,6 +29,7 @@ from tandem.server.data_parallel import (
 )
 from tandem.server.engine_client import EngineDeadError, RequestDelta
 from tests.server.test_server import API_KEY, MODEL, Server, chat, demo
+from tests.tiny import save_tiny, tiny_model
 
 
 def _load(in_flight: int, kv: float = 0.0, available: bool = True) -> ReplicaLoad:
@@ -186,3 +189,25 @@ def test_dp2_one_core_killed_the_other_serves(dp_server: Server) -> None:
         time.sleep(0.2)
     assert dp_server.metrics()["tandem_engine_core_restarts_total"] == 1
     assert pids[1] in httpx.get(f"{dp_server.url}/health").json()["engine_core_pids"]  # the other one never stopped
+
+
+def test_a_tensor_parallel_engine_core_serves(tmp_path: Path) -> None:
+    """`tandem serve --tensor-parallel-size 2`: the engine core (a daemonic process) starts its worker rank, and the
+    server's greedy tokens are the offline TP=1 engine's."""
+    folder = str(save_tiny(tmp_path / "tiny", tiny_model("llama")))
+    llm = LLM(folder, dtype="float32", kv_cache_memory=1 << 20, progress=False)
+    want = llm.generate(["t1 t2 t3"], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    llm.shutdown()
+    port = free_port()
+    with open(tmp_path / "server.log", "wb") as log:
+        proc = launch_server(folder, ["--dtype", "float32", "--tensor-parallel-size", "2", "--num-kv-blocks", "64",
+                                      "--log-level", "warning"], port, startup_timeout_s=300, log=log)
+    try:
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120,
+                       json={"prompt": "t1 t2 t3", "max_tokens": 5, "temperature": 0, "ignore_eos": True,
+                             "return_token_ids": True, "model": Path(folder).name})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == want[0].outputs[0].text
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
