@@ -199,6 +199,8 @@ class TensorParallelRunner(ModelRunner):
         self._launcher.start([dataclasses.replace(spec, rank=r) for r in range(1, spec.size)])
         tp = join_group(spec)
         device = rank_device(torch.device(spec.device), 0)
+        if device.type == "cuda":
+            tensor_thread().run(torch.cuda.set_device, device)  # NCCL works on the current device of the calling thread
         self._unpinned = tensor_thread().run(pin_thread, spec.rank_cores)
         super().__init__(model_config, weights, getattr(torch, spec.dtype), device, spec.cache, spec.scheduler,
                          num_threads=spec.rank_threads, use_kernels=spec.use_kernels, tp=tp)
