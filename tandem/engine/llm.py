@@ -23,6 +23,13 @@ from tandem.models.checkpoint import Checkpoint, resolve_dtype
 from tandem.models.loader import load_checkpoint
 from tandem.params import EngineOverloaded, ParamError, SamplingParams
 from tandem.request import RequestOutput
+from tandem.runner.distributed import (
+    ProcessLauncher,
+    TensorParallelRunner,
+    WorkerLauncher,
+    WorkerSpec,
+    free_tcp_address,
+)
 from tandem.runner.runner import ModelRunner
 from tandem.runner.tensor_thread import on_tensor_thread
 from tandem.spec_decode.config import SpeculativeConfig, build_proposer
@@ -60,13 +67,19 @@ def build_engine(
     structured_mask_mode: str | None = None,
     async_scheduling: bool | None = None,
     quantization: str | None = None,
+    tensor_parallel_size: int = 1,
+    distributed_executor_backend: str = "mp",
+    cpu_cores: Sequence[int] | None = None,
     progress: bool = True,
 ) -> LLMEngine:
     """Load a checkpoint (the built-in demo model when `model` is None) and build an engine around it.
 
     `quantization`: None keeps a GGUF's quantized blocks as stored (CPU kernels; dequantized on an accelerator),
     "none" dequantizes them to `dtype`, "int8" stores dense matrices (safetensors) as per-channel int8.
-    """
+    `tensor_parallel_size` > 1 shards the model over that many ranks (`runner/distributed.py`; worker processes, or
+    Ray actors with `distributed_executor_backend="ray"`); `cpu_cores`: the cores this engine may use (pinned)."""
+    if cpu_cores is not None:
+        pin_current_thread_pool(tuple(cpu_cores))  # before the tensor thread starts: it and its team inherit them
     path, dtype = _resolve_model(model, dtype)
     _check_device(device)
     ckpt = on_tensor_thread(_load, path, dtype, progress, quantization)
@@ -79,10 +92,9 @@ def build_engine(
     tok = _tokenizer(ckpt, tokenizer, chat_template)
     sc = SpeculativeConfig.from_dict(speculative_config) if speculative_config is not None else None
     so_config = _structured_config(structured_outputs_config)
-    budget = _cpu_budget(device, num_threads, sc, so_config if structured_outputs_config is not None else None)
+    budget = _cpu_budget(device, num_threads, sc, so_config if structured_outputs_config is not None else None, cpu_cores)
     so_config = dataclasses.replace(so_config, num_threads=budget.grammar_threads)
-    runner = ModelRunner(ckpt.config, ckpt.weights, torch_dtype, device, config.cache, config.scheduler,
-                         num_threads=budget.forward_threads, use_kernels=cpu_kernels)
+    runner = _runner(ckpt, config, budget, cpu_kernels, quantization, tensor_parallel_size, distributed_executor_backend)
     del ckpt
     if progress:
         print(f"tandem: {runner.memory_summary()}", file=sys.stderr, flush=True)
@@ -92,6 +104,33 @@ def build_engine(
     gc.collect()
     gc.freeze()  # the long-lived objects of torch and the model never need scanning again: no GC pauses in the loop
     return engine
+
+
+def _runner(
+    ckpt: Checkpoint, config: EngineConfig, budget: CpuBudget, cpu_kernels: bool, quantization: str | None, tp_size: int,
+    executor: str,
+) -> ModelRunner:
+    """One device's runner, or rank 0 of a tensor-parallel group (whose workers load the checkpoint themselves),
+    its workers local processes (`executor` "mp") or Ray actors ("ray")."""
+    dtype = ckpt.weights.dtype
+    if tp_size < 1:
+        raise ConfigError(f"tensor_parallel_size must be at least 1, got {tp_size}")
+    if executor not in ("mp", "ray"):
+        raise ConfigError(f"distributed_executor_backend must be 'mp' or 'ray', got {executor!r}")
+    if tp_size == 1:
+        return ModelRunner(ckpt.config, ckpt.weights, dtype, config.device, config.cache, config.scheduler,
+                           num_threads=budget.forward_threads, use_kernels=cpu_kernels)
+    spec = WorkerSpec(model_path=str(config.model), dtype=str(dtype).removeprefix("torch."), quantization=quantization,
+                      device=config.device, cache=config.cache, scheduler=config.scheduler, use_kernels=cpu_kernels,
+                      rank=0, size=tp_size, init_method="", cores=budget.forward_cores,
+                      num_threads=budget.forward_threads)
+    launcher: WorkerLauncher = ProcessLauncher()
+    if executor == "ray":
+        from tandem.runner.ray_launcher import RayLauncher
+
+        launcher = RayLauncher()
+    spec = dataclasses.replace(spec, init_method=free_tcp_address(launcher.driver_host()))
+    return TensorParallelRunner(ckpt.config, ckpt.weights, spec, launcher)
 
 
 def _resolve_model(model: str | os.PathLike[str] | None, dtype: str) -> tuple[Path, str]:
@@ -132,9 +171,11 @@ def _draft_on_cpu(sc: SpeculativeConfig | None) -> bool:
 
 
 def _cpu_budget(
-    device: str, num_threads: int | None, sc: SpeculativeConfig | None, so_config: StructuredOutputConfig | None
+    device: str, num_threads: int | None, sc: SpeculativeConfig | None, so_config: StructuredOutputConfig | None,
+    cores: Sequence[int] | None = None,
 ) -> CpuBudget:
     return plan_cpu_budget(
+        cores=tuple(cores) if cores is not None else None,
         device=torch.device(device).type, draft_on_cpu=_draft_on_cpu(sc), forward_threads=num_threads,
         grammar_threads=so_config.num_threads if so_config is not None else None,
         draft_threads=sc.draft_threads if sc else None, draft_cores=sc.draft_cores if sc else None,
@@ -297,9 +338,7 @@ def _vllm_compat(kwargs: dict[str, Any]) -> dict[str, Any]:
     for k, v in kwargs.items():
         if k in _VLLM_NO_EFFECT:
             continue
-        if k == "tensor_parallel_size":
-            if v not in (None, 1):
-                raise ConfigError(f"tensor_parallel_size={v}: tandem runs one device per engine; use 1")
+        if k == "tensor_parallel_size" and v is None:
             continue
         out[_VLLM_RENAMED.get(k, k)] = v
     if "memory_fraction" in out:

@@ -19,6 +19,7 @@ import torch
 from tandem.config import CacheConfig, ConfigError, ModelConfig, SchedulerConfig
 from tandem.core.plan import StepPlan
 from tandem.layers.attention import AttentionMetadata, build_metadata
+from tandem.layers.parallel import TensorParallel
 from tandem.models.llama import LlamaModel
 from tandem.runner.base import ForwardHandle, Runner
 from tandem.runner.memory import huge_page_zeros, release_freed_memory, resident_bytes
@@ -101,7 +102,8 @@ def plan_num_blocks(
 
 
 class ModelRunner(Runner):
-    """One device: model weights, paged KV cache, input preparation, launch / collect."""
+    """One device: model weights, paged KV cache, input preparation, launch / collect. With `tp`, one tensor-parallel
+    rank's shard of the model and of the KV cache (its kv heads); `runner/distributed.py` runs the group."""
 
     def __init__(
         self,
@@ -113,8 +115,10 @@ class ModelRunner(Runner):
         scheduler_config: SchedulerConfig,
         num_threads: int | None = None,
         use_kernels: bool = True,
+        tp: TensorParallel | None = None,
     ) -> None:
         self.device = torch.device(device)
+        self.tp = tp or TensorParallel()
         self.model_config = model_config
         self.dtype = dtype
         self.block_size = cache_config.block_size
@@ -132,10 +136,10 @@ class ModelRunner(Runner):
             torch.set_num_threads(num_threads or len(os.sched_getaffinity(0)))
         self._num_threads = torch.get_num_threads()
         model_config, dtype = self.model_config, self.dtype
-        self.model = LlamaModel(model_config, weights, dtype, self.device, use_kernels=use_kernels)
+        self.model = LlamaModel(model_config, weights, dtype, self.device, use_kernels=use_kernels, tp=self.tp)
         release_freed_memory()  # the load's temporaries are gone; hand their pages back before sizing the cache
         self.kv_dtype = self.model.ops.kv_cache_dtype
-        self.kv_plan = plan_kv_cache(model_config, cache_config, scheduler_config, self.kv_dtype, self.device)
+        self.kv_plan = plan_kv_cache(self.model.cfg, cache_config, scheduler_config, self.kv_dtype, self.device)
         self.num_blocks = self.kv_plan.num_blocks
         shape = self.model.kv_cache_shape(self.num_blocks, self.block_size)
         # zero-filled: padded key slots are masked, but 0 * NaN from uninitialised memory would still poison the output.
@@ -172,11 +176,14 @@ class ModelRunner(Runner):
 
     def launch(self, plan: StepPlan) -> ForwardHandle:
         """Start the forward of `plan` and return at once; the CPU is free until `collect`."""
+        fut = self._host.submit(self._forward, *self._inputs(plan))
+        return ForwardHandle(fut, plan.num_logits_rows)
+
+    def _inputs(self, plan: StepPlan) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """The forward's inputs on the device: token ids [T], attention metadata, logits rows [R]."""
         input_ids = self._to_device([t for r in plan.requests for t in r.input_ids])
         meta = build_metadata(plan, self.block_size, self.device, pin=self._pin, gathered_decode=self.model.ops.gathered_decode)
-        rows = self._to_device(self._logits_rows(plan))
-        fut = self._host.submit(self._forward, input_ids, meta, rows)
-        return ForwardHandle(fut, plan.num_logits_rows)
+        return input_ids, meta, self._to_device(self._logits_rows(plan))
 
     def on_tensor_thread(self, fn: Callable[..., T], *args: Any) -> T:
         """Run `fn(*args)` where the forward runs (the process's tensor thread) and wait for it: host-side tensor work

@@ -30,9 +30,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tandem.params import ParamError, SamplingParams
+from tandem.server.data_parallel import ServingClient
 from tandem.server.engine_client import (
     CompletionDelta,
-    EngineClient,
     EngineDeadError,
     PromptEcho,
     RequestDelta,
@@ -93,7 +93,7 @@ class ServerConfig:
 
 @dataclass
 class ServerState:
-    client: EngineClient
+    client: ServingClient  # one engine core, or N behind a router (server/data_parallel.py)
     config: ServerConfig
     metrics: ServerMetrics
     admitted_seqs: int = 0
@@ -406,7 +406,7 @@ def _chunk_dict(chunk: ChatCompletionChunk | CompletionResponse) -> dict[str, An
 
 
 # ------------------------------------------------------------------------------------------------------ the app
-def create_app(client: EngineClient, config: ServerConfig) -> FastAPI:
+def create_app(client: ServingClient, config: ServerConfig) -> FastAPI:
     """The FastAPI app over `client`; its lifespan starts the engine core and shuts it down."""
     metrics = ServerMetrics(EngineStatsCollector(lambda: client.stats, lambda: client.alive, lambda: client.core_pid,
                                                  lambda: client.restarts))
@@ -478,7 +478,8 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
         if state.draining:
             return error_response(APIError(f"the server is draining: {state.admitted_seqs} sequences in flight finish, "
                                            "new requests go elsewhere", 503, type="server_error", code="draining"))
-        return JSONResponse({"status": "ok", "engine_core_pid": client.core_pid, "in_flight": client.num_in_flight,
+        return JSONResponse({"status": "ok", "engine_core_pid": client.core_pid, "engine_core_pids": client.core_pids,
+                             "in_flight": client.num_in_flight,
                              "engine_restarts": client.restarts})
 
     @app.get("/metrics")

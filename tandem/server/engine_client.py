@@ -410,6 +410,11 @@ class EngineClient:
         return self._proc.pid if self._proc is not None else None
 
     @property
+    def core_pids(self) -> list[int]:
+        """The engine cores' process ids (one here; one per replica behind a `DataParallelClient`)."""
+        return [self._proc.pid] if self._proc is not None else []
+
+    @property
     def alive(self) -> bool:
         return self.dead_reason is None and self.info is not None
 
