@@ -121,9 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench", required=True)
-    from tandem.bench import simulated, spec, structured, throughput
+    from tandem.bench import simulated, spec, structured, throughput, tools
 
-    for module in (throughput, structured, spec, simulated):
+    for module in (throughput, structured, spec, simulated, tools):
         module.add_parser(bsub)
     _server_parsers(sub, bsub)
     return parser

@@ -55,6 +55,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--threads", type=int, default=None, help="torch threads of the forward (default: all cores)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="shard the model over this many ranks (worker processes over torch.distributed: gloo on the "
+                        "CPU, each rank on its share of the cores; NCCL on CUDA, one device per rank)")
+    g.add_argument("--distributed-executor-backend", "--distributed-executor", default="mp", choices=["mp", "ray"],
+                   help="where the tensor-parallel worker ranks run: local processes (mp) or Ray actors on the "
+                        "cluster at $RAY_ADDRESS, else a local Ray instance (ray; pip install ray)")
     g.add_argument("--chat-template", default=None, help="Jinja chat template text or file")
     g.add_argument("--structured-outputs-config", type=json.loads, default=None,
                    help='structured-output settings as JSON, e.g. {"backend": "llguidance"}')
@@ -91,6 +97,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         enable_prefix_caching=not args.no_prefix_caching,
         seed=args.seed,
         num_threads=args.threads,
+        tensor_parallel_size=args.tensor_parallel_size,
+        distributed_executor_backend=args.distributed_executor_backend,
         chat_template=args.chat_template,
         structured_outputs_config=args.structured_outputs_config,
         structured_mask_mode=args.structured_mask_mode,

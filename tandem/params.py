@@ -28,10 +28,14 @@ def _check(cond: bool, msg: str) -> None:
 
 @dataclass(frozen=True)
 class StructuredOutputsParams:
-    """Constrain the output to a JSON schema, any JSON object, a regex, a choice or a grammar.
+    """Constrain the output to a JSON schema, any JSON object, a regex, a choice, a grammar or a structural tag.
 
-    Exactly one of `json`, `json_object`, `regex`, `choice`, `grammar` must be set. `json` accepts a schema dict, its
-    JSON text, or a pydantic model class (converted to its schema here, so only plain data is kept).
+    Exactly one of `json`, `json_object`, `regex`, `choice`, `grammar`, `structural_tag` must be set. `json` accepts
+    a schema dict, its JSON text, or a pydantic model class (converted to its schema here, so only plain data is
+    kept). `structural_tag` is vLLM's / xgrammar's structural-tag JSON (`{"type": "structural_tag", "format": ...}`,
+    dict or text): tagged segments whose content is a JSON schema, optionally activated by trigger strings inside
+    free text (what tool calls in "auto" mode need); both backends accept the subset listed in
+    tandem/structured/backend.py (STRUCTURAL_TAG_FORMATS).
     """
 
     json: str | None = None
@@ -41,6 +45,7 @@ class StructuredOutputsParams:
     grammar: str | None = None
     whitespace: str = "compact"
     backend: str | None = None
+    structural_tag: str | None = None
 
     def __init__(
         self,
@@ -51,6 +56,7 @@ class StructuredOutputsParams:
         grammar: str | None = None,
         whitespace: str = "compact",
         backend: str | None = None,
+        structural_tag: Any = None,
     ) -> None:
         object.__setattr__(self, "json", _schema_text(json) if json is not None else None)
         object.__setattr__(self, "json_object", bool(json_object))
@@ -59,13 +65,15 @@ class StructuredOutputsParams:
         object.__setattr__(self, "grammar", grammar)
         object.__setattr__(self, "whitespace", whitespace)
         object.__setattr__(self, "backend", backend)
+        object.__setattr__(self, "structural_tag", _structural_tag_text(structural_tag) if structural_tag is not None else None)
         self._validate()
 
     def _validate(self) -> None:
-        kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        kinds = [k for k in ("json", "regex", "choice", "grammar", "structural_tag") if getattr(self, k) is not None]
         if self.json_object:
             kinds.append("json_object")
-        _check(len(kinds) == 1, f"structured_outputs needs exactly one of json, json_object, regex, choice, grammar; got {kinds or 'none'}")
+        _check(len(kinds) == 1, "structured_outputs needs exactly one of json, json_object, regex, choice, grammar, "
+               f"structural_tag; got {kinds or 'none'}")
         _check(self.whitespace in ("compact", "flexible"), f"whitespace must be 'compact' or 'flexible', got {self.whitespace!r}")
         _check(self.backend in (None, "auto", "xgrammar", "llguidance"), f"backend must be one of None, 'auto', 'xgrammar', 'llguidance', got {self.backend!r}")
         if self.choice is not None:
@@ -78,10 +86,10 @@ class StructuredOutputsParams:
 
     @property
     def kind(self) -> str:
-        """One of 'json', 'json_object', 'regex', 'choice', 'grammar'."""
+        """One of 'json', 'json_object', 'regex', 'choice', 'grammar', 'structural_tag'."""
         if self.json_object:
             return "json_object"
-        for k in ("json", "regex", "choice", "grammar"):
+        for k in ("json", "regex", "choice", "grammar", "structural_tag"):
             if getattr(self, k) is not None:
                 return k
         raise AssertionError("validated above")
@@ -95,6 +103,23 @@ class StructuredOutputsParams:
         if kind == "choice":
             return json.dumps(list(self.choice or ()))
         return str(getattr(self, kind))
+
+
+def _structural_tag_text(value: Any) -> str:
+    """A structural tag given as dict or JSON text -> JSON text of an object with a "format" (ParamError if not)."""
+    if isinstance(value, Mapping):
+        text, obj = json.dumps(value), value
+    elif isinstance(value, str):
+        try:
+            obj = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ParamError(f"structural_tag is not valid JSON: {e}") from e
+        text = value
+    else:
+        raise ParamError(f"structural_tag must be a dict or JSON text, got {type(value).__name__}")
+    _check(isinstance(obj, Mapping) and isinstance(obj.get("format"), Mapping),
+           'structural_tag must be an object {"type": "structural_tag", "format": {...}}')
+    return text
 
 
 def _is_unicode(text: str) -> bool:

@@ -87,3 +87,11 @@ def stories_engine_factory(stories_dir: Path):  # type: ignore[no-untyped-def]
         return build_engine(str(stories_dir), **kw)
 
     return make
+
+
+@pytest.fixture(scope="session")
+def tool_model_dir(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random-weight Qwen2 checkpoint with Qwen 2.5's tools-aware chat template (tests/tools/tiny_model.py)."""
+    from tests.tools.tiny_model import build_tiny_tool_model
+
+    return build_tiny_tool_model(demo_model_dir, tmp_path_factory.mktemp("tool_model"))

@@ -93,3 +93,13 @@ def test_every_subcommand_parses_to_its_handler() -> None:
     assert (serve.shutdown_grace_period, serve.port, serve.model) == (5.0, 9, None)
     with pytest.raises(SystemExit):
         parser.parse_args(["bench", "nonsense"])
+
+
+def test_scale_out_flags_reach_the_engine_and_the_server() -> None:
+    from tandem.server.cli import engine_kwargs_from_args
+
+    args = build_parser().parse_args(["serve", "--tensor-parallel-size", "2", "--distributed-executor", "ray",
+                                      "--data-parallel-size", "3"])
+    kw = engine_kwargs_from_args(args)
+    assert (kw["tensor_parallel_size"], kw["distributed_executor_backend"], args.data_parallel_size) == (2, "ray", 3)
+    assert build_engine.__kwdefaults__["tensor_parallel_size"] == 1  # type: ignore[index]

@@ -10,6 +10,12 @@ growth after the warm-up. `--bomb-every N` makes every Nth request a "compile bo
 so neither the grammar cache nor compile coalescing can answer it) that takes a grammar backend far longer than the
 server's compile timeout; bombs are reported apart (they are expected to fail), every other figure covers the rest.
 `--launch` starts `tandem serve` itself on a free loopback port.
+
+`--tool-share` makes a fraction of requests tool calls (`--tool-choice` required / auto / named) over a distinct tool
+set per request: three functions drawn from the function corpus (`--tools-dir`, tests/data/functions). `--tool-compare`
+measures the tool-calling cost at equal lengths: it runs N tool-call requests (tool_choice required), then the same
+N requests answered as text (same messages and tools, tool_choice "none") with min_tokens = max_tokens = the number
+of tokens each tool answer took, and reports both output-token throughputs and their ratio.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import json
 import math
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -30,6 +37,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from tandem.bench.schemas import distinct_schemas
+from tandem.bench.tools import DEFAULT_TOOLS, load_functions, tool_set
 
 try:  # the openai client's HTTP library; plain httpx exposes the same API
     import httpx2 as httpx
@@ -65,8 +75,20 @@ def bomb_schema(nonce: int, repeat: int = 8) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------------------ workload
 @dataclass(frozen=True)
 class BenchRequest:
-    kind: str  # "plain" | "json" | "copy"
+    kind: str  # "plain" | "json" | "copy" | "tool" | "bomb"
     body: dict[str, Any]
+    tag: int = -1  # the request's index in its workload (tool comparisons pair requests by it)
+
+
+def tool_body(functions: Sequence[dict[str, Any]], i: int, seed: int, choice: str, base: dict[str, Any]) -> dict[str, Any]:
+    """A tool-call request: entry i's prompt over its function and two others (a distinct tool set per request)."""
+    n = len(functions)
+    entry = functions[i % n]
+    tool_choice: Any = choice
+    if choice == "named":
+        tool_choice = {"type": "function", "function": {"name": entry["function"]["name"]}}
+    return {**base, "messages": [{"role": "user", "content": entry["prompt"]}], "tools": tool_set(functions, i % n, seed=seed + i // n),
+            "tool_choice": tool_choice, "parallel_tool_calls": False}
 
 
 def load_prompts(data_dir: Path) -> tuple[list[str], list[str]]:
@@ -86,9 +108,14 @@ def load_prompts(data_dir: Path) -> tuple[list[str], list[str]]:
 def make_workload(
     questions: Sequence[str], code: Sequence[str], count: int, json_share: float, copy_share: float,
     max_tokens: int, model: str | None, seed: int, bomb_every: int = 0,
+    tool_share: float = 0.0, functions: Sequence[dict[str, Any]] = (), tool_choice: str = "required",
+    schemas: Sequence[dict[str, Any]] = (),
 ) -> list[BenchRequest]:
-    """`count` chat requests: a json_share of JSON-schema ones, a copy_share of copy/edit ones, the rest plain;
-    with `bomb_every` N > 0, requests N-1, 2N-1, ... are replaced by compile bombs (kind "bomb")."""
+    """`count` chat requests: a json_share of JSON-schema ones, a copy_share of copy/edit ones, a tool_share of tool
+    calls, the rest plain; with `bomb_every` N > 0, requests N-1, 2N-1, ... are replaced by compile bombs. JSON
+    requests use `schemas` in turn (request i the i-th, modulo) when given, else one shared summary schema."""
+    if tool_share > 0 and not functions:
+        raise SystemExit("no function definitions found: pass --tools-dir (tests/data/functions)")
     if not questions and not code:
         raise SystemExit("no prompts found: pass --data-dir (../shared/data/prompts)")
     rng = random.Random(seed)
@@ -105,11 +132,14 @@ def make_workload(
             fmt = {"type": "json_schema", "json_schema": {"name": "bomb", "schema": bomb_schema(i), "strict": True}}
             out.append(BenchRequest("bomb", {**base, "messages": [{"role": "user", "content": msg}], "response_format": fmt}))
             continue
-        if u < json_share:
+        if u >= 1.0 - tool_share:
+            out.append(BenchRequest("tool", tool_body(functions, i, seed, tool_choice, base), i))
+        elif u < json_share:
             q = rng.choice(plain_pool)
             msg = f"Summarize the following request as JSON with a title, a rating from 1 to 10 and keywords:\n{q}"
+            schema = schemas[i % len(schemas)] if schemas else JSON_SCHEMA
             body = {**base, "messages": [{"role": "user", "content": msg}],
-                    "response_format": {"type": "json_schema", "json_schema": {"name": "summary", "schema": JSON_SCHEMA, "strict": True}}}
+                    "response_format": {"type": "json_schema", "json_schema": {"name": "summary", "schema": schema, "strict": True}}}
             out.append(BenchRequest("json", body))
         elif u < json_share + copy_share:
             src = rng.choice(copy_pool)
@@ -126,6 +156,7 @@ class RequestResult:
     kind: str
     ok: bool
     start: float
+    tag: int = -1
     ttft: float | None = None
     e2e: float | None = None  # seconds to the end of the request (its failure included)
     itl: list[float] = field(default_factory=list)
@@ -142,7 +173,7 @@ async def send_one(client: httpx.AsyncClient, url: str, req: BenchRequest, heade
 
 async def _stream_one(client: httpx.AsyncClient, url: str, req: BenchRequest, headers: dict[str, str]) -> RequestResult:
     t0 = time.perf_counter()
-    res = RequestResult(req.kind, False, t0)
+    res = RequestResult(req.kind, False, t0, req.tag)
     last: float | None = None
     try:
         async with client.stream("POST", url, json=req.body, headers=headers) as resp:
@@ -162,7 +193,8 @@ async def _stream_one(client: httpx.AsyncClient, url: str, req: BenchRequest, he
                     return res
                 if event.get("usage"):
                     res.output_tokens = int(event["usage"].get("completion_tokens", 0))
-                if any((c.get("delta") or {}).get("content") for c in event.get("choices", [])):
+                deltas = [c.get("delta") or {} for c in event.get("choices", [])]
+                if any(d.get("content") or d.get("tool_calls") for d in deltas):
                     now = time.perf_counter()
                     if res.ttft is None:
                         res.ttft = now - t0
@@ -335,11 +367,15 @@ def summarize(results: Sequence[RequestResult], wall_s: float, rss: Sequence[Rss
     return report
 
 
-async def run_load(args: argparse.Namespace, base_url: str, server_pid: int | None) -> dict[str, Any]:
+async def run_load(args: argparse.Namespace, base_url: str, server_pid: int | None,
+                   workload: Sequence[BenchRequest] | None = None) -> dict[str, Any]:
     questions, code = load_prompts(Path(args.data_dir))
     count = args.num_requests if args.duration is None else max(args.num_requests, 100_000)
-    workload = make_workload(questions, code, count, args.json_share, args.copy_share, args.max_tokens, args.model, args.seed,
-                             args.bomb_every)
+    functions = load_functions(Path(args.tools_dir)) if (args.tool_share > 0 or args.tool_compare) else []
+    schemas = distinct_schemas(args.distinct_schemas, seed=args.seed) if args.distinct_schemas else ()
+    if workload is None:
+        workload = make_workload(questions, code, count, args.json_share, args.copy_share, args.max_tokens, args.model,
+                                 args.seed, args.bomb_every, args.tool_share, functions, args.tool_choice, schemas)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     url = f"{base_url}/v1/chat/completions"
     limits = httpx.Limits(max_connections=max(args.concurrency or 0, 256), max_keepalive_connections=64)
@@ -350,6 +386,8 @@ async def run_load(args: argparse.Namespace, base_url: str, server_pid: int | No
     async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout), limits=limits) as client:
         sampler = asyncio.create_task(sample_rss(client, base_url, server_pid, args.rss_interval, rss, stop)) \
             if (args.duration is not None or server_pid is not None) else None
+        killer = asyncio.create_task(kill_core_later(client, base_url, args.kill_core_after)) \
+            if args.kill_core_after is not None else None
         t0 = time.perf_counter()
         if args.concurrency:
             await _closed_loop(client, url, workload, headers, args.concurrency, deadline, results)
@@ -359,8 +397,45 @@ async def run_load(args: argparse.Namespace, base_url: str, server_pid: int | No
         stop.set()
         if sampler is not None:
             await sampler
+        kill = await killer if killer is not None else None
     warmup = args.warmup if args.warmup is not None else (0.1 * args.duration if args.duration else 0.0)
-    return summarize(results, wall, rss, warmup)
+    report = summarize(results, wall, rss, warmup)
+    if kill is not None:
+        report["core_kill"] = kill
+    report["_tokens_by_tag"] = {r.tag: r.output_tokens for r in results if r.ok}
+    return report
+
+
+async def kill_core_later(client: httpx.AsyncClient, base_url: str, after_s: float) -> dict[str, Any]:
+    """SIGKILL the server's engine core `after_s` seconds into the load (the server must run on this machine), then
+    time how long until /health answers 200 from a new core."""
+    await asyncio.sleep(after_s)
+    pid = int((await client.get(f"{base_url}/health")).json()["engine_core_pid"])
+    os.kill(pid, signal.SIGKILL)
+    t0 = time.perf_counter()
+    while True:
+        r = await client.get(f"{base_url}/health")
+        if r.status_code == 200 and r.json().get("engine_core_pid") != pid:
+            return {"killed_pid": pid, "at_s": after_s, "restart_s": round(time.perf_counter() - t0, 2),
+                    "restarts": r.json().get("engine_restarts")}
+        await asyncio.sleep(0.1)
+
+
+async def run_tool_compare(args: argparse.Namespace, base_url: str, server_pid: int | None) -> dict[str, Any]:
+    """Tool calls (required, distinct tool sets) vs the same requests answered as text at the same lengths."""
+    functions = load_functions(Path(args.tools_dir))
+    base: dict[str, Any] = {"max_tokens": args.max_tokens, "stream": True, "stream_options": {"include_usage": True},
+                            "temperature": 0.0, **({"model": args.model} if args.model else {})}
+    tools = [BenchRequest("tool", tool_body(functions, i, args.seed, "required", base), i) for i in range(args.num_requests)]
+    tool_report = await run_load(args, base_url, server_pid, tools)
+    lengths = tool_report.pop("_tokens_by_tag")
+    text = [BenchRequest("text", {**r.body, "tool_choice": "none", "min_tokens": lengths[r.tag], "max_tokens": lengths[r.tag]}, r.tag)
+            for r in tools if lengths.get(r.tag, 0) > 0]
+    text_report = await run_load(args, base_url, server_pid, text)
+    text_report.pop("_tokens_by_tag")
+    ratio = tool_report["output_token_throughput"] / text_report["output_token_throughput"] if text_report["output_token_throughput"] else 0.0
+    return {"tool_calls": tool_report, "text_same_lengths": text_report, "tool_vs_text_throughput": ratio,
+            "completed": tool_report["completed"]}
 
 
 async def _closed_loop(client: httpx.AsyncClient, url: str, workload: Sequence[BenchRequest], headers: dict[str, str],
@@ -448,7 +523,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     load.add_argument("--concurrency", type=int, default=None, help="closed loop with this many clients")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--json-share", type=float, default=0.0, help="fraction of JSON-schema requests")
+    p.add_argument("--kill-core-after", type=float, default=None, metavar="S",
+                   help="SIGKILL the engine core S seconds into the load and report the time until it serves again")
+    p.add_argument("--distinct-schemas", type=int, default=0, metavar="N",
+                   help="JSON requests take N distinct schemas in turn (0: one shared schema)")
     p.add_argument("--copy-share", type=float, default=0.0, help="fraction of copy/edit (speculative-friendly) requests")
+    p.add_argument("--tool-share", type=float, default=0.0, help="fraction of tool-call requests (distinct tool sets)")
+    p.add_argument("--tool-choice", default="required", choices=["required", "auto", "named"])
+    p.add_argument("--tool-compare", action="store_true",
+                   help="tool calls vs the same requests answered as text at equal lengths (reports the ratio)")
+    p.add_argument("--tools-dir", default=str(DEFAULT_TOOLS), help="function corpus (*.json of {prompt, function})")
     p.add_argument("--bomb-every", type=int, default=0, metavar="N",
                    help="make every Nth request a compile-bomb JSON schema (reported apart; 0: none)")
     p.add_argument("--duration", type=float, default=None, help="soak: run this many seconds and sample RSS")
@@ -464,8 +548,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_bench_serve(args: argparse.Namespace) -> int:
     """Run the load (launching the server first with --launch); print the report; exit 1 when every request failed."""
-    if not 0.0 <= args.json_share + args.copy_share <= 1.0:
-        raise SystemExit("--json-share + --copy-share must be within [0, 1]")
+    if not 0.0 <= args.json_share + args.copy_share + args.tool_share <= 1.0:
+        raise SystemExit("--json-share + --copy-share + --tool-share must be within [0, 1]")
     proc = None
     base_url, pid = args.base_url.rstrip("/"), args.server_pid
     if args.launch:
@@ -476,7 +560,8 @@ def run_bench_serve(args: argparse.Namespace) -> int:
             raise SystemExit(str(e)) from e
         base_url, pid = f"http://127.0.0.1:{port}", pid or proc.pid
     try:
-        report = asyncio.run(run_load(args, base_url, pid))
+        report = asyncio.run(run_tool_compare(args, base_url, pid) if args.tool_compare else run_load(args, base_url, pid))
+        report.pop("_tokens_by_tag", None)
     finally:
         if proc is not None:
             proc.terminate()
@@ -485,7 +570,12 @@ def run_bench_serve(args: argparse.Namespace) -> int:
             if proc.poll() is None:
                 proc.kill()
     for k, v in report.items():
-        print(f"{k:32s} {v:.2f}" if isinstance(v, float) else f"{k:32s} {v}")
+        if isinstance(v, dict):
+            print(f"{k}:")
+            for k2, v2 in v.items():
+                print(f"  {k2:30s} {v2:.2f}" if isinstance(v2, float) else f"  {k2:30s} {v2}")
+        else:
+            print(f"{k:32s} {v:.2f}" if isinstance(v, float) else f"{k:32s} {v}")
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(report, indent=2))
     return 0 if report["completed"] > 0 else 1

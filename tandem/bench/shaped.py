@@ -17,10 +17,11 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from typing import Any
+from typing import Any, cast
 
 from tandem.bench.common import RunResult, drive, machine_line, print_table
 from tandem.params import SamplingParams
+from tandem.runner.runner import ModelRunner
 
 PEER_FILE = {"hf": "BF16", "hf-int8": "Q8_0"}  # llama.cpp's file for tandem's safetensors runs
 
@@ -75,13 +76,11 @@ def tandem_run(
     """In a fresh process: load, measure memory, run each level (fixed lengths, greedy, EOS ignored)."""
     from tandem.engine.llm import build_engine
     from tandem.runner.memory import resident_bytes
-    from tandem.runner.runner import ModelRunner
 
     before, _ = resident_bytes()
     engine = build_engine(path, progress=False, **kw)
     after, load_peak = resident_bytes()
-    runner = engine.runner
-    assert isinstance(runner, ModelRunner)
+    runner = cast(ModelRunner, engine.runner)  # build_engine makes a ModelRunner
     drive(engine, [prompts[0][0][:8]], SamplingParams(max_tokens=4), 1, "warmup")
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     results = [drive(engine, p, params, level, "tandem") for level, p in zip(levels, prompts)]

@@ -525,5 +525,6 @@ class LLMEngine:
             **self.stats.__dict__,
             **self.speculation.stats_dict(),
             **self.guidance.stats_dict(),
+            **self.runner.stats_dict(),
             **(self.cpu_budget.as_dict() if self.cpu_budget is not None else {}),
         }

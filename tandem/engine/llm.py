@@ -23,17 +23,25 @@ from tandem.models.checkpoint import Checkpoint, resolve_dtype
 from tandem.models.loader import load_checkpoint
 from tandem.params import EngineOverloaded, ParamError, SamplingParams
 from tandem.request import RequestOutput
+from tandem.runner.distributed import (
+    ProcessLauncher,
+    TensorParallelRunner,
+    WorkerLauncher,
+    WorkerSpec,
+    free_tcp_address,
+)
 from tandem.runner.runner import ModelRunner
 from tandem.runner.tensor_thread import on_tensor_thread
 from tandem.spec_decode.config import SpeculativeConfig, build_proposer
 from tandem.structured.manager import StructuredOutputConfig
 from tandem.tokenizer import Tokenizer
+from tandem.tools import ToolParser, ToolPlan, choose_parser
 
 logger = logging.getLogger("tandem")
 
 # A prompt: text, token ids, or vLLM's dict forms {"prompt": ...} / {"prompt_token_ids": [...]}.
 PromptType = str | Sequence[int] | Mapping[str, Any]  # noqa: UP007 (a runtime alias on Python 3.10)
-ChatMessages = list[dict[str, str]]
+ChatMessages = list[dict[str, Any]]
 
 
 def build_engine(
@@ -59,19 +67,21 @@ def build_engine(
     structured_mask_mode: str | None = None,
     async_scheduling: bool | None = None,
     quantization: str | None = None,
+    tensor_parallel_size: int = 1,
+    distributed_executor_backend: str = "mp",
+    cpu_cores: Sequence[int] | None = None,
     progress: bool = True,
 ) -> LLMEngine:
     """Load a checkpoint (the built-in demo model when `model` is None; a `Checkpoint` as it is) and build an engine.
 
     `quantization`: None keeps a GGUF's quantized blocks as stored (CPU kernels; dequantized on an accelerator),
     "none" dequantizes them to `dtype`, "int8" stores dense matrices (safetensors) as per-channel int8.
-    """
+    `tensor_parallel_size` > 1 shards the model over that many ranks (`runner/distributed.py`; worker processes, or
+    Ray actors with `distributed_executor_backend="ray"`); `cpu_cores`: the cores this engine may use (pinned)."""
+    if cpu_cores is not None:
+        pin_current_thread_pool(tuple(cpu_cores))  # before the tensor thread starts: it and its team inherit them
     _check_device(device)
-    if isinstance(model, Checkpoint):  # built in memory (random weights generated on the device, tests)
-        path, ckpt = Path(f"<{model.source}>"), model
-    else:
-        path, dtype = _resolve_model(model, dtype)
-        ckpt = on_tensor_thread(_load, path, dtype, progress, quantization)
+    path, ckpt = _checkpoint(model, dtype, progress, quantization)
     torch_dtype = ckpt.weights.dtype
     cache = CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory, memory_fraction=memory_fraction,
                         enable_prefix_caching=enable_prefix_caching, num_blocks=num_kv_blocks)
@@ -81,10 +91,9 @@ def build_engine(
     tok = _tokenizer(ckpt, tokenizer, chat_template)
     sc = SpeculativeConfig.from_dict(speculative_config) if speculative_config is not None else None
     so_config = _structured_config(structured_outputs_config)
-    budget = _cpu_budget(device, num_threads, sc, so_config if structured_outputs_config is not None else None)
+    budget = _cpu_budget(device, num_threads, sc, so_config if structured_outputs_config is not None else None, cpu_cores)
     so_config = dataclasses.replace(so_config, num_threads=budget.grammar_threads)
-    runner = ModelRunner(ckpt.config, ckpt.weights, torch_dtype, device, config.cache, config.scheduler,
-                         num_threads=budget.forward_threads, use_kernels=cpu_kernels)
+    runner = _runner(ckpt, config, budget, cpu_kernels, quantization, tensor_parallel_size, distributed_executor_backend)
     del ckpt
     if progress:
         print(f"tandem: {runner.memory_summary()}", file=sys.stderr, flush=True)
@@ -94,6 +103,44 @@ def build_engine(
     gc.collect()
     gc.freeze()  # the long-lived objects of torch and the model never need scanning again: no GC pauses in the loop
     return engine
+
+
+def _runner(
+    ckpt: Checkpoint, config: EngineConfig, budget: CpuBudget, cpu_kernels: bool, quantization: str | None, tp_size: int,
+    executor: str,
+) -> ModelRunner:
+    """One device's runner, or rank 0 of a tensor-parallel group (whose workers load the checkpoint themselves),
+    its workers local processes (`executor` "mp") or Ray actors ("ray")."""
+    dtype = ckpt.weights.dtype
+    if tp_size < 1:
+        raise ConfigError(f"tensor_parallel_size must be at least 1, got {tp_size}")
+    if executor not in ("mp", "ray"):
+        raise ConfigError(f"distributed_executor_backend must be 'mp' or 'ray', got {executor!r}")
+    if tp_size == 1:
+        return ModelRunner(ckpt.config, ckpt.weights, dtype, config.device, config.cache, config.scheduler,
+                           num_threads=budget.forward_threads, use_kernels=cpu_kernels)
+    spec = WorkerSpec(model_path=str(config.model), dtype=str(dtype).removeprefix("torch."), quantization=quantization,
+                      device=config.device, cache=config.cache, scheduler=config.scheduler, use_kernels=cpu_kernels,
+                      rank=0, size=tp_size, init_method="", cores=budget.forward_cores,
+                      num_threads=budget.forward_threads)
+    launcher: WorkerLauncher = ProcessLauncher()
+    if executor == "ray":
+        from tandem.runner.ray_launcher import RayLauncher
+
+        launcher = RayLauncher()
+    spec = dataclasses.replace(spec, init_method=free_tcp_address(launcher.driver_host()))
+    return TensorParallelRunner(ckpt.config, ckpt.weights, spec, launcher)
+
+
+def _checkpoint(
+    model: str | os.PathLike[str] | Checkpoint | None, dtype: str, progress: bool, quantization: str | None
+) -> tuple[Path, Checkpoint]:
+    """What to serve: `model` itself when built in memory (random weights generated on the device, tests), else the
+    checkpoint loaded from its path (on the tensor thread)."""
+    if isinstance(model, Checkpoint):
+        return Path(f"<{model.source}>"), model
+    path, dtype = _resolve_model(model, dtype)
+    return path, on_tensor_thread(_load, path, dtype, progress, quantization)
 
 
 def _resolve_model(model: str | os.PathLike[str] | None, dtype: str) -> tuple[Path, str]:
@@ -134,9 +181,11 @@ def _draft_on_cpu(sc: SpeculativeConfig | None) -> bool:
 
 
 def _cpu_budget(
-    device: str, num_threads: int | None, sc: SpeculativeConfig | None, so_config: StructuredOutputConfig | None
+    device: str, num_threads: int | None, sc: SpeculativeConfig | None, so_config: StructuredOutputConfig | None,
+    cores: Sequence[int] | None = None,
 ) -> CpuBudget:
     return plan_cpu_budget(
+        cores=tuple(cores) if cores is not None else None,
         device=torch.device(device).type, draft_on_cpu=_draft_on_cpu(sc), forward_threads=num_threads,
         grammar_threads=so_config.num_threads if so_config is not None else None,
         draft_threads=sc.draft_threads if sc else None, draft_cores=sc.draft_cores if sc else None,
@@ -220,14 +269,37 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        tool_choice: Any = None,
+        parallel_tool_calls: bool | None = None,
     ) -> list[RequestOutput]:
-        """Render each conversation with the model's chat template, then generate."""
+        """Render each conversation with the model's chat template, then generate.
+
+        `tools` (OpenAI function tools) go to the template as its `tools` argument, as in vLLM; a template that knows
+        no tools gets tandem's fallback prompt (docs/tool_calling.md). tandem's addition: a `tool_choice` ("auto",
+        "required" or {"type": "function", "function": {"name": ...}}) also holds the calls to their functions'
+        schemas with the tool grammar (it replaces the params' structured_outputs, whose backend it keeps); read calls
+        back with `tool_parser().parse(output.outputs[0].text)`. Without `tool_choice`, tools are only shown.
+        """
         convs: list[ChatMessages] = [messages] if messages and isinstance(messages[0], dict) else list(messages)  # type: ignore[list-item,arg-type]
         tok = self.llm_engine.tokenizer
         if chat_template is not None:
             tok.set_chat_template(chat_template)
-        items: list[PromptType] = [tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt) for c in convs]
-        return self._run(items, _params_list(sampling_params, len(items)), use_tqdm)
+        plan = ToolPlan.build(tools, "none" if tool_choice is None else tool_choice, parallel_tool_calls,
+                              *choose_parser("auto", tok.hf.chat_template)) if tools else None
+        kwargs = {**(chat_template_kwargs or {}), **(plan.template_kwargs() if plan is not None else {})}
+        items: list[PromptType] = [
+            tok.apply_chat_template(plan.conversation(c) if plan is not None else c, add_generation_prompt=add_generation_prompt,
+                                    **kwargs)
+            for c in convs
+        ]
+        params = _params_list(sampling_params, len(items))
+        return self._run(items, params if plan is None else [plan.apply(p) for p in params], use_tqdm)
+
+    def tool_parser(self) -> ToolParser:
+        """The tool-call parser of this model's chat template (Hermes for templates that know no tools)."""
+        return choose_parser("auto", self.llm_engine.tokenizer.hf.chat_template)[0]
 
     def _run(self, items: list[PromptType], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
@@ -276,9 +348,7 @@ def _vllm_compat(kwargs: dict[str, Any]) -> dict[str, Any]:
     for k, v in kwargs.items():
         if k in _VLLM_NO_EFFECT:
             continue
-        if k == "tensor_parallel_size":
-            if v not in (None, 1):
-                raise ConfigError(f"tensor_parallel_size={v}: tandem runs one device per engine; use 1")
+        if k == "tensor_parallel_size" and v is None:
             continue
         out[_VLLM_RENAMED.get(k, k)] = v
     if "memory_fraction" in out:

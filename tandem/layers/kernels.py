@@ -75,7 +75,14 @@ def _build_and_load(verbose: bool) -> tuple[bool, str]:
     _ninja_on_path()
     folder = build_dir()
     folder.mkdir(parents=True, exist_ok=True)
-    if not (folder / "tandem_cpu_ops.so").exists():
+    built = folder / "tandem_cpu_ops.so"
+    if built.exists():  # the key covers the sources, torch, the CPU and the flags: load without asking ninja, whose
+        try:  # build files name one checkout's source paths (another checkout would rebuild, 30-80 s per start)
+            torch.ops.load_library(str(built))
+            return True, ""
+        except OSError as e:  # a foreign or broken file: build it again
+            logger.info("rebuilding tandem CPU kernels (%s)", e)
+    else:
         logger.info("building tandem CPU kernels into %s (once, ~30 s)", folder)
     try:
         cpp_extension.load(

@@ -19,8 +19,10 @@ from tandem.config import ConfigError, ModelConfig
 from tandem.layers.attention import AttentionMetadata
 from tandem.layers.linear import DenseProjection, Projection, Weight, make_linear
 from tandem.layers.ops import LayerOps, select_ops
+from tandem.layers.parallel import TensorParallel
 from tandem.layers.quant import QuantizedTensor
 from tandem.models.checkpoint import WeightStore
+from tandem.models.sharding import WeightShard
 
 
 @dataclass
@@ -37,10 +39,14 @@ class _Layer:
 
 class ModelWeights:
     """The model's view of a checkpoint: matrices as it keeps them (in `dtype`, or quantized when the store keeps them
-    so), vectors dense on `device` (norm weights float32: they scale the float32 residual stream; biases in `dtype`)."""
+    so), vectors dense on `device` (norm weights float32: they scale the float32 residual stream; biases in `dtype`).
+    With a `shard`, each tensor is this tensor-parallel rank's slice of it."""
 
-    def __init__(self, weights: Mapping[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> None:
-        self._stored = weights.stored if isinstance(weights, WeightStore) else weights.__getitem__
+    def __init__(
+        self, weights: Mapping[str, torch.Tensor], dtype: torch.dtype, device: torch.device, shard: WeightShard | None = None,
+    ) -> None:
+        stored = weights.stored if isinstance(weights, WeightStore) else weights.__getitem__
+        self._stored = stored if shard is None else (lambda name: shard.cut(name, stored(name)))
         self.names = set(weights)
         self.dtype, self.device = dtype, device
 
@@ -81,12 +87,19 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 
 class LlamaModel:
-    """Forward over a flattened batch: tokens [T] -> hidden [T, hidden], K/V written to the paged cache."""
+    """Forward over a flattened batch: tokens [T] -> hidden [T, hidden], K/V written to the paged cache.
+
+    With `tp` (tensor parallel, `layers/parallel.py`) the model is one rank's shard: its heads, MLP features and
+    vocabulary slice; `cfg` stays the whole model's, `self.cfg` is the shard's."""
 
     def __init__(
         self, cfg: ModelConfig, weights: Mapping[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
-        use_kernels: bool = True,
+        use_kernels: bool = True, tp: TensorParallel | None = None,
     ) -> None:
+        self.tp = tp or TensorParallel()
+        self.vocab_size = cfg.vocab_size
+        shard = WeightShard(cfg, self.tp) if self.tp.enabled else None
+        cfg = self.tp.shard_config(cfg)
         self.cfg = cfg
         self.dtype = dtype
         self.device = device
@@ -94,7 +107,7 @@ class LlamaModel:
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self.use_kernels = use_kernels
-        w = ModelWeights(weights, dtype, device)
+        w = ModelWeights(weights, dtype, device, shard)
         self.norm = w.vector("model.norm.weight")
         self.lm_head, self.embed = self._head_and_embedding(w)
         self.layers = [self._layer(w, i) for i in range(cfg.num_layers)]
@@ -165,7 +178,7 @@ class LlamaModel:
         rope = ops.rope_tables(meta.positions)
         dt = self.dtype
         # the residual stream x stays float32 (norm weights too); each layer's output is added into it by the next norm
-        x = self.embed.rows(input_ids)  # [T, hidden] float32
+        x = self.tp.embed(self.embed, input_ids, self.vocab_size)  # [T, hidden] float32
         delta: torch.Tensor | None = None
         for layer, kv_cache, window in zip(self.layers, kv_caches, self.windows):
             h = ops.add_rms_norm(x, delta, layer.input_norm, eps, dt)
@@ -178,13 +191,13 @@ class LlamaModel:
                 )
             qk = ops.rope_write_kv(qk, v, rope, kv_cache, meta, H)  # [T, H + KVH, D], k and v now in the cache
             attn = ops.attention(qk, v, kv_cache, meta, H, self.scale, dt, window)  # [T, H D]
-            h = ops.add_rms_norm(x, layer.o(attn), layer.post_norm, eps, dt)
-            delta = layer.down(ops.silu_mul(layer.gate_up(h)))  # [T, hidden]
+            h = ops.add_rms_norm(x, self.tp.all_reduce(layer.o(attn)), layer.post_norm, eps, dt)
+            delta = self.tp.all_reduce(layer.down(ops.silu_mul(layer.gate_up(h))))  # [T, hidden], summed over ranks
         return ops.add_rms_norm(x, delta, self.norm, eps, dt)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [R, hidden] -> logits [R, V] in float32."""
-        return self.lm_head(hidden).float()
+        """hidden [R, hidden] -> logits [R, V] in float32 (on tensor-parallel rank 0; the others get their slice)."""
+        return self.tp.gather_logits(self.lm_head(hidden).float(), self.vocab_size)
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """One layer: [2 (K, V), kv_heads, num_blocks, block_size, head_dim]."""

@@ -56,6 +56,10 @@ class Runner(ABC):
     def set_num_threads(self, n: int) -> None:  # noqa: B027 - only a CPU forward has threads to lend
         """Threads of the forward on the CPU from the next step on."""
 
+    def stats_dict(self) -> dict[str, float]:
+        """The runner's own counters for `LLMEngine.get_stats` (a tensor-parallel group's bytes per collective)."""
+        return {}
+
     def execute(self, plan: StepPlan) -> torch.Tensor:
         return self.collect(self.launch(plan))
 

@@ -20,6 +20,7 @@ import torch
 from tandem.config import CacheConfig, ConfigError, ModelConfig, SchedulerConfig
 from tandem.core.plan import StepPlan
 from tandem.layers.attention import AttentionMetadata, build_metadata
+from tandem.layers.parallel import TensorParallel
 from tandem.models.llama import LlamaModel
 from tandem.runner.base import ForwardHandle, Runner
 from tandem.runner.cuda_graphs import (
@@ -124,7 +125,8 @@ def plan_num_blocks(
 
 
 class ModelRunner(Runner):
-    """One device: model weights, paged KV cache, input preparation, launch / collect."""
+    """One device: model weights, paged KV cache, input preparation, launch / collect. With `tp`, one tensor-parallel
+    rank's shard of the model and of the KV cache (its kv heads); `runner/distributed.py` runs the group."""
 
     def __init__(
         self,
@@ -137,8 +139,10 @@ class ModelRunner(Runner):
         num_threads: int | None = None,
         use_kernels: bool = True,
         cuda_graphs: bool | None = None,
+        tp: TensorParallel | None = None,
     ) -> None:
         self.device = torch.device(device)
+        self.tp = tp or TensorParallel()
         self.model_config = model_config
         self.dtype = dtype
         self.block_size = cache_config.block_size
@@ -149,7 +153,8 @@ class ModelRunner(Runner):
         # team (on the caller's thread) would slow every later forward (see tandem/runner/tensor_thread.py)
         self._graphs: GraphedSteps | None = None
         self._graphs_paused = False
-        self._want_graphs = graphs_enabled(self.device) if cuda_graphs is None else cuda_graphs
+        # not under tensor parallelism: its ranks run each step's collectives in lockstep, eagerly
+        self._want_graphs = (graphs_enabled(self.device) if cuda_graphs is None else cuda_graphs) and not self.tp.enabled
         self._host.run(self._build, weights, cache_config, scheduler_config, num_threads, use_kernels)
         self._graphs = self._graphed_steps(scheduler_config.max_model_len)
 
@@ -161,12 +166,12 @@ class ModelRunner(Runner):
             torch.set_num_threads(num_threads or len(os.sched_getaffinity(0)))
         self._num_threads = torch.get_num_threads()
         model_config, dtype = self.model_config, self.dtype
-        self.model = LlamaModel(model_config, weights, dtype, self.device, use_kernels=use_kernels)
+        self.model = LlamaModel(model_config, weights, dtype, self.device, use_kernels=use_kernels, tp=self.tp)
         if self.device.type == "cuda" and self.block_size < MIN_PAGED_BLOCK:
             self.model.ops.use_gathered_decode()  # the compiled kernel's tiles are at least 16 keys: one block each
         release_freed_memory()  # the load's temporaries are gone; hand their pages back before sizing the cache
         self.kv_dtype = self.model.ops.kv_cache_dtype
-        self.kv_plan = plan_kv_cache(model_config, cache_config, scheduler_config, self.kv_dtype, self.device)
+        self.kv_plan = plan_kv_cache(self.model.cfg, cache_config, scheduler_config, self.kv_dtype, self.device)
         self.num_blocks = self.kv_plan.num_blocks
         # with CUDA graphs, one block beyond the scheduler's: the scratch block their padding rows write and read
         shape = self.model.kv_cache_shape(self.num_blocks + int(self._want_graphs), self.block_size)
@@ -207,13 +212,16 @@ class ModelRunner(Runner):
         graph_inputs = self._graphs.prepare(plan) if self.cuda_graphs and self._graphs is not None else None
         if graph_inputs is not None:
             return ForwardHandle(self._host.submit(self._replay, graph_inputs), plan.num_logits_rows)
+        fut = self._host.submit(self._forward, *self._inputs(plan))
+        return ForwardHandle(fut, plan.num_logits_rows)
+
+    def _inputs(self, plan: StepPlan) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """The forward's inputs on the device: token ids [T], attention metadata, logits rows [R]."""
         input_ids = self._to_device([t for r in plan.requests for t in r.input_ids])
         ops = self.model.ops
         meta = build_metadata(plan, self.block_size, self.device, pin=self._pin, gathered_decode=ops.gathered_decode,
                               paged_decode=ops.paged_decode)
-        rows = self._to_device(self._logits_rows(plan))
-        fut = self._host.submit(self._forward, input_ids, meta, rows)
-        return ForwardHandle(fut, plan.num_logits_rows)
+        return input_ids, meta, self._to_device(self._logits_rows(plan))
 
     def on_tensor_thread(self, fn: Callable[..., T], *args: Any) -> T:
         """Run `fn(*args)` where the forward runs (the process's tensor thread) and wait for it: host-side tensor work

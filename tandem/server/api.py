@@ -30,10 +30,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tandem.params import ParamError, SamplingParams
+from tandem.server.data_parallel import ServingClient
 from tandem.server.engine_client import (
     CompletionDelta,
-    EngineClient,
     EngineDeadError,
+    PromptEcho,
     RequestDelta,
     RequestRefused,
     RequestStream,
@@ -53,14 +54,21 @@ from tandem.server.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
     ErrorResponse,
+    FunctionCallOut,
     ModelCard,
     ModelList,
+    ToolCallOut,
     TopLogprob,
     UsageInfo,
     random_id,
 )
+from tandem.server.responses import ResponseBuilder, ResponsesRequest, usage_dict
+from tandem.tools.parsers import ToolCallDelta, ToolCallStream, ToolParser
+from tandem.tools.plan import ToolError, ToolPlan, choose_parser, fallback_messages, hf_messages
 
 logger = logging.getLogger("tandem.server")
 
@@ -79,12 +87,13 @@ class ServerConfig:
     request_timeout_s: float | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     engine_start_timeout_s: float = 900.0
+    tool_call_parser: str = "auto"  # 'auto' (from the chat template) | 'hermes' | 'llama3_json' | 'mistral'
     shutdown_grace_period_s: float = 30.0  # on SIGTERM, how long requests in flight may run on before they are failed
 
 
 @dataclass
 class ServerState:
-    client: EngineClient
+    client: ServingClient  # one engine core, or N behind a router (server/data_parallel.py)
     config: ServerConfig
     metrics: ServerMetrics
     admitted_seqs: int = 0
@@ -96,6 +105,12 @@ class ServerState:
     @property
     def model_name(self) -> str:
         return self.config.served_model_names[0]
+
+    def tool_format(self) -> tuple[ToolParser, bool]:
+        """(the tool-call parser, whether the chat template renders tools itself), from --tool-call-parser and the
+        template the engine core reported."""
+        template = self.client.info.chat_template if self.client.info is not None else None
+        return choose_parser(self.config.tool_call_parser, template)
 
     def begin_drain(self) -> None:
         """Stop accepting (new requests and /health answer 503 "draining"); the requests in flight run on."""
@@ -356,6 +371,7 @@ class _Choice:
     logprobs: list[list[tuple[int, float, int | None, str | None]]] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt: PromptEcho | None = None  # the echoed prompt (completions with echo)
 
     def add(self, c: CompletionDelta) -> None:
         self.text += c.text
@@ -378,11 +394,19 @@ def _chunk_dict(chunk: ChatCompletionChunk | CompletionResponse) -> dict[str, An
         delta = choice.get("delta")
         if delta is not None and delta.get("role") is None:
             delta.pop("role", None)
+        if delta is not None and delta.get("tool_calls") is None:
+            delta.pop("tool_calls", None)
+        for call in (delta or {}).get("tool_calls") or ():
+            for key in ("id", "type"):
+                if call.get(key) is None:
+                    call.pop(key)
+            if call["function"].get("name") is None:
+                call["function"].pop("name")
     return d
 
 
 # ------------------------------------------------------------------------------------------------------ the app
-def create_app(client: EngineClient, config: ServerConfig) -> FastAPI:
+def create_app(client: ServingClient, config: ServerConfig) -> FastAPI:
     """The FastAPI app over `client`; its lifespan starts the engine core and shuts it down."""
     metrics = ServerMetrics(EngineStatsCollector(lambda: client.stats, lambda: client.alive, lambda: client.core_pid,
                                                  lambda: client.restarts))
@@ -454,7 +478,8 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
         if state.draining:
             return error_response(APIError(f"the server is draining: {state.admitted_seqs} sequences in flight finish, "
                                            "new requests go elsewhere", 503, type="server_error", code="draining"))
-        return JSONResponse({"status": "ok", "engine_core_pid": client.core_pid, "in_flight": client.num_in_flight,
+        return JSONResponse({"status": "ok", "engine_core_pid": client.core_pid, "engine_core_pids": client.core_pids,
+                             "in_flight": client.num_in_flight,
                              "engine_restarts": client.restarts})
 
     @app.get("/metrics")
@@ -468,17 +493,61 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        params = _prepare(state, body.model, body.sampling_params)
-        prompt = {"messages": body.conversation(), "add_generation_prompt": body.add_generation_prompt}
+        plan = tool_plan(state, body.tool_dicts(), body.tool_choice_value(), body.parallel_tool_calls)
+        params = _prepare(state, body.model, lambda: with_tools(body.sampling_params(), plan))
+        prompt = chat_prompt(state, body.conversation(), plan, body.add_generation_prompt)
         rid = random_id("chatcmpl")
-        return await _serve(state, request, rid, [prompt], params, body.stream, _ChatFormat(state, body, rid))
+        fmt = _ChatFormat(state, body, rid, plan.parser if plan is not None and plan.constrained else None)
+        return await _serve(state, request, rid, [prompt], params, body.stream, fmt)
+
+    @app.post("/v1/responses", responses=_ERRORS)
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        chat = body.chat_request()
+        plan = tool_plan(state, chat.tool_dicts(), chat.tool_choice_value(), chat.parallel_tool_calls)
+        params = _prepare(state, chat.model, lambda: with_tools(chat.sampling_params(), plan))
+        prompt = chat_prompt(state, chat.conversation(), plan, True)
+        rid = random_id("resp")
+        fmt = _ResponsesFormat(state, body, rid, plan.parser if plan is not None and plan.constrained else None)
+        return await _serve(state, request, rid, [prompt], params, body.stream, fmt)
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         params = _prepare(state, body.model, body.sampling_params)
+        if body.echo:  # the engine reports the prompt (and its logprobs) on the first delta
+            params = params.clone(prompt_logprobs=body.logprobs or 0)
         prompts = [{"prompt": p} for p in body.prompts()]
         rid = random_id("cmpl")
         return await _serve(state, request, rid, prompts, params, body.stream, _CompletionFormat(state, body, rid))
+
+
+def tool_plan(state: ServerState, tools: list[dict[str, Any]] | None, tool_choice: Any, parallel: bool | None) -> ToolPlan | None:
+    """The request's ToolPlan (None without tools); ToolError becomes a 400 naming the field."""
+    parser, native = state.tool_format()
+    try:
+        return ToolPlan.build(tools, tool_choice, parallel, parser, native)
+    except ToolError as e:
+        raise APIError(str(e), 400, param=e.param) from e
+
+
+def with_tools(params: SamplingParams, plan: ToolPlan | None) -> SamplingParams:
+    """`params` with the plan's grammar and special-token setting (ToolPlan.apply)."""
+    return params if plan is None else plan.apply(params)
+
+
+def chat_prompt(state: ServerState, messages: list[dict[str, Any]], plan: ToolPlan | None, add_generation_prompt: bool) -> dict[str, Any]:
+    """The engine-core prompt of a chat: messages in the form the template takes, its `tools` argument if any."""
+    if plan is not None:
+        conversation, kwargs = plan.conversation(messages), plan.template_kwargs()
+    elif any(m.get("tool_calls") or m["role"] in ("tool", "function") for m in messages):
+        parser, native = state.tool_format()  # a tool conversation continued without tools
+        conversation, kwargs = (hf_messages(messages) if native else fallback_messages(messages, parser, None)), {}
+    else:
+        conversation = [{**m, "role": "system" if m["role"] == "developer" else m["role"]} for m in messages]
+        kwargs = {}
+    prompt: dict[str, Any] = {"messages": conversation, "add_generation_prompt": add_generation_prompt}
+    if kwargs:
+        prompt["chat_template_kwargs"] = kwargs
+    return prompt
 
 
 def _prepare(state: ServerState, model: str | None, make_params: Callable[[], SamplingParams]) -> SamplingParams:
@@ -488,6 +557,8 @@ def _prepare(state: ServerState, model: str | None, make_params: Callable[[], Sa
                        404, param="model", code="model_not_found")
     try:
         return make_params()
+    except ToolError as e:
+        raise APIError(str(e), 400, param=e.param) from e
     except ParamError as e:
         raise APIError(str(e), 400) from e
 
@@ -565,6 +636,9 @@ async def _collect(gens: Sequence[Generation], firsts: Sequence[RequestDelta], f
     async for i, delta in _merged(gens, firsts):
         for c in delta.outputs:
             choices[i * n + c.index].add(c)
+        if delta.prompt is not None:
+            for j in range(n):
+                choices[i * n + j].prompt = delta.prompt
     usage = _usage(gens)
     return fmt.full_response(choices, usage)
 
@@ -589,8 +663,8 @@ async def _stream_events(
             async for i, delta in _merged(gens, firsts):
                 for chunk in fmt.stream_chunks(i, delta):
                     yield _sse(chunk)
-            if fmt.include_usage:
-                yield _sse(fmt.usage_chunk(_usage(gens)))
+            for chunk in fmt.stream_end(_usage(gens)):
+                yield _sse(chunk)
         except APIError as e:
             yield _sse(e.body())
         yield "data: [DONE]\n\n"
@@ -622,30 +696,46 @@ class _Format(abc.ABC):
     def usage_chunk(self, usage: UsageInfo) -> dict[str, Any]:
         """The final usage chunk (stream_options.include_usage)."""
 
+    def stream_end(self, usage: UsageInfo) -> list[dict[str, Any]]:
+        """Chunks after the last delta: the usage chunk when asked for."""
+        return [self.usage_chunk(usage)] if self.include_usage else []
+
 
 class _ChatFormat(_Format):
-    def __init__(self, state: ServerState, body: ChatCompletionRequest, rid: str) -> None:
+    """Chat bodies and chunks; with a tool parser, each choice's text is read as content plus tool calls (streamed
+    calls as OpenAI's tool-call deltas: id, type and name first, then the arguments in pieces)."""
+
+    def __init__(self, state: ServerState, body: ChatCompletionRequest, rid: str, parser: ToolParser | None = None) -> None:
         self.model = state.model_name if body.model is None else body.model
         self.rid = rid
         self.n = body.n
         self.k = (body.top_logprobs or 0) if body.logprobs else -1
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
         self.created = int(time.time())
+        self.parser = parser
+        self._streams: dict[int, ToolCallStream] = {}
 
     def _logprobs(self, positions: list[list[tuple[int, float, int | None, str | None]]] | None) -> ChatLogprobs | None:
         if self.k < 0:
             return None
         return ChatLogprobs(content=_chat_logprobs(positions or [], self.k))
 
+    def _message(self, c: _Choice) -> tuple[ChatResponseMessage, str | None]:
+        """The message of a finished choice and its finish reason ('tool_calls' when calls ended it)."""
+        if self.parser is None:
+            return ChatResponseMessage(content=c.text), c.finish_reason
+        parsed = self.parser.parse(c.text)
+        calls = [ToolCallOut(id=t.id, function=FunctionCallOut(name=t.name, arguments=t.arguments)) for t in parsed.tool_calls]
+        reason = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
+        return ChatResponseMessage(content=parsed.content, tool_calls=calls), reason
+
     def full_response(self, choices: list[_Choice], usage: UsageInfo) -> dict[str, Any]:
-        return ChatCompletionResponse(
-            id=self.rid, created=self.created, model=self.model, usage=usage,
-            choices=[
-                ChatCompletionChoice(index=i, message=ChatResponseMessage(content=c.text), logprobs=self._logprobs(c.logprobs),
-                                     finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-                for i, c in enumerate(choices)
-            ],
-        ).model_dump()
+        out = []
+        for i, c in enumerate(choices):
+            message, reason = self._message(c)
+            out.append(ChatCompletionChoice(index=i, message=message, logprobs=self._logprobs(c.logprobs),
+                                            finish_reason=reason, stop_reason=c.stop_reason))
+        return ChatCompletionResponse(id=self.rid, created=self.created, model=self.model, usage=usage, choices=out).model_dump()
 
     def _chunk(self, choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None) -> dict[str, Any]:
         return _chunk_dict(ChatCompletionChunk(id=self.rid, created=self.created, model=self.model, choices=choices, usage=usage))
@@ -654,21 +744,107 @@ class _ChatFormat(_Format):
         return [self._chunk([ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
                 for i in range(self.n * num_prompts)]
 
+    def _delta(self, index: int, c: CompletionDelta) -> tuple[DeltaMessage, str | None]:
+        """One choice's delta message and finish reason; text goes through its tool-call stream parser if any."""
+        if self.parser is None:
+            return DeltaMessage(content=c.text), c.finish_reason
+        stream = self._streams.setdefault(index, self.parser.stream())
+        content = stream.feed(c.text) + (stream.finish() if c.finish_reason is not None else "")
+        calls = _tool_call_deltas(stream.take_deltas())
+        reason = "tool_calls" if c.finish_reason == "stop" and stream.calls() else c.finish_reason
+        return DeltaMessage(content=content or None, tool_calls=calls or None), reason
+
     def stream_chunks(self, prompt_index: int, delta: RequestDelta) -> list[dict[str, Any]]:
         out = []
         for c in delta.outputs:
             if not c.text and c.finish_reason is None and not c.logprobs:
                 continue
+            index = prompt_index * self.n + c.index
+            message, reason = self._delta(index, c)
+            if message.content is None and message.tool_calls is None and reason is None and not c.logprobs:
+                continue
             choice = ChatCompletionStreamChoice(
-                index=prompt_index * self.n + c.index, delta=DeltaMessage(content=c.text),
-                logprobs=self._logprobs(c.logprobs) if c.logprobs else None,
-                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                index=index, delta=message, logprobs=self._logprobs(c.logprobs) if c.logprobs else None,
+                finish_reason=reason, stop_reason=c.stop_reason,
             )
             out.append(self._chunk([choice]))
         return out
 
     def usage_chunk(self, usage: UsageInfo) -> dict[str, Any]:
         return self._chunk([], usage)
+
+
+def _tool_call_deltas(pieces: list[ToolCallDelta]) -> list[DeltaToolCall]:
+    """Parser pieces -> OpenAI tool-call deltas, the pieces of one call within one chunk merged."""
+    out: list[DeltaToolCall] = []
+    for p in pieces:
+        if out and out[-1].index == p.index and p.id is None:
+            fn = out[-1].function
+            fn.arguments = (fn.arguments or "") + p.arguments
+            continue
+        out.append(DeltaToolCall(index=p.index, id=p.id, type="function" if p.id else None,
+                                 function=DeltaFunctionCall(name=p.name, arguments=p.arguments)))
+    return out
+
+
+class _ResponsesFormat(_Format):
+    """Response objects and the Responses API's typed stream events (one choice)."""
+
+    def __init__(self, state: ServerState, body: ResponsesRequest, rid: str, parser: ToolParser | None) -> None:
+        self.n = 1
+        self.include_usage = True  # the final response.completed event carries the usage
+        self.parser = parser
+        self.builder = ResponseBuilder(rid, state.model_name if body.model is None else body.model, body, parser)
+        self._stream: ToolCallStream | None = parser.stream() if parser is not None else None
+        self._finish: str | None = None
+
+    def full_response(self, choices: list[_Choice], usage: UsageInfo) -> dict[str, Any]:
+        c = choices[0]
+        if self.parser is not None:
+            parsed = self.parser.parse(c.text)
+            content, calls = parsed.content, parsed.tool_calls
+        else:
+            content, calls = c.text, []
+        status = "incomplete" if c.finish_reason == "length" else "completed"
+        b = self.builder
+        return b.response(b.output(content, calls), status, usage_dict(usage.prompt_tokens, usage.completion_tokens))
+
+    def stream_start(self, num_prompts: int) -> list[dict[str, Any]]:
+        return self.builder.start_events()
+
+    def stream_chunks(self, prompt_index: int, delta: RequestDelta) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for c in delta.outputs:
+            text = c.text
+            if self._stream is not None:
+                text = self._stream.feed(c.text) + (self._stream.finish() if c.finish_reason is not None else "")
+            out += self.builder.text_events(text)
+            if self._stream is not None:
+                out += self.builder.call_events(self._stream.take_deltas())
+            self._finish = c.finish_reason or self._finish
+        return out
+
+    def usage_chunk(self, usage: UsageInfo) -> dict[str, Any]:
+        raise AssertionError("the Responses stream ends with stream_end")
+
+    def stream_end(self, usage: UsageInfo) -> list[dict[str, Any]]:
+        status = "incomplete" if self._finish == "length" else "completed"
+        calls = self._stream.calls() if self._stream is not None else []
+        return self.builder.done_events(status, usage_dict(usage.prompt_tokens, usage.completion_tokens), calls)
+
+
+def _echo_logprobs(echo: PromptEcho, k: int) -> CompletionLogprobs:
+    """Logprobs of the echoed prompt: the first token has none, as in vLLM and OpenAI."""
+    lp = CompletionLogprobs()
+    offset = 0
+    for token, pos in zip(echo.tokens, echo.logprobs):
+        part = _completion_logprobs([pos], k, offset) if pos else None
+        lp.tokens.append(token)
+        lp.text_offset.append(offset)
+        lp.token_logprobs.append(part.token_logprobs[0] if part else None)
+        lp.top_logprobs.append(part.top_logprobs[0] if part else None)
+        offset += len(token)
+    return lp
 
 
 class _CompletionFormat(_Format):
@@ -679,7 +855,11 @@ class _CompletionFormat(_Format):
         self.k = -1 if body.logprobs is None else body.logprobs
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
         self.created = int(time.time())
+        self.echo = body.echo
+        self._prompts = body.prompts()
         self._offsets: dict[int, int] = {}
+        self._echoed: set[int] = set()
+        self._echo_prompts: dict[int, PromptEcho] = {}
 
     def _logprobs(self, index: int, positions: list[list[tuple[int, float, int | None, str | None]]] | None) -> CompletionLogprobs | None:
         if self.k < 0:
@@ -689,24 +869,51 @@ class _CompletionFormat(_Format):
             self._offsets[index] = lp.text_offset[-1] + len(lp.tokens[-1])
         return lp
 
+    def _echo_text(self, prompt_index: int, echo: PromptEcho) -> str:
+        """The prompt as the client sent it (text), or the decoded token ids."""
+        p = self._prompts[prompt_index]
+        return p if isinstance(p, str) else echo.text
+
+    def _with_echo(self, index: int, prompt_index: int, echo: PromptEcho | None, text: str,
+                   logprobs: CompletionLogprobs | None) -> tuple[str, CompletionLogprobs | None]:
+        """`text` and `logprobs` of choice `index` with its prompt in front, the first time it is seen."""
+        if not self.echo or echo is None or index in self._echoed:
+            return text, logprobs
+        self._echoed.add(index)
+        prefix = self._echo_text(prompt_index, echo)
+        if logprobs is not None:
+            head = _echo_logprobs(echo, self.k)
+            shift = len(prefix)
+            head.tokens += logprobs.tokens
+            head.token_logprobs += logprobs.token_logprobs
+            head.top_logprobs += logprobs.top_logprobs
+            head.text_offset += [o + shift for o in logprobs.text_offset]
+            self._offsets[index] = self._offsets.get(index, 0) + shift
+            logprobs = head
+        return prefix + text, logprobs
+
     def full_response(self, choices: list[_Choice], usage: UsageInfo) -> dict[str, Any]:
-        return CompletionResponse(
-            id=self.rid, created=self.created, model=self.model, usage=usage,
-            choices=[CompletionChoice(index=i, text=c.text, logprobs=self._logprobs(i, c.logprobs), finish_reason=c.finish_reason,
-                                      stop_reason=c.stop_reason) for i, c in enumerate(choices)],
-        ).model_dump()
+        out = []
+        for i, c in enumerate(choices):
+            text, lp = self._with_echo(i, i // self.n, c.prompt, c.text, self._logprobs(i, c.logprobs))
+            out.append(CompletionChoice(index=i, text=text, logprobs=lp, finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        return CompletionResponse(id=self.rid, created=self.created, model=self.model, usage=usage, choices=out).model_dump()
 
     def stream_start(self, num_prompts: int) -> list[dict[str, Any]]:
         return []
 
     def stream_chunks(self, prompt_index: int, delta: RequestDelta) -> list[dict[str, Any]]:
         out = []
+        if delta.prompt is not None:
+            self._echo_prompts[prompt_index] = delta.prompt
+        echo = self._echo_prompts.get(prompt_index)
         for c in delta.outputs:
             if not c.text and c.finish_reason is None and not c.logprobs:
                 continue
             index = prompt_index * self.n + c.index
-            choice = CompletionChoice(index=index, text=c.text, logprobs=self._logprobs(index, c.logprobs) if c.logprobs else None,
-                                      finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+            text, lp = self._with_echo(index, prompt_index, echo, c.text,
+                                       self._logprobs(index, c.logprobs) if c.logprobs else None)
+            choice = CompletionChoice(index=index, text=text, logprobs=lp, finish_reason=c.finish_reason, stop_reason=c.stop_reason)
             out.append(_chunk_dict(CompletionResponse(id=self.rid, created=self.created, model=self.model, choices=[choice])))
         return out
 

@@ -45,9 +45,16 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=int, default=256, help="sequences that may wait beyond --max-num-seqs before 429")
     p.add_argument("--request-timeout", type=float, default=None, help="seconds before a request is aborted (504)")
     p.add_argument("--max-body-size", type=parse_size, default=1 << 20, help="request body limit (default 1MiB)")
+    p.add_argument("--tool-call-parser", default="auto", choices=["auto", "hermes", "llama3_json", "mistral"],
+                   help="how the model writes tool calls (default: read off the chat template; Hermes <tool_call> "
+                        "with a fallback prompt for templates that know no tools)")
     p.add_argument("--shutdown-grace-period", type=float, default=30.0,
                    help="on SIGTERM: seconds the requests in flight may run on (health and new requests: 503 draining) "
                         "before they are failed and the server exits; 0: fail them at once (default 30)")
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="engine cores behind this server, each a whole engine (on the CPU: its share of the cores; "
+                        "on CUDA: its own device); requests go to the least loaded one, or to the one holding their "
+                        "prefix; each restarts on its own")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_engine_args(p)
     p.set_defaults(func=run_serve)
@@ -57,6 +64,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run_serve(args: argparse.Namespace) -> int:
     """Build the app, start uvicorn, serve until SIGINT / SIGTERM."""
     from tandem.server.api import ServerConfig, create_app, run_server
+    from tandem.server.data_parallel import DataParallelClient, ServingClient
     from tandem.server.engine_client import EngineClient
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -72,9 +80,14 @@ def run_serve(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
         request_timeout_s=args.request_timeout,
         max_body_bytes=args.max_body_size,
+        tool_call_parser=args.tool_call_parser,
         shutdown_grace_period_s=args.shutdown_grace_period,
     )
-    client = EngineClient(args.model, engine_kwargs_from_args(args))
+    if args.data_parallel_size < 1:
+        raise SystemExit("--data-parallel-size must be >= 1")
+    client: ServingClient = EngineClient(args.model, engine_kwargs_from_args(args))
+    if args.data_parallel_size > 1:
+        client = DataParallelClient(args.model, engine_kwargs_from_args(args), args.data_parallel_size)
     app = create_app(client, config)
     run_server(app, args.host, args.port, args.log_level)
     return 0 if client.info is not None else 1

@@ -63,6 +63,15 @@ class CompletionDelta:
 
 
 @dataclass
+class PromptEcho:
+    """The prompt as text and per token, with its logprobs (per position as in CompletionDelta; position 0: [])."""
+
+    text: str
+    tokens: list[str]
+    logprobs: list[list[tuple[int, float, int | None, str | None]]]
+
+
+@dataclass
 class RequestDelta:
     request_id: str
     num_prompt_tokens: int
@@ -70,15 +79,28 @@ class RequestDelta:
     finished: bool
     error: str | None
     outputs: list[CompletionDelta] = field(default_factory=list)
+    prompt: PromptEcho | None = None  # on the first delta of a request that asked for prompt logprobs (echo)
 
 
 class _DeltaTracker:
     """Core side: turns the engine's cumulative RequestOutputs into deltas (sent lengths per completion)."""
 
-    def __init__(self) -> None:
+    def __init__(self, decode: Any = None) -> None:
         self._sent: dict[str, dict[int, tuple[int, int, int]]] = {}  # rid -> index -> (tokens, chars, logprobs)
+        self._decode = decode  # Tokenizer.decode, for the prompt's text when it is echoed
+
+    def _prompt_echo(self, out: RequestOutput) -> PromptEcho | None:
+        if out.prompt_logprobs is None or self._decode is None:
+            return None
+        ids = out.prompt_token_ids
+        lps = [[] if pos is None else [(tid, lp.logprob, lp.rank, lp.decoded_token) for tid, lp in
+                                       sorted(pos.items(), key=lambda kv: kv[0] != ids[i])]
+               for i, pos in enumerate(out.prompt_logprobs)]
+        return PromptEcho(self._decode(ids, skip_special_tokens=False),
+                          [self._decode([t], skip_special_tokens=False) for t in ids], lps)
 
     def delta(self, out: RequestOutput) -> RequestDelta:
+        first = out.request_id not in self._sent
         sent = self._sent.setdefault(out.request_id, {})
         deltas: list[CompletionDelta] = []
         for c in out.outputs:
@@ -93,7 +115,8 @@ class _DeltaTracker:
         if out.finished:
             self._sent.pop(out.request_id, None)
         cached = out.metrics.num_cached_tokens if out.metrics is not None else 0
-        return RequestDelta(out.request_id, len(out.prompt_token_ids), cached, out.finished, out.error, deltas)
+        return RequestDelta(out.request_id, len(out.prompt_token_ids), cached, out.finished, out.error, deltas,
+                            self._prompt_echo(out) if first else None)
 
     def forget(self, request_id: str) -> None:
         self._sent.pop(request_id, None)
@@ -114,7 +137,8 @@ def run_engine_core(
         results.send(("failed", f"{type(e).__name__}: {e}"))
         return
     results.send(("ready", {"max_model_len": engine.max_model_len, "vocab_size": engine.vocab_size,
-                            "has_chat_template": engine.tokenizer.has_chat_template, "pid": os.getpid()}))
+                            "has_chat_template": engine.tokenizer.has_chat_template, "pid": os.getpid(),
+                            "chat_template": getattr(engine.tokenizer.hf, "chat_template", None)}))
     try:
         _core_loop(engine, commands, results, parent_pid)
     except BaseException as e:  # noqa: BLE001 - the engine is broken: say why, then die (the client fails requests)
@@ -125,7 +149,7 @@ def run_engine_core(
 
 
 def _core_loop(engine: Any, commands: Connection, results: Connection, parent_pid: int) -> None:
-    tracker = _DeltaTracker()
+    tracker = _DeltaTracker(engine.tokenizer.decode)
     progressed = True
     while True:
         if os.getppid() != parent_pid:
@@ -174,7 +198,11 @@ def _apply(engine: Any, tracker: _DeltaTracker, cmd: tuple[Any, ...]) -> list[tu
     _, rid, prompt_input, params = cmd
     try:
         prompt = prompt_input["prompt"] if "prompt" in prompt_input else engine.tokenizer.apply_chat_template(
-            prompt_input["messages"], add_generation_prompt=prompt_input.get("add_generation_prompt", True))
+            prompt_input["messages"], add_generation_prompt=prompt_input.get("add_generation_prompt", True),
+            **prompt_input.get("chat_template_kwargs", {}))
+        if isinstance(prompt, str):
+            prompt = engine.tokenizer.encode(prompt)  # tokenized here once, to check its length
+        _check_context(engine, prompt, params)
         engine.add_request(rid, prompt, params)
     except EngineOverloaded as e:  # e.g. the grammar compile queue is full: the client may retry
         return [("error", rid, 429, str(e))]
@@ -186,6 +214,17 @@ def _apply(engine: Any, tracker: _DeltaTracker, cmd: tuple[Any, ...]) -> list[tu
         logger.exception("add_request %s failed", rid)
         return [("error", rid, 500, f"{type(e).__name__}: {e}")]
     return []
+
+
+def _check_context(engine: Any, prompt: Any, params: SamplingParams) -> None:
+    """As vLLM: a max_tokens that does not fit in the context beside the prompt is refused (ValueError: 400)."""
+    if params.max_tokens is None:
+        return
+    if len(prompt) + params.max_tokens > engine.max_model_len:
+        raise ValueError(
+            f"This model's maximum context length is {engine.max_model_len} tokens. However, you requested "
+            f"{len(prompt) + params.max_tokens} tokens ({len(prompt)} in the messages, {params.max_tokens} in the "
+            "completion). Please reduce the length of the messages or completion.")
 
 
 # ------------------------------------------------------------------------------------------------------ client
@@ -239,6 +278,7 @@ class ModelInfo:
     vocab_size: int
     has_chat_template: bool
     core_pid: int
+    chat_template: str | None = None
 
 
 class RequestStream:
@@ -370,6 +410,11 @@ class EngineClient:
         return self._proc.pid if self._proc is not None else None
 
     @property
+    def core_pids(self) -> list[int]:
+        """The engine cores' process ids (one here; one per replica behind a `DataParallelClient`)."""
+        return [self._proc.pid] if self._proc is not None else []
+
+    @property
     def alive(self) -> bool:
         return self.dead_reason is None and self.info is not None
 
@@ -465,7 +510,8 @@ class EngineClient:
         elif kind == "ready":
             info = msg[1]
             if self._ready is not None and not self._ready.done():
-                self._ready.set_result(ModelInfo(info["max_model_len"], info["vocab_size"], info["has_chat_template"], info["pid"]))
+                self._ready.set_result(ModelInfo(info["max_model_len"], info["vocab_size"], info["has_chat_template"], info["pid"],
+                                                 info.get("chat_template")))
         elif kind in ("failed", "fatal"):
             self._mark_dead(f"engine core {'failed to start' if kind == 'failed' else 'failed'}: {msg[1]}")
 

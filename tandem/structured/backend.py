@@ -19,14 +19,20 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
 from tandem.params import StructuredOutputsParams
 
-KINDS = ("json", "json_object", "regex", "choice", "grammar")
+KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 JSON_KINDS = ("json", "json_object")
+# The structural-tag formats (xgrammar's names and fields) that both backends compile: a tag is begin + content
+# + end; contents are JSON schemas, literals, sequences, alternatives or free text; `tags_with_separator` lists
+# tags with nothing else between them; `triggered_tags` lets free text run until a trigger string, then holds the
+# output to one of the tags that begin with it (tool calls in "auto" mode).
+STRUCTURAL_TAG_FORMATS = ("const_string", "json_schema", "any_text", "sequence", "or", "tag", "tags_with_separator",
+                          "triggered_tags")
 
 
 class GrammarError(ValueError):
@@ -134,6 +140,65 @@ class GrammarBackend(Protocol):
     def close(self) -> None:
         """Stop what the backend runs besides the caller's threads (compile worker processes); idempotent."""
         ...
+
+
+def check_structural_tag(text: str) -> dict[str, Any]:
+    """Parse a structural tag's JSON and check that every nested format is one of STRUCTURAL_TAG_FORMATS with the
+    fields it needs; returns the parsed object. Raises ValueError naming the first problem."""
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"structural tag is not valid JSON: {e}") from e
+    if not isinstance(obj, dict) or not isinstance(obj.get("format"), dict):
+        raise ValueError('a structural tag is {"type": "structural_tag", "format": {...}}')
+    _check_format(obj["format"], "format")
+    return obj
+
+
+_FORMAT_FIELDS: dict[str, tuple[str, ...]] = {
+    "const_string": ("value",), "json_schema": ("json_schema",), "any_text": (), "sequence": ("elements",),
+    "or": ("elements",), "tag": ("begin", "content", "end"), "tags_with_separator": ("tags", "separator"),
+    "triggered_tags": ("triggers", "tags"),
+}
+
+
+def _check_format(fmt: Any, where: str) -> None:
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind not in _FORMAT_FIELDS:
+        raise ValueError(f"{where}: unsupported structural tag format {kind!r}; supported: {list(STRUCTURAL_TAG_FORMATS)}")
+    missing = [f for f in _FORMAT_FIELDS[kind] if f not in fmt]
+    if missing:
+        raise ValueError(f"{where}: a {kind!r} format needs {missing}")
+    if kind == "tag":
+        if not isinstance(fmt["begin"], str) or not isinstance(fmt["end"], (str, list)):
+            raise ValueError(f"{where}: a tag's begin must be a string and its end a string or a list of strings")
+        _check_format(fmt["content"], f"{where}.content")
+    for i, sub in enumerate(fmt.get("elements", ()) if kind in ("sequence", "or") else ()):
+        _check_format(sub, f"{where}.elements[{i}]")
+    for i, sub in enumerate(fmt.get("tags", ())):
+        if not isinstance(sub, dict) or sub.get("type", "tag") != "tag":
+            raise ValueError(f"{where}.tags[{i}]: must be a tag")
+        _check_format({**sub, "type": "tag"}, f"{where}.tags[{i}]")
+    if kind == "triggered_tags":
+        triggers = fmt["triggers"]
+        if not triggers or not all(isinstance(t, str) and t for t in triggers):
+            raise ValueError(f"{where}: triggers must be non-empty strings")
+        for i, sub in enumerate(fmt["tags"]):
+            if not any(sub["begin"].startswith(t) for t in triggers):
+                raise ValueError(f"{where}.tags[{i}]: its begin {sub['begin']!r} starts with none of the triggers")
+    if fmt.get("excludes"):
+        raise ValueError(f"{where}: 'excludes' is not supported")
+    if kind == "json_schema":
+        _check_json_format(fmt, where)
+
+
+def _check_json_format(fmt: dict[str, Any], where: str) -> None:
+    """A json_schema format: standard JSON in the schema's key order; max_whitespace_cnt a count if given."""
+    if fmt.get("style", "json") != "json" or fmt.get("any_order"):
+        raise ValueError(f"{where}: only the 'json' style in schema order is supported")
+    limit = fmt.get("max_whitespace_cnt")
+    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
+        raise ValueError(f"{where}: max_whitespace_cnt must be an integer >= 1")
 
 
 def bitmask_words(vocab_size: int) -> int:

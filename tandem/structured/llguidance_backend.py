@@ -1,4 +1,5 @@
-"""llguidance backend: JSON schema, any JSON object, regex (Rust `regex` syntax), choice, Lark and GBNF grammars.
+"""llguidance backend: JSON schema, any JSON object, regex (Rust `regex` syntax), choice, Lark and GBNF grammars,
+and structural tags (translated to Lark: `StructuralTagLark`).
 
 llguidance computes masks lazily (a derivative-based lexer over a token trie plus an Earley parser), so its
 "compile" is cheap: we translate the spec to llguidance's grammar JSON and build one prototype `LLMatcher`, which
@@ -15,12 +16,18 @@ Choices made here:
 - GBNF is converted to Lark, where rules made only of terminals become greedy lexemes: llama.cpp's
   arithmetic.gbnf (`num ::= [0-9]+ ws`, `ws ::= [ \t\n]*`, then a literal "\n") can never end, because the
   final newline is swallowed by the NUM lexeme. xgrammar (a pure CFG) accepts it.
+- Structural tags: free text before a trigger is one lazy lexeme `TAG_TEXT "trigger"` (it ends at the trigger's
+  first occurrence, so the text can never run past a trigger unconstrained); JSON inside a tag takes any JSON
+  whitespace, in runs of at most `max_whitespace_cnt` characters when given, as xgrammar's structural tags do.
+  llguidance treats every added token of an HF vocabulary as special (Qwen's `<tool_call>` too, though it is not),
+  so tag literals that contain one accept the token or its text, and such a trigger also fires as the token.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+import re
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +41,7 @@ from tandem.structured.backend import (
     GrammarSpec,
     TiktokenVocab,
     backend_reason,
+    check_structural_tag,
     fill_only,
 )
 
@@ -144,7 +152,8 @@ class LLGuidanceBackend:
         """Wrap a fast Hugging Face tokenizer; `vocab_size` is the logits width (ids past the tokenizer: never allowed)."""
         eos = list(eos_token_ids) or [int(hf_tokenizer.eos_token_id)]
         tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos)
-        self._setup(tokenizer, vocab_size, eos)
+        added = {int(i): str(t.content) for i, t in getattr(hf_tokenizer, "added_tokens_decoder", {}).items()}
+        self._setup(tokenizer, vocab_size, eos, {text: i for i, text in added.items() if i < vocab_size and tokenizer.is_special_token(i)})
 
     @classmethod
     def from_tiktoken(cls, vocab: TiktokenVocab, vocab_size: int | None = None, eos_token_ids: Sequence[int] = ()) -> LLGuidanceBackend:
@@ -155,19 +164,21 @@ class LLGuidanceBackend:
             encoder=vocab.ranks, special_tokens=vocab.special_tokens, pattern=vocab.pattern, eos_token=eos, n_vocab=size
         )
         self = cls.__new__(cls)
-        self._setup(tokenizer, size, eos)
+        self._setup(tokenizer, size, eos, {t: i for t, i in vocab.special_tokens.items() if i < size})
         return self
 
-    def _setup(self, tokenizer: Any, vocab_size: int, eos: list[int]) -> None:
+    def _setup(self, tokenizer: Any, vocab_size: int, eos: list[int], special: dict[str, int]) -> None:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos
         self._tokenizer = tokenizer
+        self.special_tokens = special  # text -> id of the tokens llguidance treats as special (structural tags)
         self._translators: dict[str, Callable[[GrammarSpec], str]] = {
             "json": lambda s: self._schema_grammar(s.text, s.whitespace),
             "json_object": lambda s: self._schema_grammar(_OBJECT_SCHEMA, s.whitespace),
             "regex": lambda s: llguidance.LLMatcher.grammar_from_regex(s.text),
             "choice": self._choice_grammar,
             "grammar": lambda s: llguidance.grammar_from("grammar", s.text),
+            "structural_tag": lambda s: llguidance.LLMatcher.grammar_from_lark(StructuralTagLark.translate(s.text, special)),
         }
 
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
@@ -210,3 +221,130 @@ class LLGuidanceBackend:
             raise GrammarError(self.name, str(e)) from e
         lark = "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in literals)
         return llguidance.LLMatcher.grammar_from_lark(lark)
+
+
+_JSON_WHITESPACE = "[\\x20\\x0A\\x0D\\x09]"
+
+
+def _lit(text: str) -> str:
+    """A Lark string literal (JSON escapes are Lark escapes in llguidance); '' for the empty string."""
+    return json.dumps(text, ensure_ascii=False) if text else ""
+
+
+class StructuralTagLark:
+    """Translates a structural tag (the formats of STRUCTURAL_TAG_FORMATS) into one llguidance Lark grammar.
+
+    `special` maps the text of the vocabulary's added tokens that llguidance treats as special (it treats every
+    added token so, `special: false` ones too: Qwen's `<tool_call>`, Mistral's `[TOOL_CALLS]`) to their ids. Where a
+    literal of the tag contains one, the grammar takes the token or the same text spelt in ordinary tokens, as
+    xgrammar does (it reads such tokens as their text); a trigger that is one of them also starts a call when it
+    comes as the token (free text never holds a special token, so the token needs no lazy lexeme).
+    """
+
+    def __init__(self, special: Mapping[str, int] | None = None) -> None:
+        self.rules: list[str] = []
+        self.uses_text = False
+        self.special = dict(special or {})
+        self._special_re = re.compile("|".join(re.escape(t) for t in sorted(self.special, key=len, reverse=True))) if self.special else None
+
+    @classmethod
+    def translate(cls, text: str, special: Mapping[str, int] | None = None) -> str:
+        """The Lark grammar of the structural tag `text`; ValueError when it uses an unsupported format."""
+        self = cls(special)
+        start = self.expr(check_structural_tag(text)["format"])
+        if not start:
+            raise ValueError("the structural tag matches only the empty string")
+        lines = ["%llguidance {}", f"start: {start}", *self.rules]
+        if self.uses_text:
+            lines.append(r"TAG_TEXT: /(.|\n)*/")
+        return "\n".join(lines) + "\n"
+
+    def lit(self, text: str) -> str:
+        """`text` as a Lark expression: a literal, with (<[id]> | "text") for each special token's text in it."""
+        if self._special_re is None or not text:
+            return _lit(text)
+        parts, pos = [], 0
+        for m in self._special_re.finditer(text):
+            parts += [_lit(text[pos : m.start()]), f'(<[{self.special[m.group()]}]> | {_lit(m.group())})']
+            pos = m.end()
+        return " ".join(p for p in [*parts, _lit(text[pos:])] if p)
+
+    def json_schema(self, fmt: dict[str, Any]) -> str:
+        """%json with xgrammar's whitespace rule for structural tags: any JSON whitespace, in runs of at most
+        `max_whitespace_cnt` characters when the format gives it."""
+        schema = fmt["json_schema"]
+        if isinstance(schema, dict):
+            limit = fmt.get("max_whitespace_cnt")
+            style: dict[str, Any] = {"whitespace_flexible": True}
+            if limit is not None:
+                style["whitespace_pattern"] = f"{_JSON_WHITESPACE}{{0,{int(limit)}}}"
+            schema = {**schema, "x-guidance": style}
+        return "%json " + json.dumps(schema)
+
+    def rule(self, body: str, attrs: str = "") -> str:
+        """A new rule `rN[attrs]: body`; its name."""
+        name = f"r{len(self.rules)}"
+        self.rules.append(f"{name}{attrs}: {body}")
+        return name
+
+    def expr(self, fmt: dict[str, Any]) -> str:
+        """A Lark expression for `fmt` ('' when it matches only the empty string)."""
+        kind = fmt["type"]
+        if kind == "const_string":
+            return self.lit(fmt["value"])
+        if kind == "json_schema":
+            return self.json_schema(fmt)
+        if kind == "any_text":
+            self.uses_text = True
+            return "TAG_TEXT"
+        if kind == "sequence":
+            return " ".join(e for e in (self.expr(x) for x in fmt["elements"]) if e)
+        if kind == "or":
+            return self.alternatives([self.expr(x) for x in fmt["elements"]])
+        if kind == "tag":
+            return self.tag(fmt, fmt["begin"])
+        if kind == "tags_with_separator":
+            return self.tags_with_separator(fmt)
+        return self.triggered_tags(fmt)
+
+    def alternatives(self, exprs: list[str]) -> str:
+        """(a | b | ...), optional when one of them is empty."""
+        filled = list(dict.fromkeys(e for e in exprs if e))
+        if not filled:
+            return ""
+        body = self.rule(" | ".join(filled))
+        return f"{body}?" if len(filled) < len(exprs) else body
+
+    def tag(self, tag: dict[str, Any], begin: str) -> str:
+        """`begin content end` (end: one string or alternatives)."""
+        ends = tag["end"] if isinstance(tag["end"], list) else [tag["end"]]
+        end = self.alternatives([self.lit(e) for e in ends]) if len(ends) > 1 else self.lit(ends[0])
+        return " ".join(p for p in (self.lit(begin), self.expr(tag["content"]), end) if p)
+
+    def tags_with_separator(self, fmt: dict[str, Any]) -> str:
+        """Tags with `separator` between them and nothing else; `at_least_one`, `stop_after_first` as in xgrammar."""
+        one = self.alternatives([self.tag(t, t["begin"]) for t in fmt["tags"]])
+        sep = self.lit(fmt["separator"])
+        many = one if fmt.get("stop_after_first") else self.rule(f"{one} ({sep} {one})*" if sep else f"{one}+")
+        return many if fmt.get("at_least_one") else f"{many}?"
+
+    def triggered_tags(self, fmt: dict[str, Any]) -> str:
+        """Free text until a trigger (a lazy lexeme ending at its first occurrence, or the trigger's special token),
+        then one of the tags that begin with that trigger, then free text again (unless `stop_after_first`)."""
+        self.uses_text = True
+        triggers = sorted(fmt["triggers"], key=len, reverse=True)
+        calls: list[str] = []
+        for trigger in triggers:
+            tags = [t for t in fmt["tags"] if t["begin"].startswith(trigger)
+                    and trigger == next(x for x in triggers if t["begin"].startswith(x))]
+            if not tags:
+                continue
+            body = self.alternatives([self.tag(t, t["begin"][len(trigger):]) for t in tags])
+            calls.append(f"{self.rule(f'TAG_TEXT {_lit(trigger)}', '[lazy]')} {body}")
+            if trigger in self.special:
+                calls.append(f"TAG_TEXT <[{self.special[trigger]}]> {body}")
+        call = self.alternatives(calls)
+        at_least_one, stop = bool(fmt.get("at_least_one")), bool(fmt.get("stop_after_first"))
+        if stop:
+            return call if at_least_one else self.rule(f"TAG_TEXT | {call}")
+        return self.rule(f"{call}{'+' if at_least_one else '*'} TAG_TEXT")

@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 
 from tandem import LLM, SamplingParams, StructuredOutputsParams
-from tandem.config import ConfigError
 from tandem.engine import llm as llm_module
 from tandem.params import EngineOverloaded, ParamError
 
@@ -165,16 +164,16 @@ def captured(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
 def test_vllm_arguments_are_mapped_or_ignored(captured: dict[str, Any]) -> None:
     LLM("m", gpu_memory_utilization=0.3, kv_cache_memory_bytes=1 << 20, tensor_parallel_size=1, trust_remote_code=True,
         enforce_eager=True, disable_log_stats=True, tokenizer_mode="auto", swap_space=4, max_model_len=128, seed=5)
-    assert captured == {"model": "m", "memory_fraction": 0.3, "kv_cache_memory": 1 << 20, "max_model_len": 128, "seed": 5}
+    assert captured == {"model": "m", "memory_fraction": 0.3, "kv_cache_memory": 1 << 20, "max_model_len": 128, "seed": 5,
+                        "tensor_parallel_size": 1}
     captured.clear()
     LLM("m", gpu_memory_utilization=0.99)  # vLLM allows up to 1.0; tandem's cache fraction stops at 0.95
     assert captured["memory_fraction"] == 0.95
 
 
-def test_vllm_arguments_without_a_tandem_meaning_are_refused(captured: dict[str, Any]) -> None:
-    with pytest.raises(ConfigError, match="tensor_parallel_size=2"):
-        LLM("m", tensor_parallel_size=2)
-    assert captured == {}
+def test_tensor_parallel_size_reaches_build_engine(captured: dict[str, Any]) -> None:
+    LLM("m", tensor_parallel_size=2)
+    assert captured["tensor_parallel_size"] == 2
 
 
 def test_real_engine_honours_mapped_arguments(stories_dir: Path) -> None:

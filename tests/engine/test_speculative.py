@@ -210,7 +210,8 @@ def test_draft_model_worker_process_lossless(stories_engine_factory, stories_dir
     """The draft runs in its own process (its own KV cache and cores); drafts for step t + 1 overlap step t."""
     base = stories_engine_factory()
     spec = stories_engine_factory(speculative_config={
-        "method": "draft_model", "model": str(stories_dir), "num_speculative_tokens": 4, "draft_dtype": "float32"})
+        "method": "draft_model", "model": str(stories_dir), "num_speculative_tokens": 4, "draft_dtype": "float32",
+        "adaptive": False})  # adaptive K's goodput guard may switch a 260K-parameter draft off: a timing verdict
     try:
         prompts = _story_prompts(base, 4)
         want = run_all(base, prompts, GREEDY)

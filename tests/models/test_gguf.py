@@ -301,20 +301,26 @@ def test_k_quant_tensors_match_ggufs_own_dequantization(k_quant_gguf: tuple[Path
 
 
 def test_k_quant_model_logits_match_transformers(k_quant_gguf: tuple[Path, PreTrainedModel, dict[str, torch.Tensor]]) -> None:
-    """Through the runner: the GGUF with K-quant tensors gives the logits of the HF model holding gguf's
-    dequantized weights (float32, both op paths)."""
+    """Through the runner: the GGUF with K-quant tensors, dequantized at load (quantization="none"), gives the
+    logits of the HF model holding gguf's dequantized weights (float32, both op paths). Kept quantized (the default:
+    Q4_K / Q5_K / Q6_K run by the int8-activation kernels, as llama.cpp does) the logits stay close to them."""
     from tandem.config import CacheConfig, SchedulerConfig
     from tandem.core.plan import ScheduledRequest, StepPlan
     from tandem.runner.runner import ModelRunner
 
     path, model, _ = k_quant_gguf
-    ckpt = load_checkpoint(path, torch.float32, progress=False)
     ids = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         want = model(ids).logits[0]
-    for kernels in (True, False):
+    plan = StepPlan(0, [ScheduledRequest("a", ids[0].tolist(), 0, list(range(6)), all_logits=True)])
+    for quantization, kernels in (("none", True), ("none", False), (None, True)):
+        ckpt = load_checkpoint(path, torch.float32, progress=False, quantization=quantization)
         runner = ModelRunner(ckpt.config, ckpt.weights, torch.float32, "cpu", CacheConfig(block_size=4, num_blocks=8),
                              SchedulerConfig(max_model_len=64), use_kernels=kernels)
-        got = runner.execute(StepPlan(0, [ScheduledRequest("a", ids[0].tolist(), 0, list(range(6)), all_logits=True)]))
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        got = runner.execute(plan)
         runner.shutdown()
+        if quantization == "none":
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        else:  # activations rounded to int8 per block: close, not equal (bit-level parity is against llama.cpp)
+            rel = ((got - want).norm() / want.norm()).item()  # 0.13 measured on this random tiny model
+            assert rel < 0.25, rel

@@ -51,3 +51,17 @@ def test_rss_growth_per_process_and_second_half() -> None:
     assert report["rss_engine_core_growth_after_warmup_pct"] == pytest.approx(100 * 90 / 510)
     assert report["rss_engine_core_growth_second_half_mb"] == pytest.approx(45.0)
     assert report["rss_engine_core_growth_mb_per_min"] == pytest.approx(10.0)
+
+
+def test_tool_share_requests_carry_a_tool_set_of_their_own() -> None:
+    from tandem.bench.tools import load_functions
+
+    functions = load_functions()
+    work = make_workload(["q"], [], 60, 0.0, 0.0, 32, None, seed=0, tool_share=0.5, functions=functions, tool_choice="named")
+    tools = [r for r in work if r.kind == "tool"]
+    assert 15 < len(tools) < 45 and all(r.tag >= 0 for r in tools)
+    sets = {tuple(t["function"]["name"] for t in r.body["tools"]) for r in tools}
+    assert len(sets) == len(tools)  # distinct per request
+    for r in tools:
+        named = r.body["tool_choice"]["function"]["name"]
+        assert named in {t["function"]["name"] for t in r.body["tools"]} and r.body["parallel_tool_calls"] is False

@@ -386,3 +386,109 @@ def test_mask_fill_timing_o200k(name: str) -> None:
     timing = measure_mask_fill(backend, spec, tokens=vocab.encode_greedy(TIMING_INSTANCE))
     print(f"\n{name} o200k V={backend.vocab_size} {timing}")
     assert timing["fill_us_p99"] >= timing["fill_us_p50"] > 0
+
+
+# ------------------------------------------------------------------------------------------ structural tags
+def _call_tags(names: list[str]) -> list[dict[str, Any]]:
+    return [{"type": "tag", "begin": f'<tool_call>\n{{"name": "{n}", "arguments": ', "end": "}\n</tool_call>",
+             "content": {"type": "json_schema", "json_schema": PERSON}} for n in names]
+
+
+def _accepts(backend: Any, vocab: Vocab, spec: GrammarSpec, text: str) -> bool:
+    matcher = backend.matcher(backend.compile(spec))
+    tokens = vocab.encode(text) + [vocab.eos]
+    return bool(matcher.accept(tokens) == len(tokens))
+
+
+def test_triggered_tags_leave_text_free_and_hold_calls_to_their_schema(backend: Any, vocab: Vocab) -> None:
+    """Auto-mode tool calls: text runs free until the trigger; from there the call must name an offered function
+    and its arguments validate; both backends agree."""
+    fmt = {"type": "triggered_tags", "triggers": ["<tool_call>"], "tags": _call_tags(["f", "g"]),
+           "at_least_one": False, "stop_after_first": False}
+    spec = GrammarSpec("structural_tag", json.dumps({"type": "structural_tag", "format": fmt}))
+    call = '<tool_call>\n{"name": "g", "arguments": {"name": "Ann", "age": 3}}\n</tool_call>'
+    assert _accepts(backend, vocab, spec, "Just text, no call.")
+    assert _accepts(backend, vocab, spec, "Let me look. " + call)
+    assert _accepts(backend, vocab, spec, call + "\n" + call.replace('"g"', '"f"'))
+    assert not _accepts(backend, vocab, spec, call.replace('"g"', '"h"'))  # not offered
+    assert not _accepts(backend, vocab, spec, call.replace('"age": 3', '"age": "3"'))  # invalid arguments
+    assert not _accepts(backend, vocab, spec, "text <tool_call>\nnot json")
+
+
+def test_tags_with_separator_force_calls_only(backend: Any, vocab: Vocab) -> None:
+    fmt = {"type": "tags_with_separator", "tags": _call_tags(["f"]), "separator": "\n", "at_least_one": True,
+           "stop_after_first": True}
+    spec = GrammarSpec("structural_tag", json.dumps({"type": "structural_tag", "format": fmt}))
+    call = '<tool_call>\n{"name": "f", "arguments": {"name": "B", "age": 1}}\n</tool_call>'
+    assert _accepts(backend, vocab, spec, call)
+    assert not _accepts(backend, vocab, spec, "")
+    assert not _accepts(backend, vocab, spec, "text " + call)
+    assert not _accepts(backend, vocab, spec, call + "\n" + call)  # stop_after_first
+
+
+def test_structural_tag_formats_outside_the_shared_subset_are_refused(backend: Any) -> None:
+    bad = {"type": "structural_tag", "format": {"type": "qwen_xml_parameter", "json_schema": {}}}
+    with pytest.raises(GrammarError, match="unsupported structural tag format"):
+        backend.compile(GrammarSpec("structural_tag", json.dumps(bad)))
+
+
+def test_structural_tag_compile_is_cheap(backend: Any, vocab: Vocab) -> None:
+    """A distinct tool set per request must compile in milliseconds, not hundreds (lazy masks in both backends);
+    printed for docs/tool_calling.md, bounded loosely (noisy shared machines)."""
+    import time
+
+    times = []
+    for i in range(5):
+        fmt = {"type": "triggered_tags", "triggers": ["<tool_call>"], "tags": _call_tags([f"fn_{i}_{j}" for j in range(3)])}
+        t0 = time.perf_counter()
+        backend.compile(GrammarSpec("structural_tag", json.dumps({"type": "structural_tag", "format": fmt})))
+        times.append(time.perf_counter() - t0)
+    print(f"\n{backend.name} {vocab.name}: structural-tag compile median {sorted(times)[2] * 1000:.1f} ms")
+
+
+def _tag_spec(fmt: dict[str, Any]) -> GrammarSpec:
+    return GrammarSpec("structural_tag", json.dumps({"type": "structural_tag", "format": fmt}))
+
+
+def test_tag_json_whitespace_is_bounded_alike(backend: Any, vocab: Vocab) -> None:
+    """Tool-call JSON takes any whitespace in runs of at most max_whitespace_cnt characters, on both backends (a
+    model that loops on whitespace cannot; a pretty-printed call fits)."""
+    content = {"type": "json_schema", "json_schema": PERSON, "max_whitespace_cnt": 4}
+    spec = _tag_spec({"type": "tag", "begin": "<c>", "end": "</c>", "content": content})
+    assert _accepts(backend, vocab, spec, '<c>{"name": "A", "age": 1}</c>')
+    assert _accepts(backend, vocab, spec, '<c>{"name":"A","age":1}</c>')
+    assert _accepts(backend, vocab, spec, '<c>{\n   "name": "A",\n   "age": 1\n}</c>')
+    assert not _accepts(backend, vocab, spec, '<c>{"name":      "A", "age": 1}</c>')
+
+
+def test_auto_tools_beside_a_json_answer(backend: Any, vocab: Vocab) -> None:
+    """tool_choice "auto" with a JSON response_format: the answer is that JSON, or calls (never free text)."""
+    answer = {"type": "json_schema", "json_schema": {"type": "object", "properties": {"ok": {"type": "boolean"}},
+                                                     "required": ["ok"], "additionalProperties": False}}
+    calls = {"type": "tags_with_separator", "tags": _call_tags(["f"]), "separator": "\n", "at_least_one": True,
+             "stop_after_first": True}
+    spec = _tag_spec({"type": "or", "elements": [answer, calls]})
+    assert _accepts(backend, vocab, spec, '{"ok": true}')
+    assert _accepts(backend, vocab, spec, '<tool_call>\n{"name": "f", "arguments": {"name": "A", "age": 2}}\n</tool_call>')
+    assert not _accepts(backend, vocab, spec, "Sure, here it is.")
+    assert not _accepts(backend, vocab, spec, '{"ok": 1}')
+
+
+def test_a_call_after_a_call_is_held_too(backend: Any, vocab: Vocab) -> None:
+    """Parallel auto-mode calls: text after a call cannot hide a second, unconstrained one."""
+    fmt = {"type": "triggered_tags", "triggers": ["<tool_call>"], "tags": _call_tags(["f"]), "at_least_one": False,
+           "stop_after_first": False}
+    call = '<tool_call>\n{"name": "f", "arguments": {"name": "A", "age": 2}}\n</tool_call>'
+    assert _accepts(backend, vocab, _tag_spec(fmt), f"{call} and then {call}")
+    assert not _accepts(backend, vocab, _tag_spec(fmt), f"{call} and then <tool_call>\nnot json")
+    once = _tag_spec({**fmt, "stop_after_first": True})
+    assert _accepts(backend, vocab, once, f"Text. {call}")
+    assert not _accepts(backend, vocab, once, f"Text. {call} more")
+    assert not _accepts(backend, vocab, once, "Text <tool_call>\nnot json")
+
+
+def test_structural_tag_json_styles_other_than_json_are_refused(backend: Any) -> None:
+    bad = {"type": "tag", "begin": "<c>", "end": "</c>", "content": {"type": "json_schema", "json_schema": PERSON,
+                                                                     "style": "qwen_xml"}}
+    with pytest.raises(GrammarError, match="style"):
+        backend.compile(_tag_spec(bad))

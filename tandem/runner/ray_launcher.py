@@ -1,0 +1,67 @@
+"""Tensor-parallel worker ranks as Ray actors (`distributed_executor_backend="ray"`): the same `run_worker` as the
+local processes, placed by Ray on any node of the cluster (`$RAY_ADDRESS`, else a local Ray instance is started).
+Ray is optional (`pip install ray`); the ranks still talk over torch.distributed (gloo / NCCL) to the driver's
+address, Ray only places and supervises them."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+
+from tandem.config import ConfigError
+from tandem.runner.distributed import WorkerLauncher, WorkerSpec, run_worker
+
+logger = logging.getLogger("tandem")
+
+
+class RankActor:
+    """One worker rank inside a Ray actor process; `run` returns when the driver sends the stop signal."""
+
+    def run(self, spec: WorkerSpec) -> int:
+        run_worker(spec)
+        return spec.rank
+
+
+def import_ray() -> Any:
+    try:
+        import ray
+    except ImportError as e:
+        raise ConfigError("distributed_executor_backend='ray' needs Ray: pip install ray") from e
+    return ray
+
+
+class RayLauncher(WorkerLauncher):
+    """Starts each worker rank as a Ray actor (one GPU each on CUDA; its threads' worth of CPUs)."""
+
+    def __init__(self) -> None:
+        self.ray = import_ray()
+        if not self.ray.is_initialized():
+            self.ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False, log_to_driver=False)
+        self.actors: list[Any] = []
+        self.runs: list[Any] = []
+
+    def driver_host(self) -> str:
+        """The address the workers reach the driver's rendezvous at: this node's, as Ray knows it."""
+        return str(self.ray.util.get_node_ip_address())
+
+    def start(self, specs: list[WorkerSpec]) -> None:
+        for spec in specs:
+            gpus = 1 if torch.device(spec.device).type == "cuda" else 0
+            actor_cls = self.ray.remote(num_cpus=spec.rank_threads, num_gpus=gpus)(RankActor)
+            actor = actor_cls.options(name=None).remote()
+            self.actors.append(actor)
+            self.runs.append(actor.run.remote(spec))
+        logger.info("tensor parallel: %d worker ranks placed by Ray", len(specs))
+
+    def stop(self) -> None:
+        try:
+            self.ray.get(self.runs, timeout=10)
+        except Exception as e:  # noqa: BLE001 - a rank that died already is what stopping wanted
+            logger.warning("tensor parallel: Ray workers did not stop cleanly: %s", e)
+        for actor in self.actors:
+            self.ray.kill(actor)
+        self.actors.clear()
+        self.runs.clear()

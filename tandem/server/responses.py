@@ -1,0 +1,222 @@
+"""The Responses API (`POST /v1/responses`, what the OpenAI Agents SDK uses by default), over the chat machinery.
+
+A Responses request is turned into the equivalent chat request (instructions -> system message; input items ->
+messages: `message`, `function_call` -> an assistant turn with tool_calls, `function_call_output` -> a tool turn;
+flat function tools -> chat tools; `text.format` -> response_format), so templating, tool grammars and parsing are
+the chat endpoint's. Answers are Response objects: `message` items with `output_text` parts and `function_call`
+items; streams are the typed events (response.created, output_item.added, content_part.added, output_text.delta,
+function_call_arguments.delta, the matching .done events, response.completed).
+
+Not kept: stored responses (`store` is accepted and ignored, `previous_response_id` is refused with 400), built-in
+tools (web search, file search, computer use: 400), reasoning items.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from pydantic import Field
+
+from tandem.server.protocol import MAX_LOGPROBS, APIError, ChatCompletionRequest, _Lenient
+from tandem.tools.parsers import ToolCall, ToolCallDelta, ToolParser
+
+
+class ResponsesRequest(_Lenient):
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    stream: bool = False
+    store: bool | None = None
+    previous_response_id: str | None = None
+    seed: int | None = None
+    user: str | None = None
+    metadata: dict[str, Any] | None = None
+
+    def chat_request(self) -> ChatCompletionRequest:
+        """The equivalent chat request; APIError (400) for what this server does not do."""
+        if self.previous_response_id is not None:
+            raise APIError("previous_response_id is not supported: responses are not stored; send the whole input",
+                           param="previous_response_id")
+        body: dict[str, Any] = {
+            "model": self.model, "messages": self.messages(), "max_completion_tokens": self.max_output_tokens,
+            "temperature": self.temperature, "top_p": self.top_p, "seed": self.seed, "stream": self.stream,
+            "parallel_tool_calls": self.parallel_tool_calls,
+        }
+        if self.tools:
+            body["tools"] = [_chat_tool(t, i) for i, t in enumerate(self.tools)]
+        if self.tool_choice is not None:
+            body["tool_choice"] = _chat_tool_choice(self.tool_choice)
+        fmt = (self.text or {}).get("format")
+        if fmt and fmt.get("type") == "json_schema":
+            body["response_format"] = {"type": "json_schema", "json_schema": {
+                "name": fmt.get("name", "response"), "schema": fmt.get("schema"), "strict": fmt.get("strict")}}
+        elif fmt and fmt.get("type") == "json_object":
+            body["response_format"] = {"type": "json_object"}
+        return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
+
+    def messages(self) -> list[dict[str, Any]]:
+        """Instructions and input items as chat messages (consecutive function_call items form one assistant turn)."""
+        out: list[dict[str, Any]] = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        if isinstance(self.input, str):
+            return [*out, {"role": "user", "content": self.input}]
+        for i, item in enumerate(self.input):
+            kind = item.get("type", "message")
+            if kind == "message":
+                out.append({"role": item.get("role", "user"), "content": _text(item.get("content"), i)})
+            elif kind == "function_call":
+                call = {"id": item.get("call_id"), "type": "function",
+                        "function": {"name": item.get("name"), "arguments": item.get("arguments") or "{}"}}
+                if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls"):
+                    out[-1]["tool_calls"].append(call)
+                else:
+                    out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            elif kind == "function_call_output":
+                output = item.get("output")
+                out.append({"role": "tool", "tool_call_id": item.get("call_id"),
+                            "content": output if isinstance(output, str) else _text(output, i)})
+            elif kind != "reasoning":
+                raise APIError(f"input[{i}]: items of type {kind!r} are not supported", param=f"input[{i}]")
+        return out
+
+
+def _text(content: Any, i: int) -> str:
+    """A message's content (a string or input_text / output_text parts) as one string."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for part in content:
+        if part.get("type") not in ("input_text", "output_text", "text"):
+            raise APIError(f"input[{i}]: content parts of type {part.get('type')!r} are not supported", param=f"input[{i}]")
+        parts.append(part.get("text", ""))
+    return "".join(parts)
+
+
+def _chat_tool(tool: dict[str, Any], i: int) -> dict[str, Any]:
+    if tool.get("type") != "function":
+        raise APIError(f"tools[{i}]: only function tools are supported, got {tool.get('type')!r}", param=f"tools[{i}]")
+    fn = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
+    return {"type": "function", "function": fn}
+
+
+def _chat_tool_choice(choice: str | dict[str, Any]) -> Any:
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    if isinstance(choice, str):
+        return choice
+    raise APIError('tool_choice must be "none", "auto", "required" or {"type": "function", "name": ...}', param="tool_choice")
+
+
+def usage_dict(prompt: int, completion: int, cached: int = 0) -> dict[str, Any]:
+    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached}, "output_tokens": completion,
+            "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": prompt + completion}
+
+
+def message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    return {"type": "message", "id": item_id, "role": "assistant", "status": status,
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+
+
+def call_item(call: ToolCall, status: str = "completed") -> dict[str, Any]:
+    return {"type": "function_call", "id": f"fc_{call.id}", "call_id": call.id, "name": call.name,
+            "arguments": call.arguments, "status": status}
+
+
+class ResponseBuilder:
+    """The Response object of one request, and its stream of typed events as output arrives."""
+
+    def __init__(self, rid: str, model: str, body: ResponsesRequest, parser: ToolParser | None) -> None:
+        self.rid, self.model, self.body, self.parser = rid, model, body, parser
+        self.created = int(time.time())
+        self.seq = 0
+        self.text = ""
+        self.calls: list[ToolCall] = []
+        self._open_calls: dict[int, dict[str, Any]] = {}
+        self._msg_open = False
+
+    def response(self, output: list[dict[str, Any]], status: str, usage: dict[str, Any] | None,
+                 finish_reason: str | None = None) -> dict[str, Any]:
+        b = self.body
+        incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+        return {"id": self.rid, "object": "response", "created_at": self.created, "model": self.model, "status": status,
+                "output": output, "usage": usage, "incomplete_details": incomplete, "error": None,
+                "instructions": b.instructions, "tools": b.tools or [], "tool_choice": b.tool_choice or "auto",
+                "parallel_tool_calls": b.parallel_tool_calls is not False, "temperature": b.temperature, "top_p": b.top_p,
+                "max_output_tokens": b.max_output_tokens, "text": b.text or {"format": {"type": "text"}},
+                "metadata": b.metadata or {}, "store": False, "previous_response_id": None}
+
+    def output(self, content: str | None, calls: list[ToolCall]) -> list[dict[str, Any]]:
+        items = [message_item(f"msg_{self.rid}", content)] if content else []
+        return items + [call_item(c) for c in calls]
+
+    def event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        self.seq += 1
+        return {"type": kind, "sequence_number": self.seq, **fields}
+
+    def start_events(self) -> list[dict[str, Any]]:
+        snapshot = self.response([], "in_progress", None)
+        return [self.event("response.created", response=snapshot), self.event("response.in_progress", response=snapshot)]
+
+    def text_events(self, delta: str) -> list[dict[str, Any]]:
+        """Events for new message text (opening the message item and its part first)."""
+        if not delta:
+            return []
+        out = []
+        item_id = f"msg_{self.rid}"
+        if not self._msg_open:
+            self._msg_open = True
+            out.append(self.event("response.output_item.added", output_index=0, item=message_item(item_id, "", "in_progress")))
+            out.append(self.event("response.content_part.added", item_id=item_id, output_index=0, content_index=0,
+                                  part={"type": "output_text", "text": "", "annotations": []}))
+        self.text += delta
+        out.append(self.event("response.output_text.delta", item_id=item_id, output_index=0, content_index=0, delta=delta,
+                              logprobs=[]))
+        return out
+
+    def call_events(self, pieces: list[ToolCallDelta]) -> list[dict[str, Any]]:
+        """Events for streamed tool-call pieces: an item per call, then its argument deltas."""
+        out = []
+        for p in pieces:
+            index = int(self._msg_open) + p.index
+            if p.id is not None:
+                item = {"type": "function_call", "id": f"fc_{p.id}", "call_id": p.id, "name": p.name, "arguments": "",
+                        "status": "in_progress"}
+                self._open_calls[p.index] = item
+                out.append(self.event("response.output_item.added", output_index=index, item=dict(item)))
+            item = self._open_calls[p.index]
+            if p.arguments:
+                item["arguments"] = str(item["arguments"]) + p.arguments
+                out.append(self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                                      delta=p.arguments))
+        return out
+
+    def done_events(self, status: str, usage: dict[str, Any], complete: list[ToolCall]) -> list[dict[str, Any]]:
+        """Close the open items, then response.completed (or .incomplete) with the whole response."""
+        out = []
+        item_id = f"msg_{self.rid}"
+        if self._msg_open:
+            out.append(self.event("response.output_text.done", item_id=item_id, output_index=0, content_index=0, text=self.text,
+                                  logprobs=[]))
+            out.append(self.event("response.content_part.done", item_id=item_id, output_index=0, content_index=0,
+                                  part={"type": "output_text", "text": self.text, "annotations": []}))
+            out.append(self.event("response.output_item.done", output_index=0, item=message_item(item_id, self.text)))
+        done_ids = {c.id for c in complete}
+        for i, item in sorted(self._open_calls.items()):
+            if item["call_id"] not in done_ids:
+                continue
+            index = int(self._msg_open) + i
+            out.append(self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                                  arguments=item["arguments"]))
+            out.append(self.event("response.output_item.done", output_index=index, item={**item, "status": "completed"}))
+        output = ([message_item(item_id, self.text)] if self._msg_open else []) + [call_item(c) for c in complete]
+        kind = "response.completed" if status == "completed" else "response.incomplete"
+        out.append(self.event(kind, response=self.response(output, status, usage)))
+        return out

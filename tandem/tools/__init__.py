@@ -1,0 +1,30 @@
+"""Tool calling, shared by the server and the offline API: plan.py (tools + tool_choice -> the prompt to template
+and the structural-tag grammar that holds every call to its function's schema) and parsers.py (the tool-call
+formats: Hermes / Qwen, Llama 3 JSON, Mistral, and the one incremental parser of whole and streamed outputs).
+Nothing here runs a model or imports the server."""
+
+from __future__ import annotations
+
+from tandem.tools.parsers import (
+    PARSERS,
+    ParsedOutput,
+    ToolCall,
+    ToolCallDelta,
+    ToolCallStream,
+    ToolParser,
+    make_parser,
+)
+from tandem.tools.plan import ToolError, ToolPlan, choose_parser
+
+__all__ = [
+    "PARSERS",
+    "ParsedOutput",
+    "ToolCall",
+    "ToolCallDelta",
+    "ToolCallStream",
+    "ToolError",
+    "ToolParser",
+    "ToolPlan",
+    "choose_parser",
+    "make_parser",
+]
