@@ -555,7 +555,11 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     if args.launch:
         port = free_port()
         try:
-            proc = launch_server(args.launch_model, args.serve_arg, port, args.startup_timeout)
+            serve_args = list(args.serve_arg)
+            if args.tool_compare and "--no-prefix-caching" not in serve_args:
+                # the text run sends the tool run's prompts again: cached prefixes would skip its prefills
+                serve_args.append("--no-prefix-caching")
+            proc = launch_server(args.launch_model, serve_args, port, args.startup_timeout)
         except RuntimeError as e:
             raise SystemExit(str(e)) from e
         base_url, pid = f"http://127.0.0.1:{port}", pid or proc.pid

@@ -223,6 +223,10 @@ def run_distinct(engine: LLMEngine, args: argparse.Namespace, levels: list[int])
     guided output's length); then batch 1 on a few more distinct schemas."""
     n = args.distinct_schemas
     rows: list[dict[str, Any]] = []
+    for backend in args.backends.split(","):  # the process's first guided steps (first-use paths), not in any row
+        warm = distinct_schemas(1, seed=424242)[0]
+        drive(engine, [[1, 2, 3]], SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(json=warm, backend=backend)),
+              1, f"warmup-{backend}")
     for b, backend in enumerate(args.backends.split(",")):
         schemas = distinct_schemas(n, seed=7 + 1000 * b)  # new schemas per backend: its first run is cold
         for phase in ("cold", "warm"):

@@ -57,6 +57,7 @@ class _Masks:
 
     filled: StepMasks
     staged: StagedMasks
+    exposed_s: float = 0.0  # fill seconds the forward waited for (masks filled before it was launched)
 
 
 _NO_MASKS = _Masks(StepMasks(None, None), StagedMasks(None, None))
@@ -104,6 +105,9 @@ class LLMEngine:
         self._finished_errors: list[RequestOutput] = []
         self._async_setting = async_scheduling
         self._inflight: _InFlight | None = None  # scheduling ahead: the plan whose forward runs
+        # grammar masks filled while the forward runs, unless the forward runs on these same cores: a fill beside it
+        # preempts a thread of its OpenMP team and the whole team waits at the next barrier (measured: docs/benchmarks.md)
+        self.overlap_masks = not runner.forward_uses_host_cores
     # ---------------------------------------------------------------------------------------------- requests
     def add_request(
         self,
@@ -229,10 +233,9 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if plan.is_empty():
             return self._idle()
-        handle = self.runner.launch(plan)
+        handle, masks = self._launch(plan)  # this step's grammar masks: while the forward runs, or before it
         timer.mark("launched")
-        masks = self._fill_masks(plan)  # CPU work while the forward runs: this step's grammar masks,
-        self.speculation.start_lookahead(self._verifying(plan))  # and the next step's drafts
+        self.speculation.start_lookahead(self._verifying(plan))  # CPU work while the forward runs: next drafts
         timer.mark("overlapped")
         logits = self.runner.collect(handle)  # [R, V]
         timer.mark("collected")
@@ -287,6 +290,17 @@ class LLMEngine:
             flight.filled_at = time.perf_counter()
         return flight
 
+    def _launch(self, plan: StepPlan) -> tuple[ForwardHandle, _Masks]:
+        """Start the forward of `plan` and fill its grammar masks: after the launch (overlapped) when the forward has
+        its own device, before it when the forward shares the host's cores (`overlap_masks`)."""
+        if self.overlap_masks:
+            handle = self.runner.launch(plan)
+            return handle, self._fill_masks(plan)
+        t0 = time.perf_counter()
+        masks = self._fill_masks(plan)
+        masks = _Masks(masks.filled, masks.staged, time.perf_counter() - t0 if masks.filled.guided else 0.0)
+        return self.runner.launch(plan), masks
+
     def _fill_masks(self, plan: StepPlan) -> _Masks:
         """The plan's grammar masks, filled on the CPU and their copy to the device started at once."""
         masks = self.guidance.fill(plan, self.step_sampler.mask_buffer)
@@ -334,7 +348,7 @@ class LLMEngine:
 
     def _record_step(self, plan: StepPlan, timer: StepTimer, handle: ForwardHandle, masks: _Masks) -> None:
         self.stats.record(timer, len(plan.preempted_ids))
-        self.guidance.record_wait(masks.filled, timer.at("overlapped"), handle.finished_at)
+        self.guidance.record_wait(masks.filled, timer.at("overlapped"), handle.finished_at, masks.exposed_s)
         self.speculation.observe_step(plan.num_tokens, timer.span("drafted", "collected"), timer.span("start", "drafted"))
 
     def _max_drafts(self, req: Request) -> int:

@@ -210,10 +210,11 @@ class Guidance:
         except Exception as e:  # noqa: BLE001 - this request's grammar failed; the others go on
             self._fail(rid, f"mask computation failed: {type(e).__name__}: {e}")
 
-    def record_wait(self, masks: StepMasks, filled_at: float, forward_done_at: float) -> None:
-        """Count the mask work that outlasted the forward (perf_counter times) as time the device waited."""
+    def record_wait(self, masks: StepMasks, filled_at: float, forward_done_at: float, before_s: float = 0.0) -> None:
+        """Count the mask work that outlasted the forward (perf_counter times), and `before_s` seconds of it done
+        before the forward was launched, as time the device waited."""
         if masks.guided:
-            self.stats.exposed_s += max(0.0, filled_at - forward_done_at)
+            self.stats.exposed_s += max(0.0, filled_at - forward_done_at) + before_s
 
     # ---------------------------------------------------------------------------------------------- outcome
     def accept(self, req: Request, tokens: Sequence[int], num_scheduled_drafts: int) -> tuple[bool, str | None]:
