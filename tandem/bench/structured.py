@@ -223,10 +223,11 @@ def run_distinct(engine: LLMEngine, args: argparse.Namespace, levels: list[int])
     guided output's length); then batch 1 on a few more distinct schemas."""
     n = args.distinct_schemas
     rows: list[dict[str, Any]] = []
-    for backend in args.backends.split(","):  # the process's first guided steps (first-use paths), not in any row
-        warm = distinct_schemas(1, seed=424242)[0]
-        drive(engine, [[1, 2, 3]], SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(json=warm, backend=backend)),
-              1, f"warmup-{backend}")
+    width = max(levels)
+    for backend in args.backends.split(","):  # the process's first guided batches (first-use paths), not in any row
+        warm = [SamplingParams(max_tokens=16, structured_outputs=StructuredOutputsParams(json=s, backend=backend))
+                for s in distinct_schemas(width, seed=424242)]
+        drive(engine, [[1, 2, 3]] * width, warm, width, f"warmup-{backend}")
     for b, backend in enumerate(args.backends.split(",")):
         schemas = distinct_schemas(n, seed=7 + 1000 * b)  # new schemas per backend: its first run is cold
         for phase in ("cold", "warm"):
@@ -249,6 +250,8 @@ def _distinct_row(
     prompts = [tok.apply_chat_template([{"role": "user", "content": describe(s)}]) for s in schemas]
     guided = [SamplingParams(temperature=0.0, max_tokens=out_len,
                              structured_outputs=StructuredOutputsParams(json=s, backend=backend)) for s in schemas]
+    # the prompts' prefixes cached first (untimed), so neither run below pays prefills the other skips
+    drive(engine, prompts, SamplingParams(max_tokens=1), concurrency, f"p-{backend}-{phase}")
     manager = engine.guidance.manager
     before = {b: len(manager.compile_durations_s(b)) for b in ("llguidance", "xgrammar")}
     served0 = engine.get_stats()
