@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, ValidationError
 
 from tandem.server.protocol import MAX_LOGPROBS, APIError, ChatCompletionRequest, _Lenient
 from tandem.tools.parsers import ToolCall, ToolCallDelta, ToolParser
@@ -56,12 +56,20 @@ class ResponsesRequest(_Lenient):
         if self.tool_choice is not None:
             body["tool_choice"] = _chat_tool_choice(self.tool_choice)
         fmt = (self.text or {}).get("format")
+        if fmt is not None and not isinstance(fmt, dict):
+            raise APIError("text.format must be an object", param="text.format")
         if fmt and fmt.get("type") == "json_schema":
             body["response_format"] = {"type": "json_schema", "json_schema": {
                 "name": fmt.get("name", "response"), "schema": fmt.get("schema"), "strict": fmt.get("strict")}}
         elif fmt and fmt.get("type") == "json_object":
             body["response_format"] = {"type": "json_object"}
-        return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
+        try:
+            return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
+        except ValidationError as e:  # what the input items became is not a valid chat request: the client's error
+            first = e.errors()[0] if e.errors() else {}
+            where = ".".join(str(p) for p in first.get("loc", ()))
+            raise APIError(f"input does not make a valid conversation: {where}: {first.get('msg', 'invalid')}",
+                           param="input") from e
 
     def messages(self) -> list[dict[str, Any]]:
         """Instructions and input items as chat messages (consecutive function_call items form one assistant turn)."""
@@ -92,10 +100,13 @@ def _text(content: Any, i: int) -> str:
     """A message's content (a string or input_text / output_text parts) as one string."""
     if content is None or isinstance(content, str):
         return content or ""
+    if not isinstance(content, list):
+        raise APIError(f"input[{i}]: content must be a string or a list of parts", param=f"input[{i}]")
     parts = []
     for part in content:
-        if part.get("type") not in ("input_text", "output_text", "text"):
-            raise APIError(f"input[{i}]: content parts of type {part.get('type')!r} are not supported", param=f"input[{i}]")
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text", ""), str):
+            raise APIError(f"input[{i}]: content parts of type {kind!r} are not supported", param=f"input[{i}]")
         parts.append(part.get("text", ""))
     return "".join(parts)
 

@@ -232,7 +232,7 @@ def test_invalid_parameters_are_400(server: Server) -> None:
     c = server.client()
     with pytest.raises(openai.BadRequestError, match="temperature"):
         c.completions.create(model=MODEL, prompt="x", temperature=-1)
-    with pytest.raises(openai.BadRequestError, match="max_model_len"):
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
         c.completions.create(model=MODEL, prompt=[42] * (MAX_MODEL_LEN + 10), max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="logit_bias"):
         c.completions.create(model=MODEL, prompt="x", logit_bias={"abc": 1})
@@ -457,3 +457,23 @@ def test_request_timeout_aborts_and_gives_504() -> None:
         assert e.value.status_code == 504 and aborted == ["r1"]
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("body", [
+    {"input": []},  # no message at all
+    {"input": [{"type": "message", "role": "user", "content": 5}]},
+    {"input": [{"type": "message", "role": "user", "content": [3]}]},
+    {"input": [{"type": "message", "role": "bogus", "content": "x"}]},
+    {"input": [{"type": "function_call"}]},
+    {"input": [{"type": "function_call_output", "call_id": None, "output": {"a": 1}}]},
+    {"input": "hi", "text": {"format": ["json_schema"]}},
+    {"input": "hi", "tool_choice": {"type": "web"}},
+], ids=["empty", "int-content", "int-part", "role", "call-without-name", "output-object", "format-list", "tool-choice"])
+def test_malformed_responses_input_is_a_400(body: dict[str, object]) -> None:
+    """/v1/responses bodies that validate as a request but make no valid conversation: an APIError (400), found by
+    the fuzz test as a 500 (`input: []`)."""
+    from tandem.server.protocol import APIError
+    from tandem.server.responses import ResponsesRequest
+
+    with pytest.raises(APIError):
+        ResponsesRequest.model_validate({"model": "m", **body}).chat_request()
