@@ -62,6 +62,7 @@ def tour_tools(engine: LLMEngine, rows: Rows, quick: bool) -> None:
     prompts = [p for _, p in reqs]
     guided = [SamplingParams(temperature=0.0, max_tokens=120, structured_outputs=r.structured_outputs()) for r, _ in reqs]
     lengths: dict[str, int] = {}
+    drive(engine, prompts, SamplingParams(max_tokens=1), n, "prefill")  # both runs below find the prompts cached
     calls = drive(engine, prompts, guided, n, "tools", on_output=lambda o: lengths.__setitem__(o.request_id, len(o.outputs[0].token_ids)))
     same = [SamplingParams(temperature=0.0, min_tokens=lengths[f"tools-{i}"], max_tokens=lengths[f"tools-{i}"]) for i in range(n)]
     text_run = drive(engine, prompts, same, n, "text")
