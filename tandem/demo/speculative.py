@@ -35,6 +35,7 @@ def tour_speculative(engine: LLMEngine, rows: Rows, quick: bool) -> None:
         return lambda o: texts.__setitem__(name, o.outputs[0].text)
 
     engine.set_speculation(None)
+    drive(engine, [prompt], SamplingParams(max_tokens=1), 1, "prefill")  # both runs find the prompt cached
     base = drive(engine, [prompt], params, 1, "plain", on_output=keep("plain"))
     engine.set_speculation(SpeculativeConfig(method="suffix", num_speculative_tokens=8, adaptive=True))
     fast = drive(engine, [prompt], params, 1, "speculative", on_output=keep("speculative"))
