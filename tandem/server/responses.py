@@ -66,10 +66,10 @@ class ResponsesRequest(_Lenient):
         try:
             return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
         except ValidationError as e:  # what the input items became is not a valid chat request: the client's error
-            first = e.errors()[0] if e.errors() else {}
-            where = ".".join(str(p) for p in first.get("loc", ()))
-            raise APIError(f"input does not make a valid conversation: {where}: {first.get('msg', 'invalid')}",
-                           param="input") from e
+            errors = e.errors()
+            where = ".".join(str(p) for p in errors[0]["loc"]) if errors else ""
+            msg = errors[0]["msg"] if errors else "invalid"
+            raise APIError(f"input does not make a valid conversation: {where}: {msg}", param="input") from e
 
     def messages(self) -> list[dict[str, Any]]:
         """Instructions and input items as chat messages (consecutive function_call items form one assistant turn)."""
