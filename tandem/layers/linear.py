@@ -103,7 +103,7 @@ class OneDnnProjection(Projection):
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         if not self.has_rows:
-            raise NotImplementedError("rows of a oneDNN-packed bf16 weight")
+            raise TypeError("a oneDNN-packed bf16 weight has no readable rows (callers check has_rows)")
         return F.embedding(ids, self.packed).float()
 
     @property
@@ -162,7 +162,7 @@ class QuantProjection(Projection):
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         if len(self.packed) != 1:
-            raise NotImplementedError("rows of a fused projection")
+            raise TypeError("a fused projection has no single table of rows (callers check has_rows)")
         return torch.ops.tandem.quant_rows(self.packed[0], self.formats[0], self.ns[0], self.in_features, ids)
 
     @property

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +27,7 @@ from tandem.server.data_parallel import (
     replica_kwargs,
 )
 from tandem.server.engine_client import EngineDeadError, RequestDelta
+from tests.server.launch import running_server
 from tests.server.test_server import API_KEY, MODEL, Server, chat, demo
 from tests.tiny import save_tiny, tiny_model
 
@@ -115,22 +115,11 @@ def test_a_request_whose_core_dies_before_its_first_delta_goes_to_another() -> N
 @pytest.fixture(scope="module")
 def dp_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     log_path = tmp_path_factory.mktemp("serve-dp") / "server.log"
-    port = free_port()
     args = ["--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "8", "--num-kv-blocks", "160",
             "--max-queue", "32", "--request-timeout", "120", "--log-level", "warning", "--data-parallel-size", "2"]
     env = {**os.environ, "TANDEM_API_KEY": API_KEY}
-    with open(log_path, "wb") as log:
-        try:
-            proc = launch_server(None, args, port, startup_timeout_s=420, log=log, env=env)
-        except RuntimeError as e:
-            pytest.fail(f"{e}\n{log_path.read_text()[-3000:]}")
-        yield Server(proc, f"http://127.0.0.1:{port}", log_path)
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            pytest.fail("the server did not exit within 30 s of SIGTERM")
+    with running_server(log_path, None, args, env, require_clean_exit=True) as (proc, url):
+        yield Server(proc, url, log_path)
 
 
 @demo

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import signal
-import subprocess
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +15,7 @@ import httpx2 as httpx
 import jsonschema
 import pytest
 
-from tandem.bench.serve import free_port, launch_server
+from tests.server.launch import running_server
 
 from ..structured.hostile_corpus import corpus, request_body_text
 from .test_server import MODEL, demo
@@ -29,21 +27,11 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 @pytest.fixture(scope="module")
 def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     log_path: Path = tmp_path_factory.mktemp("hostile") / "server.log"
-    port = free_port()
     args = ["--dtype", "bfloat16", "--max-model-len", "512", "--max-num-seqs", "32", "--num-kv-blocks", "600",
             "--max-queue", "512", "--log-level", "warning",
             "--structured-outputs-config", json.dumps({"compile_timeout_s": 1.0, "max_fill_ms": 200.0})]
-    with open(log_path, "wb") as log:
-        try:
-            proc = launch_server(None, args, port, startup_timeout_s=420, log=log)
-        except RuntimeError as e:
-            pytest.fail(f"{e}\n{log_path.read_text()[-3000:]}")
-        yield f"http://127.0.0.1:{port}"
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    with running_server(log_path, None, args) as (_, server_url):
+        yield server_url
 
 
 async def _post(client: httpx.AsyncClient, url: str, body: dict[str, Any] | str) -> tuple[int, str]:

@@ -19,8 +19,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tandem.bench.serve import free_port, launch_server
 from tandem.config import ConfigError
+from tests.server.launch import running_server
 
 API_KEY = "test-key-123"
 MODEL = "tandem-demo"
@@ -72,22 +72,11 @@ class Server:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     log_path = tmp_path_factory.mktemp("serve") / "server.log"
-    port = free_port()
     args = ["--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8", "--num-kv-blocks", "160", "--max-queue", "32",
             "--request-timeout", "120", "--log-level", "warning"]
     env = {**os.environ, "TANDEM_API_KEY": API_KEY}
-    with open(log_path, "wb") as log:
-        try:
-            proc = launch_server(None, args, port, startup_timeout_s=420, log=log, env=env)
-        except RuntimeError as e:
-            pytest.fail(f"{e}\n{log_path.read_text()[-3000:]}")
-        yield Server(proc, f"http://127.0.0.1:{port}", log_path)
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            pytest.fail("the server did not exit within 30 s of SIGTERM")
+    with running_server(log_path, None, args, env, require_clean_exit=True) as (proc, url):
+        yield Server(proc, url, log_path)
 
 
 def chat(server: Server, content: str = "Say hello.", **kw: Any) -> Any:

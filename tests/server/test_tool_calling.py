@@ -11,8 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
-import subprocess
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Any, Literal
@@ -23,7 +21,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from tandem.bench.serve import free_port, launch_server
+from tests.server.launch import running_server
 from tests.server.test_server import demo
 from tests.tools.corpus import load_corpus, tool, tool_set
 
@@ -57,20 +55,10 @@ class Srv:
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Srv]:
     log_path = tmp_path_factory.mktemp("tools") / "server.log"
-    port = free_port()
     args = ["--dtype", "bfloat16", "--max-model-len", "2048", "--max-num-seqs", "16", "--num-kv-blocks", "600",
             "--log-level", "warning"]
-    with open(log_path, "wb") as log:
-        try:
-            proc = launch_server(None, args, port, startup_timeout_s=420, log=log, env=dict(os.environ))
-        except RuntimeError as e:
-            pytest.fail(f"{e}\n{log_path.read_text()[-3000:]}")
-        yield Srv(f"http://127.0.0.1:{port}")
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    with running_server(log_path, None, args, os.environ) as (_, url):
+        yield Srv(url)
 
 
 def _valid(call: Any, tools: list[dict[str, Any]]) -> dict[str, Any]:

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +16,7 @@ import jsonschema
 import openai
 import pytest
 
-from tandem.bench.serve import free_port, launch_server
+from tests.server.launch import running_server
 from tests.server.test_server import demo
 from tests.tools.test_native_template import ASK, SCHEMAS, TOOLS
 from tests.tools.tiny_model import TOOL_TOKENS
@@ -39,20 +37,10 @@ class Srv:
 @pytest.fixture(scope="module")
 def srv(tool_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Srv]:
     log_path = tmp_path_factory.mktemp("tool_template") / "server.log"
-    port = free_port()
     args = ["--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "8", "--num-kv-blocks", "256",
             "--log-level", "warning"]
-    with open(log_path, "wb") as log:
-        try:
-            proc = launch_server(str(tool_model_dir), args, port, startup_timeout_s=420, log=log, env=dict(os.environ))
-        except RuntimeError as e:
-            pytest.fail(f"{e}\n{log_path.read_text()[-3000:]}")
-        yield Srv(f"http://127.0.0.1:{port}", tool_model_dir)
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    with running_server(log_path, str(tool_model_dir), args, os.environ) as (_, url):
+        yield Srv(url, tool_model_dir)
 
 
 def _valid(name: str, arguments: str) -> None:
