@@ -31,7 +31,12 @@ def tiny_model(arch: str, seed: int = 0, **overrides: Any) -> transformers.PreTr
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**kw))
     else:
         raise AssertionError(arch)
-    with torch.no_grad():  # random norms / biases so they matter
+    return perturb_norms(model)
+
+
+def perturb_norms(model: transformers.PreTrainedModel) -> transformers.PreTrainedModel:
+    """Random norms and biases (a fresh model's are ones and zeros) so that parity tests see them; in eval mode."""
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name or "bias" in name:
                 p.add_(torch.randn_like(p) * 0.2)

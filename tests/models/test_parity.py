@@ -12,6 +12,7 @@ from tandem.config import CacheConfig, SchedulerConfig
 from tandem.core.plan import ScheduledRequest, StepPlan
 from tandem.models.loader import load_checkpoint
 from tandem.runner.runner import ModelRunner
+from tests.tiny import perturb_norms
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256)
@@ -38,11 +39,7 @@ def _tiny(arch: str) -> transformers.PreTrainedModel:
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**TINY, head_dim=32))
     else:
         raise AssertionError(arch)
-    with torch.no_grad():  # random norms / biases so they matter
-        for name, p in model.named_parameters():
-            if "norm" in name or "bias" in name:
-                p.add_(torch.randn_like(p) * 0.2)
-    return model.eval()
+    return perturb_norms(model)
 
 
 @pytest.mark.parametrize("kernels", [True, False], ids=["tandem-cpu-kernels", "torch-ops"])
