@@ -550,6 +550,12 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     """Run the load (launching the server first with --launch); print the report; exit 1 when every request failed."""
     if not 0.0 <= args.json_share + args.copy_share + args.tool_share <= 1.0:
         raise SystemExit("--json-share + --copy-share + --tool-share must be within [0, 1]")
+    if args.distinct_schemas < 0:
+        raise SystemExit(f"--distinct-schemas must be >= 0 (0: one shared schema), got {args.distinct_schemas}")
+    if args.kill_core_after is not None and args.kill_core_after < 0:
+        raise SystemExit(f"--kill-core-after must be >= 0 seconds, got {args.kill_core_after}")
+    if args.kill_core_after is not None and not args.launch:
+        raise SystemExit("--kill-core-after needs --launch (it signals the engine core of a server on this machine)")
     proc = None
     base_url, pid = args.base_url.rstrip("/"), args.server_pid
     if args.launch:

@@ -90,6 +90,8 @@ def _params(schema: dict[str, Any] | None, fixed: bool, out_len: int, backend: s
 def run(args: argparse.Namespace) -> int:
     from tandem.engine.llm import build_engine
 
+    if args.distinct_schemas is not None and args.distinct_schemas < 0:
+        raise SystemExit(f"--distinct-schemas must be >= 1, got {args.distinct_schemas}")
     levels = [int(x) for x in args.concurrency.split(",")]
     counts = [int(x) for x in args.prompts_per_level.split(",")]
     counts = (counts + [counts[-1]] * len(levels))[: len(levels)]
