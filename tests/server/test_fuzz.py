@@ -55,8 +55,10 @@ def fuzz_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str,
 MAX_EXAMPLES = {GenerationMode.POSITIVE: 35, GenerationMode.NEGATIVE: 15}  # per endpoint: 50 in all
 
 
-def test_no_server_errors(fuzz_server: tuple[str, subprocess.Popen[bytes], Path]) -> None:
-    """Every operation of /openapi.json, with valid and invalid bodies: never a 5xx, the server never dies."""
+@pytest.fixture(scope="module")
+def fuzzed(fuzz_server: tuple[str, subprocess.Popen[bytes], Path]) -> tuple[str, subprocess.Popen[bytes], Path]:
+    """The server after every operation of /openapi.json was fuzzed (once per module, whichever test runs first:
+    the tests below must not depend on their order)."""
     url, proc, log = fuzz_server
     schema = schemathesis.openapi.from_url(f"{url}/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
@@ -73,10 +75,17 @@ def test_no_server_errors(fuzz_server: tuple[str, subprocess.Popen[bytes], Path]
 
             fuzz()
             assert proc.poll() is None, log.read_text()[-3000:]
+    return fuzz_server
 
 
-def test_engine_still_healthy_after_fuzzing(fuzz_server: tuple[str, subprocess.Popen[bytes], Path]) -> None:
-    url, proc, log = fuzz_server
+def test_no_server_errors(fuzzed: tuple[str, subprocess.Popen[bytes], Path]) -> None:
+    """Every operation of /openapi.json, with valid and invalid bodies: never a 5xx, the server never dies."""
+    url, proc, log = fuzzed
+    assert proc.poll() is None, log.read_text()[-3000:]
+
+
+def test_engine_still_healthy_after_fuzzing(fuzzed: tuple[str, subprocess.Popen[bytes], Path]) -> None:
+    url, proc, log = fuzzed
     ok = [line for line in httpx.get(f"{url}/metrics").text.splitlines()
           if line.startswith("tandem_requests_total") and 'status="200"' in line and "completions" in line]
     assert sum(float(line.split()[-1]) for line in ok) >= 10  # the fuzzer's valid bodies did reach the engine
