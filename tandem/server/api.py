@@ -921,6 +921,9 @@ class _CompletionFormat(_Format):
         return _chunk_dict(CompletionResponse(id=self.rid, created=self.created, model=self.model, choices=[], usage=usage))
 
 
+CUT_MARGIN_S = 1.0  # shutdown: connections still open this long before uvicorn's graceful timeout are cut
+
+
 class GracefulServer(uvicorn.Server):
     """On SIGTERM / SIGINT, a drain: still listening, /health and new requests answer 503 "draining" (a load
     balancer takes the instance out), the requests in flight run on for up to the grace period; then whatever is
@@ -959,6 +962,29 @@ class GracefulServer(uvicorn.Server):
         if not self.should_exit:
             state.begin_shutdown()
             super().handle_exit(sig, frame)
+
+    async def shutdown(self, sockets: list[Any] | None = None) -> None:
+        """uvicorn's shutdown, except that a client still connected just before timeout_graceful_shutdown has its
+        connection cut: uvicorn would cancel its response task instead, and its protocol logs each cancelled
+        response as "Exception in ASGI application" with a traceback. Cut, the response's writes return at once
+        (uvicorn drops writes to a lost connection) and the request ends as a client disconnect."""
+        timeout = self.config.timeout_graceful_shutdown
+        cutter = None if timeout is None else asyncio.ensure_future(self._cut_connections(max(0.0, timeout - CUT_MARGIN_S)))
+        try:
+            await super().shutdown(sockets)
+        finally:
+            if cutter is not None:
+                cutter.cancel()
+
+    async def _cut_connections(self, after_s: float) -> None:
+        await asyncio.sleep(after_s)
+        stuck = list(self.server_state.connections)
+        if stuck:
+            logger.warning("shutdown: cutting %d connection(s) whose clients stopped reading", len(stuck))
+        for connection in stuck:
+            transport: Any = getattr(connection, "transport", None)
+            if transport is not None:
+                transport.abort()
 
 
 def run_server(app: FastAPI, host: str, port: int, log_level: str = "info", graceful_timeout_s: int = 5) -> None:
