@@ -9,7 +9,7 @@ quantized or not) before the next is read, so loading never holds more than the 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -94,8 +94,11 @@ class LlamaModel:
 
     def __init__(
         self, cfg: ModelConfig, weights: Mapping[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
-        use_kernels: bool = True, tp: TensorParallel | None = None,
+        use_kernels: bool = True, tp: TensorParallel | None = None, after_layer: Callable[[], None] | None = None,
     ) -> None:
+        """`after_layer` runs once each layer is built: the runner hands the pages of its freed temporaries back to
+        the OS there (a 1.7B model's load peaked at 1.26x its final RSS with one trim at the end, 1.04x with one per
+        layer)."""
         self.tp = tp or TensorParallel()
         self.vocab_size = cfg.vocab_size
         shard = WeightShard(cfg, self.tp) if self.tp.enabled else None
@@ -110,7 +113,11 @@ class LlamaModel:
         w = ModelWeights(weights, dtype, device, shard)
         self.norm = w.vector("model.norm.weight")
         self.lm_head, self.embed = self._head_and_embedding(w)
-        self.layers = [self._layer(w, i) for i in range(cfg.num_layers)]
+        self.layers: list[_Layer] = []
+        for i in range(cfg.num_layers):
+            self.layers.append(self._layer(w, i))
+            if after_layer is not None:
+                after_layer()
         self.windows = [cfg.layer_window(i) for i in range(cfg.num_layers)]  # sliding-window attention per layer
         freqs = torch.outer(torch.arange(cfg.max_position_embeddings, dtype=torch.float32), rope_inv_freq(cfg))  # [max_pos, D / 2]
         self.ops: LayerOps = select_ops(device, freqs.cos(), freqs.sin(), dtype, use_kernels)

@@ -166,7 +166,8 @@ class ModelRunner(Runner):
             torch.set_num_threads(num_threads or len(os.sched_getaffinity(0)))
         self._num_threads = torch.get_num_threads()
         model_config, dtype = self.model_config, self.dtype
-        self.model = LlamaModel(model_config, weights, dtype, self.device, use_kernels=use_kernels, tp=self.tp)
+        self.model = LlamaModel(model_config, weights, dtype, self.device, use_kernels=use_kernels, tp=self.tp,
+                                after_layer=release_freed_memory)
         if self.device.type == "cuda" and self.block_size < MIN_PAGED_BLOCK:
             self.model.ops.use_gathered_decode()  # the compiled kernel's tiles are at least 16 keys: one block each
         release_freed_memory()  # the load's temporaries are gone; hand their pages back before sizing the cache
