@@ -132,6 +132,32 @@ def apply_logit_bias_(logits: Tensor, rows: Sequence[SamplingRow]) -> None:
     logits.index_put_((_index(row_ids, dev), _index(tok_ids, dev)), values, accumulate=True)
 
 
+def _only_greedy(rows: Sequence[SamplingRow]) -> bool:
+    """Every row greedy, with no allowed ids, logit bias, penalty or pending min_tokens to change its logits."""
+    for r in rows:
+        p = r.params
+        if not p.greedy or p.allowed_token_ids is not None or p.logit_bias or _has_penalty(p):
+            return False
+        if len(r.output_token_ids) < p.min_tokens:
+            return False
+    return True
+
+
+def greedy_kernel_loaded() -> bool:
+    """Whether `torch.ops.tandem.greedy_tokens` is registered in this process (tandem/layers/kernels.py loads it)."""
+    if _GREEDY_KERNEL:
+        return True
+    try:
+        torch.ops.tandem.greedy_tokens  # noqa: B018 - the lookup is the check
+    except (AttributeError, RuntimeError):
+        return False
+    _GREEDY_KERNEL.append(True)
+    return True
+
+
+_GREEDY_KERNEL: list[bool] = []  # [True] once found (the op cannot be unregistered)
+
+
 def _has_penalty(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
 
@@ -379,6 +405,8 @@ class Sampler:
         if self._plain_greedy(logits, rows, bitmask):  # nothing changes the logits: argmax of them, no copy
             tokens = logits.argmax(dim=-1)
             return SamplerOutput(token_ids=tokens.tolist(), logprobs=self._logprobs(logits, tokens, rows))
+        if self._fused_greedy_applies(logits, rows, bitmask):
+            return self._fused_greedy(logits, rows, bitmask)
         x = self.processed_logits(logits, rows, bitmask)
         dead = self.dead_rows(x)
         greedy = [i for i, r in enumerate(rows) if r.params.greedy]
@@ -401,13 +429,27 @@ class Sampler:
         """True when every row is greedy and no processing step of `processed_logits` would change a value."""
         if bitmask is not None or logits.shape[-1] > self.vocab_size or logits.dtype != torch.float32:
             return False
-        for r in rows:
-            p = r.params
-            if not p.greedy or p.allowed_token_ids is not None or p.logit_bias or _has_penalty(p):
-                return False
-            if len(r.output_token_ids) < p.min_tokens:
-                return False
-        return True
+        return _only_greedy(rows)
+
+    def _fused_greedy_applies(self, logits: Tensor, rows: Sequence[SamplingRow], bitmask: Tensor | None) -> bool:
+        """True when every row is greedy, nothing but a grammar bitmask and the vocabulary's end changes the logits,
+        and they are on the host, where `torch.ops.tandem.greedy_tokens` (tandem's CPU kernels) is loaded."""
+        if logits.device.type != "cpu" or logits.dim() != 2 or logits.stride(-1) != 1 or not greedy_kernel_loaded():
+            return False
+        if bitmask is not None and (bitmask.device.type != "cpu" or bitmask.dtype != torch.int32
+                                    or bitmask.shape[0] != logits.shape[0]):
+            return False
+        return _only_greedy(rows)
+
+    def _fused_greedy(self, logits: Tensor, rows: Sequence[SamplingRow], bitmask: Tensor | None) -> SamplerOutput:
+        """`sample` for rows `_fused_greedy_applies` to, in one pass over the logits: the same tokens and dead rows as
+        processed_logits + argmax (a dead row's token is 0), without the [R, V] float32 copy and unpacked mask
+        (256 rows x 200k tokens: docs/benchmarks.md)."""
+        mask = bitmask.contiguous() if bitmask is not None else None
+        picked = torch.ops.tandem.greedy_tokens(logits, mask, min(self.vocab_size, logits.shape[-1]))  # [R], -1: dead
+        dead = (picked < 0).nonzero().flatten().tolist()
+        tokens = picked.clamp_min(0)
+        return SamplerOutput(token_ids=tokens.tolist(), logprobs=self._logprobs(logits, tokens, rows), dead_rows=dead)
 
     def _logprobs(self, logits: Tensor, tokens: Tensor, rows: Sequence[SamplingRow]) -> list[RowLogprobs | None]:
         """Logprobs of the raw logits (log_softmax before any processing) for rows that asked for them."""

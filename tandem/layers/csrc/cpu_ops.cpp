@@ -8,6 +8,8 @@
 //   silu_mul       silu(gate) * up
 // and the projections themselves on AVX512-BF16 CPUs:
 //   linear_bf16    y = x @ W^T (+ bias) over a VNNI-packed weight
+// and one for sampling:
+//   greedy_tokens  each row's argmax among the tokens its grammar bitmask allows
 // Registered as torch ops (`torch.ops.tandem.*`); built on first use by `tandem/runner/kernels.py`.
 // Layouts: one layer's KV cache is [2, KVH, num_blocks, block_size * D] in the model dtype, slot = block * block_size +
 // offset; a V block is [block_size, D], a K block is stored transposed, [D, block_size] (see paged_attention). Blocks
@@ -20,7 +22,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -550,6 +552,108 @@ Tensor linear_bf16(const Tensor& x, const Tensor& wp, const c10::optional<Tensor
   return y;
 }
 
+// ---- greedy_tokens: the argmax of each logits row among the tokens its grammar bitmask allows ----
+// Greedy sampling under a grammar at an accelerator's batch over a large vocabulary (256 rows x 200k tokens) through
+// torch ops is a float32 copy, an unpacked [R, V] mask, a masked fill, an all-(-inf) check and an argmax: 0.5-0.7 s a
+// step on 2 cores. One pass here reads each 32-token word of the mask once, skips the words that allow nothing and
+// compares only the allowed logits (AVX512: a word's bits are the lanes' mask). Ties go to the lowest token id, as
+// torch.argmax's do; NaN logits are never chosen; a row where no allowed token has a logit above -inf gets -1.
+template <typename T>
+inline void scan_word(const T* x, int64_t base, uint32_t bits, float& best, int64_t& best_i) {
+  while (bits != 0u) {
+    const int j = __builtin_ctz(bits);
+    bits &= bits - 1u;
+    const float v = ld(x, base + j);
+    if (v > best) {
+      best = v;
+      best_i = base + j;
+    }
+  }
+}
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// words [0, nw) of a row, every one fully inside the vocabulary: per-lane maxima (strictly greater: a lane keeps its
+// first maximum), then the lowest index among the lanes holding the row's maximum
+template <typename T>
+inline void greedy_words_avx512(const T* x, const uint32_t* mask, int64_t nw, float& best, int64_t& best_i) {
+  const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512i vidx = _mm512_set1_epi32(-1);
+  for (int64_t w = 0; w < nw; ++w) {
+    const uint32_t bits = mask != nullptr ? mask[w] : 0xFFFFFFFFu;
+    if (bits == 0u) continue;
+    for (int half = 0; half < 2; ++half) {
+      const __mmask16 m = static_cast<__mmask16>(bits >> (16 * half));
+      if (m == 0) continue;
+      const int64_t base = w * 32 + 16 * half;
+      const __m512 v = load16(x + base);
+      const __mmask16 gt = _mm512_mask_cmp_ps_mask(m, v, vmax, _CMP_GT_OQ);
+      vmax = _mm512_mask_mov_ps(vmax, gt, v);
+      vidx = _mm512_mask_mov_epi32(vidx, gt, _mm512_add_epi32(iota, _mm512_set1_epi32(static_cast<int32_t>(base))));
+    }
+  }
+  const float top = _mm512_reduce_max_ps(vmax);
+  if (!(top > best)) return;
+  const __mmask16 at_top = _mm512_cmp_ps_mask(vmax, _mm512_set1_ps(top), _CMP_EQ_OQ);
+  const __m512i idx = _mm512_mask_mov_epi32(_mm512_set1_epi32(std::numeric_limits<int32_t>::max()), at_top, vidx);
+  best = top;
+  best_i = _mm512_reduce_min_epi32(idx);
+}
+#endif
+
+template <typename T>
+int64_t greedy_row(const T* x, const uint32_t* mask, int64_t W, int64_t V) {
+  float best = -std::numeric_limits<float>::infinity();
+  int64_t best_i = -1;
+  const int64_t words = mask != nullptr ? std::min<int64_t>(W, (V + 31) / 32) : (V + 31) / 32;
+  int64_t w = 0;
+#if defined(__AVX512F__)
+  if constexpr (!std::is_same_v<T, c10::Half>) {
+    const int64_t full = std::min<int64_t>(words, V / 32);  // words whose 32 tokens are all in the vocabulary
+    greedy_words_avx512(x, mask, full, best, best_i);
+    w = full;
+  }
+#endif
+  for (; w < words; ++w) {
+    uint32_t bits = mask != nullptr ? mask[w] : 0xFFFFFFFFu;
+    const int64_t n = std::min<int64_t>(32, V - w * 32);
+    if (n < 32) bits &= (1u << n) - 1u;
+    scan_word(x, w * 32, bits, best, best_i);
+  }
+  return best_i;
+}
+
+Tensor greedy_tokens(const Tensor& logits, const c10::optional<Tensor>& bitmask, int64_t vocab_size) {
+  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1, "greedy_tokens: logits must be [R, V] with contiguous rows");
+  const int64_t R = logits.size(0);
+  TORCH_CHECK(vocab_size >= 0 && vocab_size <= logits.size(1), "greedy_tokens: vocab_size outside the logits' columns");
+  const bool has_mask = bitmask.has_value() && bitmask->defined();
+  int64_t W = 0;
+  if (has_mask) {
+    TORCH_CHECK(bitmask->dim() == 2 && bitmask->scalar_type() == at::kInt && bitmask->is_contiguous() &&
+                bitmask->size(0) == R, "greedy_tokens: bitmask must be contiguous int32 [R, W]");
+    W = bitmask->size(1);
+  }
+  Tensor out = at::empty({R}, logits.options().dtype(at::kLong));
+  int64_t* o = out.data_ptr<int64_t>();
+  const uint32_t* m = has_mask ? reinterpret_cast<const uint32_t*>(bitmask->data_ptr<int32_t>()) : nullptr;
+  const int64_t stride = logits.stride(0);
+  dispatch_float(logits.scalar_type(), "greedy_tokens", [&](auto tag) {
+    using T = decltype(tag);
+    const T* x = logits.data_ptr<T>();
+    at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) o[r] = greedy_row(x + r * stride, m != nullptr ? m + r * W : nullptr, W, vocab_size);
+    });
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(tandem, m) {
@@ -558,6 +662,7 @@ TORCH_LIBRARY(tandem, m) {
   m.def("rope_write_kv(Tensor qk, Tensor v, Tensor positions, Tensor cos, Tensor sin, Tensor(a!) kv_cache, Tensor slots, int num_heads) -> Tensor");
   m.def("paged_attention(Tensor q, Tensor kv_cache, Tensor seq_info, Tensor block_tables, float scale, Tensor(a!) out, int window=0) -> ()");
   m.def("linear_bf16(Tensor x, Tensor wp, Tensor? bias) -> Tensor");
+  m.def("greedy_tokens(Tensor logits, Tensor? bitmask, int vocab_size) -> Tensor");
   m.def("has_bf16_gemm() -> bool", &has_bf16_gemm);
 }
 
@@ -567,4 +672,5 @@ TORCH_LIBRARY_IMPL(tandem, CPU, m) {
   m.impl("rope_write_kv", &rope_write_kv);
   m.impl("paged_attention", &paged_attention);
   m.impl("linear_bf16", &linear_bf16);
+  m.impl("greedy_tokens", &greedy_tokens);
 }

@@ -1,0 +1,69 @@
+"""`torch.ops.tandem.greedy_tokens` (the fused greedy sampler under a grammar bitmask) against the torch path it
+replaces: `Sampler.processed_logits` (float32 copy, padded columns and disallowed tokens at -inf) then argmax and the
+all-(-inf) dead-row check. Same token for every row (ties to the lowest id), same dead rows, for float32, bfloat16
+and float16 logits, sparse, dense, empty and short masks, a padded vocabulary, and -inf logits among the allowed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.layers.kernels import load_cpu_kernels
+from tandem.params import SamplingParams
+from tandem.sampling.bitmask import bitmask_words
+from tandem.sampling.sampler import Sampler, SamplingRow
+
+pytestmark = pytest.mark.skipif(not load_cpu_kernels(), reason="tandem CPU kernels could not be built here")
+
+
+def _reference(logits: torch.Tensor, mask: torch.Tensor | None, vocab: int) -> tuple[list[int], list[int]]:
+    rows = [SamplingRow(SamplingParams(temperature=0.0), [1], [], None) for _ in range(logits.shape[0])]
+    x = Sampler(vocab, [0]).processed_logits(logits, rows, mask)
+    dead = torch.isneginf(x).all(dim=-1)
+    return x.argmax(dim=-1).masked_fill(dead, 0).tolist(), dead.nonzero().flatten().tolist()
+
+
+def _masks(rows: int, words: int, g: torch.Generator) -> torch.Tensor:
+    """Rows of every kind a grammar produces: random bits, all allowed, nothing, one token, a few sparse words."""
+    m = torch.randint(-2**31, 2**31 - 1, (rows, words), dtype=torch.int32, generator=g)
+    m[1::5] = -1  # everything allowed
+    m[2::5] = 0  # nothing allowed: a dead row
+    m[3::5] = 0
+    m[3::5, words // 2] = 1 << 7  # one token
+    sparse = torch.zeros(words, dtype=torch.int32)
+    sparse[torch.randint(0, words, (6,), generator=g)] = torch.randint(1, 2**31 - 1, (6,), dtype=torch.int32, generator=g)
+    m[4::5] = sparse
+    return m
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("vocab", "columns"), [(1000, 1000), (49152, 49152), (50257, 50304), (37, 64)])
+def test_greedy_tokens_matches_the_torch_sampler(dtype: torch.dtype, vocab: int, columns: int) -> None:
+    g = torch.Generator().manual_seed(vocab + columns)
+    logits = (torch.randn(23, columns, generator=g) * 4).to(dtype)
+    logits[5, :] = 1.0  # ties everywhere: the lowest allowed id wins
+    logits[6, : columns // 2] = float("-inf")  # -inf logits among the allowed tokens
+    logits[7, :] = float("-inf")  # every logit -inf: dead whatever the mask
+    mask = _masks(23, bitmask_words(columns), g)
+    for m in (mask, None, mask[:, : max(1, mask.shape[1] // 3)].contiguous()):  # also a mask shorter than the vocab
+        got = torch.ops.tandem.greedy_tokens(logits, m, vocab)
+        want_tokens, want_dead = _reference(logits, m, vocab)
+        assert got.clamp_min(0).tolist() == want_tokens
+        assert (got < 0).nonzero().flatten().tolist() == want_dead
+
+
+def test_sampler_takes_the_fused_path_for_greedy_rows_and_not_for_others() -> None:
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(8, 4096, generator=g) * 3).to(torch.bfloat16)
+    mask = _masks(8, bitmask_words(4096), g)
+    greedy = [SamplingRow(SamplingParams(temperature=0.0), [1], [], None) for _ in range(8)]
+    s = Sampler(4000, [0])
+    assert s._fused_greedy_applies(logits, greedy, mask)
+    out = s.sample(logits, greedy, mask)
+    want_tokens, want_dead = _reference(logits, mask, 4000)
+    assert out.token_ids == want_tokens and out.dead_rows == want_dead
+    biased = [SamplingRow(SamplingParams(temperature=0.0, logit_bias={3: 5.0}), [1], [], None)] + greedy[1:]
+    assert not s._fused_greedy_applies(logits, biased, mask)  # logit bias changes the logits: the torch path
+    sampled = [SamplingRow(SamplingParams(temperature=0.7), [1], [], None)] + greedy[1:]
+    assert not s._fused_greedy_applies(logits, sampled, mask)
+    assert not s._fused_greedy_applies(logits[:, ::2], greedy, mask)  # strided columns: the torch path
