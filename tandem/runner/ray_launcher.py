@@ -33,13 +33,20 @@ def import_ray() -> Any:
     return ray
 
 
+def connect_ray() -> Any:
+    """The `ray` module, connected to the cluster at `$RAY_ADDRESS` (else a local Ray instance is started); inside a
+    Ray actor (an engine core placed by Ray) it is connected already."""
+    ray = import_ray()
+    if not ray.is_initialized():
+        ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False, log_to_driver=False)
+    return ray
+
+
 class RayLauncher(WorkerLauncher):
     """Starts each worker rank as a Ray actor (one GPU each on CUDA; its threads' worth of CPUs)."""
 
     def __init__(self) -> None:
-        self.ray = import_ray()
-        if not self.ray.is_initialized():
-            self.ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False, log_to_driver=False)
+        self.ray = connect_ray()
         self.actors: list[Any] = []
         self.runs: list[Any] = []
 
