@@ -5,6 +5,7 @@ address, Ray only places and supervises them."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from typing import Any
@@ -55,12 +56,17 @@ class RayLauncher(WorkerLauncher):
         return str(self.ray.util.get_node_ip_address())
 
     def start(self, specs: list[WorkerSpec]) -> None:
+        """One actor per rank, on the driver's node while it has room (soft affinity: a group keeps its all-reduces
+        off the network when it fits one node), elsewhere in the cluster otherwise."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        here = NodeAffinitySchedulingStrategy(self.ray.get_runtime_context().get_node_id(), soft=True)
         for spec in specs:
             gpus = 1 if torch.device(spec.device).type == "cuda" else 0
-            actor_cls = self.ray.remote(num_cpus=spec.rank_threads, num_gpus=gpus)(RankActor)
+            actor_cls = self.ray.remote(num_cpus=spec.rank_threads, num_gpus=gpus, scheduling_strategy=here)(RankActor)
             actor = actor_cls.options(name=None).remote()
             self.actors.append(actor)
-            self.runs.append(actor.run.remote(spec))
+            self.runs.append(actor.run.remote(dataclasses.replace(spec, sees_own_gpu=gpus > 0)))
         logger.info("tensor parallel: %d worker ranks placed by Ray", len(specs))
 
     def stop(self) -> None:
