@@ -140,7 +140,8 @@ class RayCoreLauncher(CoreLauncher):
             commands, results = await asyncio.wait_for(loop.run_in_executor(None, connect, address, authkey),
                                                        CONNECT_TIMEOUT_S)
         except BaseException as e:
-            self.ray.kill(actor, no_restart=True)  # (a connect still waiting ends with it)
+            with contextlib.suppress(Exception):  # (a connect still waiting ends with the actor)
+                self.ray.kill(actor, no_restart=True)
             if isinstance(e, Exception):  # Ray's errors, OSError / EOFError / AuthenticationError, the time-outs
                 raise EngineDeadError(f"engine core actor did not start: {first_line(e)}") from e
             raise
@@ -150,5 +151,5 @@ class RayCoreLauncher(CoreLauncher):
 
 def first_line(e: BaseException) -> str:
     """An exception as one short line (Ray's messages run to many)."""
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0][:300] if text else ''}".rstrip(": ")
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0][:300]}" if lines else type(e).__name__
