@@ -59,8 +59,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="shard the model over this many ranks (worker processes over torch.distributed: gloo on the "
                         "CPU, each rank on its share of the cores; NCCL on CUDA, one device per rank)")
     g.add_argument("--distributed-executor-backend", "--distributed-executor", default="mp", choices=["mp", "ray"],
-                   help="where the tensor-parallel worker ranks run: local processes (mp) or Ray actors on the "
-                        "cluster at $RAY_ADDRESS, else a local Ray instance (ray; pip install ray)")
+                   help="where the tensor-parallel worker ranks (and, with tandem serve --data-parallel-size > 1, "
+                        "the engine cores) run: local processes (mp) or Ray actors on the cluster at $RAY_ADDRESS, "
+                        "else a local Ray instance (ray; pip install ray)")
     g.add_argument("--chat-template", default=None, help="Jinja chat template text or file")
     g.add_argument("--structured-outputs-config", type=json.loads, default=None,
                    help='structured-output settings as JSON, e.g. {"backend": "llguidance"}')

@@ -152,6 +152,7 @@ class WorkerSpec:
     init_method: str
     cores: tuple[int, ...]  # the whole group's: each rank takes `rank_cores` of them
     num_threads: int  # per rank, at most its cores
+    sees_own_gpu: bool = False  # CUDA: this rank sees only the GPU given to it, as cuda:0 (a Ray actor)
 
     @property
     def rank_cores(self) -> tuple[int, ...]:
@@ -160,6 +161,15 @@ class WorkerSpec:
     @property
     def rank_threads(self) -> int:
         return max(1, min(self.num_threads, len(self.rank_cores)))
+
+    @property
+    def rank_device(self) -> torch.device:
+        """This rank's device: CUDA, the driver's counted up by the rank, or cuda:0 when the rank sees only its own
+        GPU (Ray sets an actor's CUDA_VISIBLE_DEVICES to the GPU it gave it); the host otherwise."""
+        device = torch.device(self.device)
+        if device.type == "cuda" and self.sees_own_gpu:
+            return torch.device("cuda", 0)
+        return rank_device(device, self.rank)
 
 
 def free_tcp_address(host: str = "127.0.0.1") -> str:
@@ -254,7 +264,7 @@ def run_worker(spec: WorkerSpec) -> None:
 def serve_plans(spec: WorkerSpec, tp: TensorParallel) -> None:
     from tandem.models.loader import load_checkpoint
 
-    device = rank_device(torch.device(spec.device), spec.rank)
+    device = spec.rank_device
     if device.type == "cuda":
         torch.cuda.set_device(device)
     num_blocks = torch.zeros(1, dtype=torch.int64, device=device if device.type == "cuda" else "cpu")

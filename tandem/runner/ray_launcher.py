@@ -5,6 +5,7 @@ address, Ray only places and supervises them."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from typing import Any
@@ -33,13 +34,20 @@ def import_ray() -> Any:
     return ray
 
 
+def connect_ray() -> Any:
+    """The `ray` module, connected to the cluster at `$RAY_ADDRESS` (else a local Ray instance is started); inside a
+    Ray actor (an engine core placed by Ray) it is connected already."""
+    ray = import_ray()
+    if not ray.is_initialized():
+        ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False, log_to_driver=False)
+    return ray
+
+
 class RayLauncher(WorkerLauncher):
     """Starts each worker rank as a Ray actor (one GPU each on CUDA; its threads' worth of CPUs)."""
 
     def __init__(self) -> None:
-        self.ray = import_ray()
-        if not self.ray.is_initialized():
-            self.ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False, log_to_driver=False)
+        self.ray = connect_ray()
         self.actors: list[Any] = []
         self.runs: list[Any] = []
 
@@ -48,12 +56,17 @@ class RayLauncher(WorkerLauncher):
         return str(self.ray.util.get_node_ip_address())
 
     def start(self, specs: list[WorkerSpec]) -> None:
+        """One actor per rank, on the driver's node while it has room (soft affinity: a group keeps its all-reduces
+        off the network when it fits one node), elsewhere in the cluster otherwise."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        here = NodeAffinitySchedulingStrategy(self.ray.get_runtime_context().get_node_id(), soft=True)
         for spec in specs:
             gpus = 1 if torch.device(spec.device).type == "cuda" else 0
-            actor_cls = self.ray.remote(num_cpus=spec.rank_threads, num_gpus=gpus)(RankActor)
+            actor_cls = self.ray.remote(num_cpus=spec.rank_threads, num_gpus=gpus, scheduling_strategy=here)(RankActor)
             actor = actor_cls.options(name=None).remote()
             self.actors.append(actor)
-            self.runs.append(actor.run.remote(spec))
+            self.runs.append(actor.run.remote(dataclasses.replace(spec, sees_own_gpu=gpus > 0)))
         logger.info("tensor parallel: %d worker ranks placed by Ray", len(specs))
 
     def stop(self) -> None:

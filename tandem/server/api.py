@@ -479,7 +479,7 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
             return error_response(APIError(f"the server is draining: {state.admitted_seqs} sequences in flight finish, "
                                            "new requests go elsewhere", 503, type="server_error", code="draining"))
         return JSONResponse({"status": "ok", "engine_core_pid": client.core_pid, "engine_core_pids": client.core_pids,
-                             "in_flight": client.num_in_flight,
+                             "in_flight": client.num_in_flight, "replicas": client.replica_states,
                              "engine_restarts": client.restarts})
 
     @app.get("/metrics")

@@ -54,7 +54,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="engine cores behind this server, each a whole engine (on the CPU: its share of the cores; "
                         "on CUDA: its own device); requests go to the least loaded one, or to the one holding their "
-                        "prefix; each restarts on its own")
+                        "prefix; each restarts on its own. With --distributed-executor-backend ray each core is a "
+                        "Ray actor on any node of the cluster")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_engine_args(p)
     p.set_defaults(func=run_serve)
@@ -64,8 +65,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run_serve(args: argparse.Namespace) -> int:
     """Build the app, start uvicorn, serve until SIGINT / SIGTERM."""
     from tandem.server.api import ServerConfig, create_app, run_server
-    from tandem.server.data_parallel import DataParallelClient, ServingClient
-    from tandem.server.engine_client import EngineClient
+    from tandem.server.data_parallel import serving_client
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     api_key = args.api_key if args.api_key is not None else os.environ.get("TANDEM_API_KEY") or None
@@ -85,9 +85,8 @@ def run_serve(args: argparse.Namespace) -> int:
     )
     if args.data_parallel_size < 1:
         raise SystemExit("--data-parallel-size must be >= 1")
-    client: ServingClient = EngineClient(args.model, engine_kwargs_from_args(args))
-    if args.data_parallel_size > 1:
-        client = DataParallelClient(args.model, engine_kwargs_from_args(args), args.data_parallel_size)
+    client = serving_client(args.model, engine_kwargs_from_args(args), args.data_parallel_size,
+                            args.distributed_executor_backend)
     app = create_app(client, config)
     run_server(app, args.host, args.port, args.log_level)
     return 0 if client.info is not None else 1

@@ -22,7 +22,15 @@ from typing import Any
 
 from tandem.layers.parallel import even_split
 from tandem.params import SamplingParams
-from tandem.server.engine_client import EngineClient, EngineDeadError, ModelInfo, RequestDelta, RequestStream
+from tandem.server.engine_client import (
+    CoreLauncher,
+    EngineClient,
+    EngineDeadError,
+    LocalCoreLauncher,
+    ModelInfo,
+    RequestDelta,
+    RequestStream,
+)
 
 KV_WEIGHT = 8.0  # a full KV cache counts as this many requests in flight
 PREFIX_SLACK = 4.0  # a replica holding the prompt's prefix is chosen while at most this much busier
@@ -135,6 +143,10 @@ class DataParallelClient:
     @property
     def core_pids(self) -> list[int]:
         return [pid for c in self.replicas for pid in c.core_pids]
+
+    @property
+    def replica_states(self) -> list[dict[str, Any]]:
+        return [state for c in self.replicas for state in c.replica_states]
 
     @property
     def num_in_flight(self) -> int:
@@ -250,6 +262,21 @@ def replica_kwargs(engine_kwargs: Mapping[str, Any], size: int) -> list[dict[str
             kw["device"] = f"cuda:{i * tp}"
         out.append(kw)
     return out
+
+
+def serving_client(
+    model: str | None, engine_kwargs: Mapping[str, Any], data_parallel_size: int = 1, executor: str = "mp",
+) -> EngineClient | DataParallelClient:
+    """What `tandem serve` runs over: one engine core (a local child), or `data_parallel_size` of them behind a router,
+    each a local child (`executor` "mp") or a Ray actor on any node of the cluster ("ray": `server/ray_cores.py`)."""
+    if data_parallel_size == 1:
+        return EngineClient(model, engine_kwargs)
+    launcher: CoreLauncher = LocalCoreLauncher()
+    if executor == "ray":
+        from tandem.server.ray_cores import RayCoreLauncher
+
+        launcher = RayCoreLauncher()
+    return DataParallelClient(model, engine_kwargs, data_parallel_size, lambda m, kw: EngineClient(m, kw, launcher))
 
 
 ServingClient = EngineClient | DataParallelClient  # noqa: UP007 (a runtime alias on Python 3.10): what the API serves over

@@ -7,10 +7,14 @@ request (text, token ids and logprobs produced since the last event for it) or t
 Because the engine's visible text only grows (see tandem/engine/stop.py), deltas are exact.
 
 Client (HTTP process, asyncio): `EngineClient.add()` registers a per-request asyncio queue and sends the command;
-one reader callback (loop.add_reader on the output pipe) dispatches every message to those queues, and a second
-callback on the child's process sentinel notices its death at once: every in-flight request then fails with 503,
-and the client starts a new engine core (crash-only recovery, with back-off when cores keep dying); until it is
-ready, new requests are refused with 503 and /health says the engine is restarting.
+one reader callback (loop.add_reader on the output connection) dispatches every message to those queues, and its EOF
+(or, for a local child, the process sentinel) notices the core's death at once: every in-flight request then fails
+with 503, and the client starts a new engine core (crash-only recovery, with back-off when cores keep dying); until
+it is ready, new requests are refused with 503 and /health says the engine is restarting.
+
+Where the core runs is the client's one seam, a `CoreLauncher`: `LocalCoreLauncher` spawns a child process joined by
+two pipes; `server/ray_cores.py` places the core as a Ray actor joined by two authenticated TCP connections
+(multiprocessing.connection). Either way the core runs `run_engine_core` and the messages are the same.
 
 Messages child -> parent: ("ready", info) | ("failed", reason) | ("step", events, stats) | ("fatal", reason).
 Commands parent -> child: ("add", request_id, prompt, SamplingParams) | ("abort", [ids]) | ("shutdown",).
@@ -28,6 +32,7 @@ import signal
 import threading
 import time
 import traceback
+from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -310,18 +315,110 @@ class RequestStream:
             self._client.abort(self.request_id)
 
 
-class EngineClient:
-    """Owns the engine-core process; asyncio side of the boundary. Use from one event loop."""
+class RunningCore(ABC):
+    """One started engine core as its client sees it: the two connections of the message protocol, and how to name,
+    watch and end what runs behind them."""
 
-    def __init__(self, model: str | None, engine_kwargs: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, commands: Connection, results: Connection) -> None:
+        self.commands = commands  # client -> core
+        self.results = results  # core -> client: EOF once the core is gone
+
+    @property
+    @abstractmethod
+    def pid(self) -> int | None:
+        """The core's process id, on the node it runs on."""
+
+    @property
+    def sentinel(self) -> int | None:
+        """A file descriptor that becomes readable when the core is gone, beside EOF on `results` (None: EOF only)."""
+        return None
+
+    @abstractmethod
+    def is_alive(self) -> bool:
+        """Whether the core still runs (after a shutdown command: whether it has not left yet)."""
+
+    @abstractmethod
+    def kill(self) -> None:
+        """End the core now, whether or not it is still running, and wait a little for it."""
+
+    @abstractmethod
+    def reap(self) -> str:
+        """The core is gone (EOF or sentinel): collect what is left of it and say why it ended."""
+
+
+class CoreLauncher(ABC):
+    """Starts engine cores running `run_engine_core`: a local child process (`LocalCoreLauncher`), or a Ray actor on
+    any node of a cluster (`server/ray_cores.py: RayCoreLauncher`)."""
+
+    @abstractmethod
+    async def start(self, model: str | None, engine_kwargs: Mapping[str, Any], timeout_s: float) -> RunningCore:
+        """Start one core; return once its connections are up (it then builds its engine and says 'ready'). Raises
+        EngineDeadError when it cannot be started within `timeout_s`."""
+
+
+class LocalCore(RunningCore):
+    """A spawned child process; its sentinel says at once when it dies, its exit code or signal why."""
+
+    def __init__(self, proc: Any, commands: Connection, results: Connection) -> None:
+        super().__init__(commands, results)
+        self.proc = proc
+
+    @property
+    def pid(self) -> int | None:
+        return int(self.proc.pid) if self.proc.pid is not None else None
+
+    @property
+    def sentinel(self) -> int | None:
+        return int(self.proc.sentinel)
+
+    def is_alive(self) -> bool:
+        return bool(self.proc.is_alive())
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+
+    def reap(self) -> str:
+        self.proc.join(0.5)
+        code = self.proc.exitcode
+        if code is not None and code < 0:
+            with contextlib.suppress(ValueError):
+                return f"engine core process was killed by {signal.Signals(-code).name}"
+        return f"engine core process exited (code {code})"
+
+
+class LocalCoreLauncher(CoreLauncher):
+    """The core as a spawned child of this process, joined by two one-way pipes."""
+
+    async def start(self, model: str | None, engine_kwargs: Mapping[str, Any], timeout_s: float) -> RunningCore:
+        ctx = mp.get_context("spawn")
+        cmd_reader, cmd_writer = ctx.Pipe(duplex=False)
+        reader, writer = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=run_engine_core, args=(model, engine_kwargs, cmd_reader, writer, os.getpid()),
+                           name="tandem-engine-core", daemon=True)
+        proc.start()
+        writer.close()  # only the child writes: its death then reads as EOF here
+        cmd_reader.close()
+        return LocalCore(proc, cmd_writer, reader)
+
+
+class EngineClient:
+    """Owns the engine core (started by its `CoreLauncher`, a local child by default); asyncio side of the boundary.
+    Use from one event loop."""
+
+    def __init__(
+        self, model: str | None, engine_kwargs: Mapping[str, Any] | None = None, launcher: CoreLauncher | None = None,
+    ) -> None:
         self.model = model
         self.engine_kwargs = dict(engine_kwargs or {})
+        self.launcher = launcher if launcher is not None else LocalCoreLauncher()
         self.stats: dict[str, Any] = {}
         self.info: ModelInfo | None = None
         self.dead_reason: str | None = None
         self.accepting = True
         self._streams: dict[str, RequestStream] = {}
-        self._proc: Any = None
+        self._core: RunningCore | None = None
         self._commands: _CommandSender | None = None
         self._closing = False
         self._results: Connection | None = None
@@ -340,32 +437,27 @@ class EngineClient:
         return await self._spawn()
 
     async def _spawn(self) -> ModelInfo:
-        """Start one engine-core process and wait for its 'ready'."""
+        """Start one engine core and wait for its 'ready'."""
         timeout_s = self._start_timeout_s
-        ctx = mp.get_context("spawn")
         self._loop = asyncio.get_running_loop()
-        cmd_reader, cmd_writer = ctx.Pipe(duplex=False)
-        reader, writer = ctx.Pipe(duplex=False)
-        self._proc = ctx.Process(
-            target=run_engine_core,
-            args=(self.model, self.engine_kwargs, cmd_reader, writer, os.getpid()),
-            name="tandem-engine-core",
-            daemon=True,
-        )
-        self._proc.start()
-        writer.close()  # only the child writes: its death then reads as EOF here
-        cmd_reader.close()
-        self._commands = _CommandSender(cmd_writer)
-        self._results = reader
+        started = time.monotonic()
+        core = self._core = await self.launcher.start(self.model, self.engine_kwargs, timeout_s)
+        self._commands = _CommandSender(core.commands)
+        self._results = core.results
         self._ready = self._loop.create_future()
-        self._loop.add_reader(reader.fileno(), self._on_readable)
-        self._loop.add_reader(self._proc.sentinel, self._on_exit)
+        self._loop.add_reader(core.results.fileno(), self._on_readable)
+        if core.sentinel is not None:
+            self._loop.add_reader(core.sentinel, self._on_exit)
         try:
-            self.info = await asyncio.wait_for(asyncio.shield(self._ready), timeout_s)
+            left_s = max(1.0, timeout_s - (time.monotonic() - started))
+            self.info = await asyncio.wait_for(asyncio.shield(self._ready), left_s)
         except asyncio.TimeoutError:
             self._mark_dead(f"engine core did not start within {timeout_s:.0f} s")
             self._kill()
             raise EngineDeadError(self.dead_reason) from None
+        except EngineDeadError:
+            self._kill()  # it said 'failed' (a local child then exits by itself; a Ray actor would stay)
+            raise
         self.dead_reason = None  # serving (again)
         return self.info
 
@@ -407,12 +499,18 @@ class EngineClient:
 
     @property
     def core_pid(self) -> int | None:
-        return self._proc.pid if self._proc is not None else None
+        return self._core.pid if self._core is not None else None
 
     @property
     def core_pids(self) -> list[int]:
         """The engine cores' process ids (one here; one per replica behind a `DataParallelClient`)."""
-        return [self._proc.pid] if self._proc is not None else []
+        return [self._core.pid] if self._core is not None and self._core.pid is not None else []
+
+    @property
+    def replica_states(self) -> list[dict[str, Any]]:
+        """Per engine core (one here): its pid, whether it serves, requests in flight, tokens it generated."""
+        return [{"pid": self.core_pid, "alive": self.alive, "in_flight": self.num_in_flight,
+                 "generated_tokens": int(self.stats.get("num_generated_tokens", 0))}]
 
     @property
     def alive(self) -> bool:
@@ -429,12 +527,12 @@ class EngineClient:
         if self._restart_task is not None:
             self._restart_task.cancel()
         self.abort_all("the server is shutting down")
-        if self._proc is None:
+        if self._core is None:
             return
         if self.dead_reason is None:
             self._send(("shutdown",))
         deadline = time.monotonic() + timeout_s
-        while self._proc.is_alive() and time.monotonic() < deadline:
+        while self._core.is_alive() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         self._kill()
         self._mark_dead("the server shut down")
@@ -443,14 +541,13 @@ class EngineClient:
             self._commands.close()
 
     def _kill(self) -> None:
-        if self._proc is not None and self._proc.is_alive():
-            self._proc.kill()
-            self._proc.join(5)
+        if self._core is not None:
+            self._core.kill()
 
     def _detach(self) -> None:
         if self._loop is None:
             return
-        for fd in (self._results, self._proc.sentinel if self._proc is not None else None):
+        for fd in (self._results, self._core.sentinel if self._core is not None else None):
             if fd is not None:
                 with contextlib.suppress(Exception):
                     self._loop.remove_reader(fd)
@@ -530,17 +627,11 @@ class EngineClient:
                 stream._put(RequestRefused(status, message))
 
     def _on_exit(self) -> None:
-        """The core's sentinel fired (or its pipe closed): it is gone."""
+        """The core's sentinel fired (or its connection closed): it is gone."""
         self._on_readable_final()  # a 'fatal' message sent before dying names the real reason
-        code = None
-        if self._proc is not None:
-            self._proc.join(0.5)
-            code = self._proc.exitcode
-        reason = f"engine core process exited (code {code})"
-        if code is not None and code < 0:
-            with contextlib.suppress(ValueError):
-                reason = f"engine core process was killed by {signal.Signals(-code).name}"
-        self._mark_dead(reason)
+        if self._results is None and self.dead_reason is not None:
+            return  # the other signal of the same death, already handled
+        self._mark_dead(self._core.reap() if self._core is not None else "engine core is gone")
         self._detach()
         if not self._closing and self.info is not None:
             self._schedule_restart()

@@ -4,6 +4,7 @@ formula's (`runner/distributed.py: step_bytes`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -12,12 +13,19 @@ import pytest
 import torch
 
 from tandem import LLM, SamplingParams, StructuredOutputsParams
-from tandem.config import ModelConfig
+from tandem.config import CacheConfig, ModelConfig, SchedulerConfig
 from tandem.core.plan import ScheduledRequest, StepPlan
 from tandem.layers.parallel import TensorParallel, even_split
 from tandem.layers.quant import quantize_int8
 from tandem.models.sharding import WeightShard, slice_weight
-from tandem.runner.distributed import TensorParallelRunner, decode_plan, encode_plan, rank_cores, step_bytes
+from tandem.runner.distributed import (
+    TensorParallelRunner,
+    WorkerSpec,
+    decode_plan,
+    encode_plan,
+    rank_cores,
+    step_bytes,
+)
 from tests.tiny import save_tiny, tiny_model
 
 PROMPTS = ["t1 t2 t3 t4", "t5 t9 t20 t30 t31 t40 t41 t42 t43 t44 t45 t46 t47 t48 t49 t50 t51 t52", "t7"]
@@ -139,3 +147,13 @@ def test_tp2_on_a_local_ray_cluster_matches_tp1(tmp_path: Path) -> None:
         assert _tokens(folder, 2, PROMPTS, GREEDY, distributed_executor_backend="ray") == one
     finally:
         ray.shutdown()
+
+
+def test_a_rank_that_sees_only_its_own_gpu_runs_on_cuda_0() -> None:
+    """A local worker counts up from the driver's device; a Ray actor sees only the GPU Ray gave it, as cuda:0."""
+    spec = WorkerSpec(model_path="m", dtype="bfloat16", quantization=None, device="cuda:2", cache=CacheConfig(),
+                      scheduler=SchedulerConfig(), use_kernels=False, rank=1, size=2, init_method="", cores=(0,),
+                      num_threads=1)
+    assert spec.rank_device == torch.device("cuda", 3)
+    assert dataclasses.replace(spec, sees_own_gpu=True).rank_device == torch.device("cuda", 0)
+    assert dataclasses.replace(spec, device="cpu", sees_own_gpu=True).rank_device == torch.device("cpu")
