@@ -103,10 +103,13 @@ def rejection_sample(
     sizes = [len(d.draft_token_ids) + 1 for d in drafts]
     if sum(sizes) != target_logits.shape[0] or len(rows) != target_logits.shape[0]:
         raise ValueError(f"{target_logits.shape[0]} target rows, {len(rows)} sampling rows, drafts need {sum(sizes)}")
+    starts = [0, *accumulate(sizes)][:-1]  # first row of each request
+    fused = sampler.greedy_tokens(target_logits, rows, bitmask)  # every row greedy, on the host: [N], -1 = dead
+    if fused is not None:
+        return _greedy_verify(drafts, fused, starts)
     p = sampler.probs(target_logits, rows, bitmask)  # [N, V]
     dev, vocab = p.device, p.shape[-1]
 
-    starts = [0, *accumulate(sizes)][:-1]  # first row of each request
     heads = [rows[s] for s in starts]  # one request's rows share params and generator
     greedy = [h.params.greedy for h in heads]
     draft_rows = [s + j for s, n in zip(starts, sizes, strict=True) for j in range(n - 1)]  # [D]
@@ -141,6 +144,24 @@ def rejection_sample(
     # a dead row has p(d) = 0, so no draft there is accepted: the walk's last token comes from the first dead row
     # it reaches, and means nothing
     return [Verified(e[:-1], True) if dead[s + len(e) - 1] else Verified(e) for e, s in zip(emitted, starts, strict=True)]
+
+
+def _greedy_verify(drafts: Sequence[DraftRows], targets: list[int], starts: list[int]) -> list[Verified]:
+    """`rejection_sample` when every row is greedy, from each row's greedy token (-1: nothing allowed): a draft is
+    accepted iff it is its row's token; a dead row accepts nothing and ends its request's walk as dead."""
+    out: list[Verified] = []
+    for d, s in zip(drafts, starts, strict=True):
+        emitted: list[int] = []
+        for j, tok in enumerate([*d.draft_token_ids, None]):
+            target = targets[s + j]
+            if target < 0:
+                out.append(Verified(emitted, True))
+                break
+            emitted.append(target)
+            if tok != target:
+                out.append(Verified(emitted))
+                break
+    return out
 
 
 def _accept_walk(

@@ -67,3 +67,38 @@ def test_sampler_takes_the_fused_path_for_greedy_rows_and_not_for_others() -> No
     sampled = [SamplingRow(SamplingParams(temperature=0.7), [1], [], None)] + greedy[1:]
     assert not s._fused_greedy_applies(logits, sampled, mask)
     assert not s._fused_greedy_applies(logits[:, ::2], greedy, mask)  # strided columns: the torch path
+
+
+def test_greedy_verification_matches_the_general_rejection_sampler() -> None:
+    """Drafts that match their rows' greedy tokens for a while, then not; all accepted; a dead row in the middle of
+    a walk and one past a rejection (which must not matter)."""
+    from tandem.sampling.rejection import DraftRows, rejection_sample
+
+    g = torch.Generator().manual_seed(3)
+    vocab, sizes = 3000, [4, 1, 3, 5, 2]
+    n = sum(sizes)
+    logits = (torch.randn(n, 3008, generator=g) * 3).to(torch.bfloat16)
+    mask = _masks(n, bitmask_words(3008), g)
+    mask[2::5] = -1  # no dead rows from the generic pattern ...
+    mask[7] = 0  # ... but one on request 2's third row
+    rows = [SamplingRow(SamplingParams(temperature=0.0), [1], [], None) for _ in range(n)]
+    s = Sampler(vocab, [0])
+    targets = s.greedy_tokens(logits, rows, mask)
+    assert targets is not None
+    drafts, start = [], 0
+    for i, k in enumerate(sizes):
+        want = [max(t, 0) for t in targets[start : start + k - 1]]
+        if i == 3:
+            want[2] = (want[2] + 1) % vocab  # rejected at the third draft
+        drafts.append(DraftRows(want))
+        start += k
+    fused = rejection_sample(s, logits, rows, drafts, mask)
+
+    class General(Sampler):
+        def greedy_tokens(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            return None
+
+    general = rejection_sample(General(vocab, [0]), logits, rows, drafts, mask)
+    assert fused == general
+    assert fused[2].dead and fused[2].tokens == drafts[2].draft_token_ids[:2]
+    assert len(fused[3].tokens) == 3 and not fused[3].dead
