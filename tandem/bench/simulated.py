@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from tandem.bench.common import drive, machine_line, print_table, shared_data_dir
 from tandem.bench.schemas import describe, distinct_schemas
 from tandem.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
@@ -106,22 +108,27 @@ def _run_mode(tok: Tokenizer, mode: str, level: int, n: int, args: argparse.Name
         engine.guidance.warm_up()
     drive(engine, prompts[:2], params[:2], 2, "warmup")
     before = engine.get_stats()
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     res = drive(engine, prompts, params, level, mode)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     after = engine.get_stats()
     engine.shutdown()
-    return _row(mode, level, n, res.output_tokens, wall, before, after, args.step_ms / 1e3)
+    return _row(mode, level, n, res.output_tokens, (wall, cpu), before, after, args.step_ms / 1e3)
 
 
-def _row(mode: str, level: int, n: int, tokens: int, wall: float, before: dict[str, Any], after: dict[str, Any],
-         step_s: float) -> dict[str, Any]:
+def _row(mode: str, level: int, n: int, tokens: int, times: tuple[float, float], before: dict[str, Any],
+         after: dict[str, Any], step_s: float) -> dict[str, Any]:
+    """One run's row. host_cpu_ms/step: this process's CPU time per step (every thread), sampling excluded (device
+    work on a real accelerator; its wall time x torch's threads): the CPU side's demand; cores_for_step: how many cores that demand needs to fit in
+    one device step, i.e. the host to size for no waiting."""
     def d(key: str) -> float:
         return float(after.get(key, 0.0)) - float(before.get(key, 0.0))
 
+    wall, cpu = times
     steps = max(1.0, d("num_steps"))
     device = steps * step_s + d("sample_s")  # forwards + sampling: device work on a real accelerator
     wait = max(0.0, wall - device)
+    host_cpu = max(0.0, cpu - d("sample_s") * torch.get_num_threads()) / steps  # sampling runs on torch's threads
     return {
         "mode": mode, "concurrency": level, "requests": n, "tokens": tokens, "steps": int(steps),
         "tok/s": round(tokens / wall, 1), "step_ms": round(1e3 * wall / steps, 2),
@@ -131,5 +138,7 @@ def _row(mode: str, level: int, n: int, tokens: int, wall: float, before: dict[s
         "grammar_exposed_ms/step": round(1e3 * d("grammar_exposed_s") / steps, 2),
         "mask_fill_ms/step": round(1e3 * d("grammar_mask_fill_s") / steps, 2),
         "sample_ms/step": round(1e3 * d("sample_s") / steps, 2),
+        "host_cpu_ms/step": round(1e3 * host_cpu, 2),
+        "cores_for_step": round(host_cpu / step_s, 2),
         "failed": int(d("grammar_fill_errors")),
     }
