@@ -80,6 +80,9 @@ def simulated_engine(tok: Tokenizer, step_s: float, max_num_seqs: int, backend: 
 
 
 def run(args: argparse.Namespace) -> int:
+    # the simulated device's sampling runs on the host: one thread, so the CPU time it takes is known (its wall
+    # time) and subtracted exactly from the host's demand, and it leaves the other cores to the CPU side
+    torch.set_num_threads(1)
     tok = tiktoken_tokenizer(args.vocab)
     rows: list[dict[str, Any]] = []
     for level in [int(x) for x in args.concurrency.split(",")]:
@@ -119,7 +122,7 @@ def _run_mode(tok: Tokenizer, mode: str, level: int, n: int, args: argparse.Name
 def _row(mode: str, level: int, n: int, tokens: int, times: tuple[float, float], before: dict[str, Any],
          after: dict[str, Any], step_s: float) -> dict[str, Any]:
     """One run's row. host_cpu_ms/step: this process's CPU time per step (every thread), sampling excluded (device
-    work on a real accelerator; its wall time x torch's threads): the CPU side's demand; cores_for_step: how many cores that demand needs to fit in
+    work on a real accelerator; on one thread here, so its CPU time is its wall time): the CPU side's demand; cores_for_step: how many cores that demand needs to fit in
     one device step, i.e. the host to size for no waiting."""
     def d(key: str) -> float:
         return float(after.get(key, 0.0)) - float(before.get(key, 0.0))
@@ -128,7 +131,7 @@ def _row(mode: str, level: int, n: int, tokens: int, times: tuple[float, float],
     steps = max(1.0, d("num_steps"))
     device = steps * step_s + d("sample_s")  # forwards + sampling: device work on a real accelerator
     wait = max(0.0, wall - device)
-    host_cpu = max(0.0, cpu - d("sample_s") * torch.get_num_threads()) / steps  # sampling runs on torch's threads
+    host_cpu = max(0.0, cpu - d("sample_s")) / steps  # sampling runs on one thread (see `run`)
     return {
         "mode": mode, "concurrency": level, "requests": n, "tokens": tokens, "steps": int(steps),
         "tok/s": round(tokens / wall, 1), "step_ms": round(1e3 * wall / steps, 2),
