@@ -16,7 +16,7 @@ Where the core runs is the client's one seam, a `CoreLauncher`: `LocalCoreLaunch
 two pipes; `server/ray_cores.py` places the core as a Ray actor joined by two authenticated TCP connections
 (multiprocessing.connection). Either way the core runs `run_engine_core` and the messages are the same.
 
-Messages child -> parent: ("ready", info) | ("failed", reason) | ("step", events, stats) | ("fatal", reason).
+Messages child -> parent: ("ready", info with the idle engine's stats) | ("failed", reason) | ("step", events, stats) | ("fatal", reason).
 Commands parent -> child: ("add", request_id, prompt, SamplingParams) | ("abort", [ids]) | ("shutdown",).
 """
 
@@ -143,7 +143,8 @@ def run_engine_core(
         return
     results.send(("ready", {"max_model_len": engine.max_model_len, "vocab_size": engine.vocab_size,
                             "has_chat_template": engine.tokenizer.has_chat_template, "pid": os.getpid(),
-                            "chat_template": getattr(engine.tokenizer.hf, "chat_template", None)}))
+                            "chat_template": getattr(engine.tokenizer.hf, "chat_template", None),
+                            "stats": engine.get_stats()}))
     try:
         _core_loop(engine, commands, results, parent_pid)
     except BaseException as e:  # noqa: BLE001 - the engine is broken: say why, then die (the client fails requests)
@@ -606,6 +607,7 @@ class EngineClient:
             self.stats = msg[2]
         elif kind == "ready":
             info = msg[1]
+            self.stats = info.get("stats", {})  # a new core's own (idle) stats, not the last ones of one that died
             if self._ready is not None and not self._ready.done():
                 self._ready.set_result(ModelInfo(info["max_model_len"], info["vocab_size"], info["has_chat_template"], info["pid"],
                                                  info.get("chat_template")))
