@@ -206,9 +206,9 @@ class TensorParallelRunner(ModelRunner):
         if dist.is_initialized():
             raise ConfigError("a tensor-parallel engine already runs in this process (one per process: shut it down first)")
         self._launcher = launcher
+        device = launcher.driver_device(torch.device(spec.device))
         self._launcher.start([dataclasses.replace(spec, rank=r) for r in range(1, spec.size)])
         tp = join_group(spec)
-        device = rank_device(torch.device(spec.device), 0)
         if device.type == "cuda":
             tensor_thread().run(torch.cuda.set_device, device)  # NCCL works on the current device of the calling thread
         self._unpinned = tensor_thread().run(pin_thread, spec.rank_cores)
@@ -291,6 +291,11 @@ class WorkerLauncher(ABC):
     def driver_host(self) -> str:
         """The address the workers reach rank 0's rendezvous at."""
         return "127.0.0.1"
+
+    def driver_device(self, device: torch.device) -> torch.device:
+        """Rank 0's device (called before `start`): the given one; a launcher that hands out GPUs itself reserves
+        rank 0's first, so no worker is given the same GPU."""
+        return rank_device(device, 0)
 
     @abstractmethod
     def start(self, specs: list[WorkerSpec]) -> None:

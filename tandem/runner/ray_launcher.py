@@ -43,6 +43,26 @@ def connect_ray() -> Any:
     return ray
 
 
+class GpuHold:
+    """Holds one GPU in Ray's books for a driver that is not a Ray actor itself (rank 0 of a group whose other ranks
+    Ray places): `gpu` is the one Ray gave it, for the driver to use."""
+
+    def gpu(self) -> str:
+        import ray
+
+        return str(ray.get_gpu_ids()[0])
+
+
+def visible_index(physical: str, visible: str | None) -> int:
+    """The CUDA index under which this process sees physical GPU `physical`, given its CUDA_VISIBLE_DEVICES."""
+    if not visible:
+        return int(physical)
+    ids = [v.strip() for v in visible.split(",")]
+    if physical not in ids:
+        raise ConfigError(f"Ray reserved GPU {physical} for rank 0, but CUDA_VISIBLE_DEVICES={visible} hides it")
+    return ids.index(physical)
+
+
 class RayLauncher(WorkerLauncher):
     """Starts each worker rank as a Ray actor (one GPU each on CUDA; its threads' worth of CPUs)."""
 
@@ -50,6 +70,21 @@ class RayLauncher(WorkerLauncher):
         self.ray = connect_ray()
         self.actors: list[Any] = []
         self.runs: list[Any] = []
+        self.hold: Any = None  # the GpuHold actor keeping rank 0's GPU out of Ray's hands
+
+    def driver_device(self, device: torch.device) -> torch.device:
+        """Rank 0 on CUDA: inside a Ray actor (an engine core Ray placed) the GPU Ray gave it, its cuda:0; otherwise a
+        GPU on this node reserved from Ray first (a `GpuHold` actor), so that Ray gives every worker rank another."""
+        if device.type != "cuda":
+            return device
+        if self.ray.get_gpu_ids():
+            return torch.device("cuda", 0)
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        here = NodeAffinitySchedulingStrategy(self.ray.get_runtime_context().get_node_id(), soft=False)
+        self.hold = self.ray.remote(num_cpus=0, num_gpus=1, scheduling_strategy=here)(GpuHold).remote()
+        gpu = self.ray.get(self.hold.gpu.remote())
+        return torch.device("cuda", visible_index(gpu, os.environ.get("CUDA_VISIBLE_DEVICES")))
 
     def driver_host(self) -> str:
         """The address the workers reach the driver's rendezvous at: this node's, as Ray knows it."""
@@ -74,7 +109,8 @@ class RayLauncher(WorkerLauncher):
             self.ray.get(self.runs, timeout=10)
         except Exception as e:  # noqa: BLE001 - a rank that died already is what stopping wanted
             logger.warning("tensor parallel: Ray workers did not stop cleanly: %s", e)
-        for actor in self.actors:
+        for actor in [*self.actors, *([self.hold] if self.hold is not None else [])]:
             self.ray.kill(actor)
         self.actors.clear()
         self.runs.clear()
+        self.hold = None

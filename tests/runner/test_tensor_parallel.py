@@ -149,6 +149,29 @@ def test_tp2_on_a_local_ray_cluster_matches_tp1(tmp_path: Path) -> None:
         ray.shutdown()
 
 
+def test_ray_reserves_rank_0s_gpu_before_placing_the_workers() -> None:
+    """A driver outside Ray (rank 0 in the API server's engine) holds a GPU in Ray's books before any rank actor is
+    placed, so Ray gives every worker another GPU (a local cluster with 2 logical GPUs; nothing touches CUDA)."""
+    ray = pytest.importorskip("ray")
+    from tandem.runner.ray_launcher import RayLauncher, visible_index
+
+    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        launcher = RayLauncher()
+        driver = launcher.driver_device(torch.device("cuda"))
+
+        @ray.remote(num_cpus=0, num_gpus=1)
+        def worker_gpu() -> str:
+            return str(ray.get_gpu_ids()[0])
+
+        assert driver.type == "cuda" and {str(driver.index), ray.get(worker_gpu.remote())} == {"0", "1"}
+        launcher.stop()  # the hold goes with the group
+        assert launcher.hold is None and ray.get(worker_gpu.remote()) in ("0", "1")
+    finally:
+        ray.shutdown()
+    assert visible_index("3", None) == 3 and visible_index("3", "2,3") == 1
+
+
 def test_a_rank_that_sees_only_its_own_gpu_runs_on_cuda_0() -> None:
     """A local worker counts up from the driver's device; a Ray actor sees only the GPU Ray gave it, as cuda:0."""
     spec = WorkerSpec(model_path="m", dtype="bfloat16", quantization=None, device="cuda:2", cache=CacheConfig(),
