@@ -166,3 +166,17 @@ def test_skipped_special_tokens_do_not_widen_the_window(gpt2: Tokenizer) -> None
     _, det = stream(Spy(gpt2.hf), [], out)
     assert det.text == "Hi 😀 there" and det.num_tokens == len(out)
     assert max(windows) <= 10
+
+
+def test_decode_equals_the_tokenizers_own_decode(tok: Tokenizer) -> None:
+    """`Tokenizer.decode` (the Rust decoder straight, for a fast tokenizer) returns what `hf.decode` returns without
+    clean-up, with and without special tokens, on random id runs (byte pieces, specials, partial characters)."""
+    rng = random.Random(7)
+    specials = sorted(tok.special_token_ids)
+    for _ in range(200):
+        ids = [rng.randrange(len(tok.hf)) for _ in range(rng.randrange(1, 12))]
+        if specials and rng.random() < 0.3:
+            ids.insert(rng.randrange(len(ids) + 1), rng.choice(specials))
+        for skip in (True, False):
+            want = tok.hf.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+            assert tok.decode(ids, skip_special_tokens=skip) == want, ids
