@@ -20,7 +20,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoTokenizer, GPT2Tokenizer, LlamaTokenizer, PreTrainedTokenizerBase
+from transformers import (
+    AutoTokenizer,
+    GPT2Tokenizer,
+    LlamaTokenizer,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+)
 
 from tandem.config import ConfigError
 
@@ -201,8 +207,6 @@ def _rust_decoder(hf: PreTrainedTokenizerBase) -> Any:
     `hf.decode` returns without clean-up (a fast tokenizer ignores `spaces_between_special_tokens`), without its ~7 us
     of Python argument handling per call (the detokenizer decodes twice per token and request: ~3 ms a step at 256
     requests). None for other tokenizers (their `decode` is used)."""
-    from transformers import PreTrainedTokenizerFast
-
     cls = type(hf)
     if not getattr(hf, "is_fast", False) or cls._decode is not PreTrainedTokenizerFast._decode:
         return None
