@@ -20,13 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from transformers import (
-    AutoTokenizer,
-    GPT2Tokenizer,
-    LlamaTokenizer,
-    PreTrainedTokenizerBase,
-    PreTrainedTokenizerFast,
-)
+from transformers import AutoTokenizer, GPT2Tokenizer, LlamaTokenizer, PreTrainedTokenizerBase
 
 from tandem.config import ConfigError
 
@@ -203,13 +197,17 @@ def _generation_config_eos(folder: Path) -> tuple[int, ...]:
 
 
 def _rust_decoder(hf: PreTrainedTokenizerBase) -> Any:
-    """The `tokenizers` decode a fast tokenizer's `decode` ends in, when nothing in its class changes decoding: what
-    `hf.decode` returns without clean-up (a fast tokenizer ignores `spaces_between_special_tokens`), without its ~7 us
-    of Python argument handling per call (the detokenizer decodes twice per token and request: ~3 ms a step at 256
-    requests). None for other tokenizers (their `decode` is used)."""
-    cls = type(hf)
-    if not getattr(hf, "is_fast", False) or cls._decode is not PreTrainedTokenizerFast._decode:
+    """The `tokenizers` decode a fast tokenizer's `decode` ends in, when it gives the same text: what `hf.decode`
+    returns without clean-up (a fast tokenizer ignores `spaces_between_special_tokens`), without its ~7 us of Python
+    argument handling per call (the detokenizer decodes twice per token and request: ~3 ms a step at 256 requests).
+    Checked here on a probe of ids (the first 256 and the special ones, with and without them); None for other
+    tokenizers or a class whose decoding differs (its `decode` is used)."""
+    if not getattr(hf, "is_fast", False) or type(hf).decode is not PreTrainedTokenizerBase.decode:
         return None
-    if cls.decode is not PreTrainedTokenizerBase.decode:
-        return None
-    return hf.backend_tokenizer.decode
+    backend = hf.backend_tokenizer.decode
+    probe = list(range(min(len(hf), 256))) + sorted(int(t) for t in hf.all_special_ids)
+    for skip in (True, False):
+        if backend(probe, skip_special_tokens=skip) != hf.decode(probe, skip_special_tokens=skip,
+                                                                 clean_up_tokenization_spaces=False):
+            return None
+    return backend
