@@ -25,6 +25,7 @@ from tandem.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfi
 from tandem.cpu_budget import plan_cpu_budget
 from tandem.engine.engine import LLMEngine
 from tandem.engine.speculation import make_speculation
+from tandem.layers.kernels import load_cpu_kernels
 from tandem.params import SamplingParams, StructuredOutputsParams
 from tandem.paths import tandem_home
 from tandem.runner.simulated import SimulatedRunner
@@ -83,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
     # the simulated device's sampling runs on the host: one thread, so the CPU time it takes is known (its wall
     # time) and subtracted exactly from the host's demand, and it leaves the other cores to the CPU side
     torch.set_num_threads(1)
+    load_cpu_kernels()  # the simulated device samples greedy rows with the fused kernel, as a CPU-side engine does
     tok = tiktoken_tokenizer(args.vocab)
     rows: list[dict[str, Any]] = []
     for level in [int(x) for x in args.concurrency.split(",")]:

@@ -19,6 +19,7 @@ from tandem.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, S
 from tandem.cpu_budget import CpuBudget, pin_current_thread_pool, plan_cpu_budget
 from tandem.engine.engine import LLMEngine
 from tandem.engine.speculation import NoSpeculation, Speculation, SpeculativeDecoder
+from tandem.layers.kernels import load_cpu_kernels
 from tandem.models.checkpoint import Checkpoint, resolve_dtype
 from tandem.models.loader import load_checkpoint
 from tandem.params import EngineOverloaded, ParamError, SamplingParams
@@ -95,6 +96,7 @@ def build_engine(
     so_config = dataclasses.replace(so_config, num_threads=budget.grammar_threads)
     runner = _runner(ckpt, config, budget, cpu_kernels, quantization, tensor_parallel_size, distributed_executor_backend)
     del ckpt
+    _host_sampling_kernels(runner, cpu_kernels, structured_mask_mode)
     if progress:
         print(f"tandem: {runner.memory_summary()}", file=sys.stderr, flush=True)
     speculation = _speculation(sc, budget, config.model_config.vocab_size, tok, config.scheduler.max_model_len)
@@ -103,6 +105,13 @@ def build_engine(
     gc.collect()
     gc.freeze()  # the long-lived objects of torch and the model never need scanning again: no GC pauses in the loop
     return engine
+
+
+def _host_sampling_kernels(runner: ModelRunner, cpu_kernels: bool, mask_mode: str | None) -> None:
+    """An accelerator whose logits are brought to the host (mask mode "cpu") samples greedy rows there in one fused
+    pass (`greedy_tokens`); load the CPU kernels for it (a CPU model loads them itself, unless `cpu_kernels=False`)."""
+    if cpu_kernels and mask_mode == "cpu" and runner.device.type != "cpu":
+        load_cpu_kernels()
 
 
 def _runner(

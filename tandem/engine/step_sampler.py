@@ -15,7 +15,6 @@ import torch
 from tandem.core.plan import ScheduledRequest, StepPlan
 from tandem.engine.guidance import StepMasks
 from tandem.engine.sequences import SequenceState
-from tandem.layers.kernels import load_cpu_kernels
 from tandem.params import SamplingParams
 from tandem.request import Logprob
 from tandem.sampling.rejection import DraftRows, rejection_sample
@@ -49,8 +48,6 @@ class StepSampler:
         # (a) "device": bitmask copied to the device and applied there; (b) "cpu": logits brought to the host
         self.mask_mode = mask_mode
         self.device = device
-        if device.type == "cpu" or mask_mode == "cpu":  # greedy rows sampled on the host: one fused pass per step
-            load_cpu_kernels()
         self.failures: dict[str, str] = {}  # request -> why it got no token in the last `sample`
         self._pinned: dict[str, torch.Tensor] = {}  # staging buffers the grammar fills (an accelerator in mode (a))
 
