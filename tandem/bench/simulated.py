@@ -44,6 +44,8 @@ def add_parser(bsub: Any) -> None:
     p.add_argument("--vocab", default="o200k_base", help="a tiktoken vocabulary in ../shared/data/tokenizers/tiktoken")
     p.add_argument("--backend", default="auto", choices=["auto", "xgrammar", "llguidance"])
     p.add_argument("--modes", default="text,guided,guided+suffix", help="comma-separated: text, guided, guided+suffix")
+    p.add_argument("--always-mask", action="store_true",
+                   help="fill every guided row's mask (no unmasked greedy rows): the comparison for that optimisation")
     p.add_argument("--json", type=Path, default=None)
     p.set_defaults(func=run)
 
@@ -65,7 +67,8 @@ def tiktoken_tokenizer(name: str) -> Tokenizer:
 
 
 def simulated_engine(tok: Tokenizer, step_s: float, max_num_seqs: int, backend: str,
-                     speculative: SpeculativeConfig | None) -> LLMEngine:
+                     speculative: SpeculativeConfig | None, unmasked_greedy: bool = True,
+                     rows_by_token: bool = False) -> LLMEngine:
     vocab = -(-len(tok.hf) // 64) * 64  # a padded lm_head, as real models have
     model = ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "vocab_size": vocab, "hidden_size": 4096,
                                  "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
@@ -73,9 +76,10 @@ def simulated_engine(tok: Tokenizer, step_s: float, max_num_seqs: int, backend: 
                                  "eos_token_id": tok.eos_token_ids[0]})
     sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=8192, max_model_len=2048)
     config = EngineConfig(model="simulated", model_config=model, cache=CacheConfig(), scheduler=sched)
-    runner = SimulatedRunner(vocab, num_blocks=max_num_seqs * 40, step_s=step_s)
+    runner = SimulatedRunner(vocab, num_blocks=max_num_seqs * 40, step_s=step_s, rows_by_token=rows_by_token)
     budget = plan_cpu_budget(device="cuda")  # the host beside an accelerator: the forward needs no cores
-    structured = StructuredOutputConfig(backend=backend, num_threads=max(2, budget.grammar_threads))
+    structured = StructuredOutputConfig(backend=backend, num_threads=max(2, budget.grammar_threads),
+                                        unmasked_greedy=unmasked_greedy)
     spec = make_speculation(speculative, build_proposer(speculative, vocab, tok) if speculative else None, 2048)
     return LLMEngine(config, runner, tok, speculation=spec, structured_config=structured, cpu_budget=budget)
 
@@ -102,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_mode(tok: Tokenizer, mode: str, level: int, n: int, args: argparse.Namespace) -> dict[str, Any]:
     spec = SpeculativeConfig(method="suffix", num_speculative_tokens=4, adaptive=False) if "suffix" in mode else None
-    engine = simulated_engine(tok, args.step_ms / 1e3, level, args.backend, spec)
+    engine = simulated_engine(tok, args.step_ms / 1e3, level, args.backend, spec, unmasked_greedy=not args.always_mask)
     schemas = distinct_schemas(n, seed=level)
     prompts = [tok.encode(describe(s)) for s in schemas]
     guided = mode.startswith("guided")
@@ -145,5 +149,8 @@ def _row(mode: str, level: int, n: int, tokens: int, times: tuple[float, float],
         "sample_ms/step": round(1e3 * d("sample_s") / steps, 2),
         "host_cpu_ms/step": round(1e3 * host_cpu, 2),
         "cores_for_step": round(host_cpu / step_s, 2),
+        "unmasked_rows/step": round(d("guided_unmasked_rows") / steps, 1),
+        "rejected/step": round(d("guided_unmasked_rejected") / steps, 2),
+        "refills/step": round(d("guided_refills") / steps, 2),
         "failed": int(d("grammar_fill_errors")),
     }

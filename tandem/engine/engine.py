@@ -26,13 +26,13 @@ from tandem.cpu_budget import CpuBudget
 from tandem.engine.guidance import StepMasks, make_guidance
 from tandem.engine.sequences import RequestGroup, SequenceState
 from tandem.engine.speculation import NoSpeculation, Speculation, make_speculation
-from tandem.engine.step_sampler import StagedMasks, StepSampler
+from tandem.engine.step_sampler import StagedMasks, StepSampler, plain_rows
 from tandem.engine.stop import StopChecker, StopDecision
 from tandem.engine.timing import EngineStats, StepTimer
 from tandem.params import ParamError, SamplingParams
 from tandem.request import Request, RequestMetrics, RequestOutput, RequestStatus
 from tandem.runner.base import ForwardHandle, Runner
-from tandem.sampling.sampler import Sampler
+from tandem.sampling.sampler import Sampler, top_candidates
 from tandem.spec_decode.config import SpeculativeConfig, build_proposer
 from tandem.spec_decode.proposer import Proposer
 from tandem.structured.manager import StructuredOutputConfig
@@ -61,6 +61,7 @@ class _Masks:
 
 
 _NO_MASKS = _Masks(StepMasks(None, None), StagedMasks(None, None))
+UNMASKED_CANDIDATES = 16  # top logits tried, in order, for an unmasked greedy row whose argmax the grammar rejected
 
 
 class LLMEngine:
@@ -241,6 +242,7 @@ class LLMEngine:
         timer.mark("collected")
         tokens = self.runner.on_tensor_thread(self.step_sampler.sample, plan, logits, masks.staged, self._seqs)
         timer.mark("sampled")
+        tokens = self._check_unmasked(plan, logits, masks.filled, tokens)
         outputs = self._advance(plan, tokens)
         self._record_step(plan, timer, handle, masks)
         return outputs + self._drain_errors()
@@ -262,6 +264,7 @@ class LLMEngine:
         self.guidance.record_wait(cur.masks.filled, cur.filled_at, cur.handle.finished_at)
         tokens = self.runner.on_tensor_thread(self.step_sampler.sample, cur.plan, logits, cur.masks.staged, self._seqs)
         timer.mark("sampled")
+        tokens = self._check_unmasked(cur.plan, logits, cur.masks.filled, tokens)
         self.scheduler.resolve(cur.plan, tokens, nxt)
         self._inflight = self._launch_ahead(nxt, fill_now=False)
         timer.mark("launched")
@@ -331,6 +334,34 @@ class LLMEngine:
             req.status = status
         self.stats.num_prompt_tokens += sum(sr.num_tokens for sr in plan.requests if sr.is_prefill)
         return self._outputs(touched.values(), now)
+
+    def _check_unmasked(self, plan: StepPlan, logits: torch.Tensor, masks: StepMasks,
+                        tokens: dict[str, list[int]]) -> dict[str, list[int]]:
+        """Greedy rows sampled without their grammar mask: keep each token the grammar accepts; for the others take
+        the first allowed of the row's top candidates, else fill the mask and sample the row again. Its tensor work
+        counts as sampling (`stats.sample_s`, device work beside an accelerator), the rest as host time."""
+        if not masks.unmasked:
+            return tokens
+        rejected = self.guidance.check_unmasked(masks.unmasked, tokens)
+        if not rejected:
+            return tokens
+        rows = plain_rows(plan)
+        t0 = time.perf_counter()
+        candidates = self.runner.on_tensor_thread(top_candidates, logits, [rows[r] for r in rejected], UNMASKED_CANDIDATES)
+        self.stats.sample_s += time.perf_counter() - t0
+        unsettled = []
+        for rid, (values, ids) in zip(rejected, candidates, strict=True):
+            token = self.guidance.first_allowed(rid, values, ids)
+            if token is not None:
+                tokens[rid] = [token]
+            elif self.guidance.failure(rid) is None:
+                unsettled.append(rid)
+        if unsettled:
+            mask = self.guidance.fill_rows(unsettled)
+            t0 = time.perf_counter()
+            tokens.update(self.runner.on_tensor_thread(self.step_sampler.sample_masked, plan, logits, mask, self._seqs, unsettled))
+            self.stats.sample_s += time.perf_counter() - t0
+        return tokens
 
     def _draft(self, running: Sequence[Request]) -> None:
         """Drafts for the next step: the proposer's, cut by the grammars, or the grammars' forced tokens."""

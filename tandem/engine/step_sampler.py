@@ -146,6 +146,14 @@ class StepSampler:
             self._add_logprobs(seq, [lp] if lp is not None else [])
         return tokens
 
+    def sample_masked(self, plan: StepPlan, logits: torch.Tensor, mask: np.ndarray, seqs: Mapping[str, SequenceState],
+                      request_ids: Sequence[str]) -> dict[str, list[int]]:
+        """Sample again the plain rows of `request_ids` (in that order), each with its row of `mask` [n, W] int32
+        (rows first sampled without one). Dead rows are added to `failures`."""
+        rows = plain_rows(plan)
+        plain: list[PlainRow] = [(seqs.get(rid), rows[rid]) for rid in request_ids]
+        return self._sample_plain(plain, logits, torch.from_numpy(mask).to(logits.device))
+
     def _no_token(self, seq: SequenceState, num_accepted: int) -> None:
         """Record why `seq` got no token after its first `num_accepted` new ones: the constraints that were in force."""
         p, done = seq.req.params, len(seq.req.output_token_ids) + num_accepted
@@ -209,6 +217,17 @@ class StepSampler:
             if t not in d:
                 d[t] = Logprob(v, rank, self.tokenizer.decode([t], skip_special_tokens=False))
         return d
+
+
+def plain_rows(plan: StepPlan) -> dict[str, int]:
+    """Request id -> its logits row, for the requests of `plan` sampled directly (no drafts to verify)."""
+    rows: dict[str, int] = {}
+    offset = 0
+    for sr in plan.requests:
+        offset += sr.num_logits_rows
+        if sr.needs_logits and not sr.num_draft_tokens:
+            rows[sr.request_id] = offset - 1
+    return rows
 
 
 def _row(seq: SequenceState, drafts: Sequence[int]) -> SamplingRow:

@@ -1,0 +1,114 @@
+"""Unmasked greedy rows (engine/guidance.py): a greedy guided request in a free-text state skips its mask fill and
+has its argmax checked afterwards. Outputs must be exactly those of masked sampling, on every path: the argmax kept,
+a top candidate taken, the mask filled after all; in the step scheduled ahead, the synchronous step and beside
+drafts being verified."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tandem.bench.schemas import distinct_schemas
+from tandem.bench.simulated import simulated_engine
+from tandem.engine.engine import LLMEngine
+from tandem.engine.guidance import masked_argmax_among
+from tandem.params import SamplingParams, StructuredOutputsParams
+from tandem.spec_decode.config import SpeculativeConfig
+from tandem.tokenizer import Tokenizer
+
+from ..structured.oracle import GrammarOracle
+from .test_engine import run_all
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 30},
+                                           "note": {"type": "string"}, "n": {"type": "integer"}},
+          "required": ["name", "note", "n"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory: pytest.TempPathFactory, shared_data: Path) -> Tokenizer:
+    d = tmp_path_factory.mktemp("gpt2-tokenizer")
+    for name in ("vocab.json", "merges.txt"):
+        shutil.copy(shared_data / "tokenizers" / "gpt2" / name, d / name)
+    return Tokenizer.from_path(d)
+
+
+def _run(engine: LLMEngine, requests: dict[str, tuple[str, SamplingParams]]) -> tuple[dict[str, Any], dict[str, float]]:
+    """Every request at once; (request id -> (token ids, finish reason, error)), engine stats."""
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, prompt, params)
+    done = run_all(engine, {})
+    stats = engine.get_stats()
+    engine.shutdown()
+    return {rid: (o.outputs[0].token_ids, o.outputs[0].finish_reason, o.error) for rid, o in done.items()}, stats
+
+
+def _schema_requests(n: int, max_tokens: int = 40) -> dict[str, tuple[str, SamplingParams]]:
+    return {f"r{i}": (f"Write a record {i}", SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                                            structured_outputs=StructuredOutputsParams(json=s)))
+            for i, s in enumerate(distinct_schemas(n, seed=11))}
+
+
+@pytest.mark.parametrize("speculative", [False, True], ids=["scheduled-ahead", "with-suffix-drafts"])
+def test_random_logits_give_the_masked_tokens(gpt2: Tokenizer, speculative: bool) -> None:
+    """Noise logits (a simulated device) reject the argmax often, so every path is taken; the tokens, finish reasons
+    and errors equal those of an engine that fills every mask. With suffix drafts the engine steps synchronously and
+    verified rows stay masked beside the unmasked plain rows."""
+    spec = SpeculativeConfig(method="suffix", num_speculative_tokens=3, adaptive=False) if speculative else None
+    requests = _schema_requests(24)
+    unmasked, stats = _run(simulated_engine(gpt2, 0.0, 24, "llguidance", spec, rows_by_token=True), requests)
+    masked, plain_stats = _run(simulated_engine(gpt2, 0.0, 24, "llguidance", spec, unmasked_greedy=False,
+                                                rows_by_token=True), requests)
+    assert unmasked == masked
+    assert all(err is None for _, _, err in unmasked.values())
+    assert plain_stats["guided_unmasked_rows"] == 0
+    assert stats["guided_unmasked_rows"] > 50
+    assert 0 < stats["guided_unmasked_rejected"] < stats["guided_unmasked_rows"]  # some argmaxes kept, some not
+    assert stats["guided_candidate_hits"] > 0 and stats["guided_refills"] > 0  # both ways of settling a rejection
+    assert stats["grammar_rows_filled"] < plain_stats["grammar_rows_filled"]
+
+
+def test_a_real_model_gives_the_masked_tokens_and_valid_documents(stories_engine_factory) -> None:  # type: ignore[no-untyped-def]
+    """stories260K (a CPU engine: the synchronous step, masks filled before the forward) keeps most of its own
+    choices inside strings; outputs equal the always-masked engine's and validate against the schema."""
+    so = StructuredOutputsParams(json=SCHEMA, backend="llguidance")
+    requests = {f"s{i}": (p, SamplingParams(temperature=0.0, max_tokens=80, structured_outputs=so))
+                for i, p in enumerate(["Once upon a time", "Tom and Lily", "The cat", "One day"])}
+    unmasked, stats = _run(stories_engine_factory(max_model_len=512), requests)
+    masked, _ = _run(stories_engine_factory(max_model_len=512, structured_outputs_config={"unmasked_greedy": False}),
+                     requests)
+    assert unmasked == masked
+    assert stats["guided_unmasked_rows"] > 0
+    engine = stories_engine_factory(max_model_len=512)
+    oracle = GrammarOracle(engine.tokenizer.hf, engine.vocab_size, engine.eos_token_ids)
+    for tokens, _, err in unmasked.values():
+        assert err is None
+        oracle.accepts(so, tokens, complete=False)  # fresh matchers of both backends take every token
+
+
+def test_sampled_and_logprob_rows_are_always_masked(gpt2: Tokenizer) -> None:
+    """Only greedy rows whose raw logits decide skip the mask: temperature, logprobs, penalties and logit bias keep
+    it (their tokens or reported values depend on the masked distribution)."""
+    so = StructuredOutputsParams(json=SCHEMA)
+    variants = [SamplingParams(temperature=0.7, seed=1, max_tokens=30, structured_outputs=so),
+                SamplingParams(temperature=0.0, logprobs=2, max_tokens=30, structured_outputs=so),
+                SamplingParams(temperature=0.0, repetition_penalty=1.2, max_tokens=30, structured_outputs=so),
+                SamplingParams(temperature=0.0, logit_bias={5: 1.0}, max_tokens=30, structured_outputs=so)]
+    _, stats = _run(simulated_engine(gpt2, 0.0, 8, "llguidance", None),
+                    {f"v{i}": ("hello", p) for i, p in enumerate(variants)})
+    assert stats["guided_unmasked_rows"] == 0
+
+
+def test_masked_argmax_among_candidates() -> None:
+    allowed = {7, 9, 3}
+
+    def first(order: list[int]) -> int | None:
+        return next((i for i, t in enumerate(order) if t in allowed), None)
+
+    assert masked_argmax_among([5.0, 4.0, 3.0, 1.0], [1, 9, 7, 2], first) == 9  # the highest allowed
+    assert masked_argmax_among([4.0, 4.0, 1.0], [9, 7, 2], first) == 7  # a tie goes to the lower id
+    assert masked_argmax_among([5.0, 2.0, 2.0], [1, 9, 2], first) is None  # ties the k-th value: may lose outside
+    assert masked_argmax_among([5.0, 4.0], [1, 2], first) is None  # nothing allowed among the k
+    assert masked_argmax_among([float("-inf")] * 3, [7, 9, 3], first) is None
