@@ -12,6 +12,7 @@ Not a user-facing mode: it sizes the CPU side for a real device.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import time
 from pathlib import Path
@@ -23,7 +24,7 @@ from tandem.bench.common import drive, machine_line, print_table, shared_data_di
 from tandem.bench.schemas import describe, distinct_schemas
 from tandem.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from tandem.cpu_budget import plan_cpu_budget
-from tandem.engine.engine import LLMEngine
+from tandem.engine.engine import LLMEngine, freeze_startup_heap
 from tandem.engine.speculation import make_speculation
 from tandem.layers.kernels import load_cpu_kernels
 from tandem.params import SamplingParams, StructuredOutputsParams
@@ -46,8 +47,31 @@ def add_parser(bsub: Any) -> None:
     p.add_argument("--modes", default="text,guided,guided+suffix", help="comma-separated: text, guided, guided+suffix")
     p.add_argument("--always-mask", action="store_true",
                    help="fill every guided row's mask (no unmasked greedy rows): the comparison for that optimisation")
+    p.add_argument("--no-gc-freeze", action="store_true",
+                   help="leave the start-up heap to the cyclic GC (the engine core freezes it): the comparison")
     p.add_argument("--json", type=Path, default=None)
     p.set_defaults(func=run)
+
+
+class GcPauses:
+    """Wall time the cyclic garbage collector stops every Python thread for, summed while installed."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._started = 0.0
+
+    def __enter__(self) -> GcPauses:
+        gc.callbacks.append(self._on_gc)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._started
 
 
 def tiktoken_tokenizer(name: str) -> Tokenizer:
@@ -114,15 +138,20 @@ def _run_mode(tok: Tokenizer, mode: str, level: int, n: int, args: argparse.Name
                              structured_outputs=StructuredOutputsParams(json=s, backend=args.backend) if guided else None)
               for s in schemas]
     if guided:
-        engine.guidance.warm_up()
+        engine.warm_up_grammars()
+    if not args.no_gc_freeze:
+        freeze_startup_heap()  # as the engine core does: full GC passes skip the tokenizer tables (50-190 ms each)
     drive(engine, prompts[:2], params[:2], 2, "warmup")
     before = engine.get_stats()
     t0, cpu0 = time.perf_counter(), time.process_time()
-    res = drive(engine, prompts, params, level, mode)
+    with GcPauses() as pauses:
+        res = drive(engine, prompts, params, level, mode)
     wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     after = engine.get_stats()
     engine.shutdown()
-    return _row(mode, level, n, res.output_tokens, (wall, cpu), before, after, args.step_ms / 1e3)
+    row = _row(mode, level, n, res.output_tokens, (wall, cpu), before, after, args.step_ms / 1e3)
+    row["gc_ms/step"] = round(1e3 * pauses.seconds / max(1, row["steps"]), 2)
+    return row
 
 
 def _row(mode: str, level: int, n: int, tokens: int, times: tuple[float, float], before: dict[str, Any],

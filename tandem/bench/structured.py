@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     kw["max_model_len"] = kw["max_model_len"] or 2048
     engine = build_engine(args.model, **kw)
     print(f"machine: {machine_line()}; mask mode {engine.mask_mode}; backend {args.backend}")
-    engine.guidance.warm_up()
+    engine.warm_up_grammars()
     drive(engine, [[1, 2, 3]], SamplingParams(max_tokens=4), 1, "warmup")
     if args.distinct_schemas:
         return run_distinct(engine, args, levels)

@@ -34,7 +34,7 @@ def tour_structured(engine: LLMEngine, rows: Rows, quick: bool) -> None:
     section("Structured outputs: JSON schema, grammar masks filled on the CPU while the forward runs")
     prompts = [chat_prompt(engine, f"Extract the person as JSON. {t}") for t in TEXTS]
     guided = SamplingParams(temperature=0.0, max_tokens=80, structured_outputs=StructuredOutputsParams(json=PERSON))
-    engine.guidance.warm_up()
+    engine.warm_up_grammars()
     outs: list[str] = []
     drive(engine, prompts, SamplingParams(max_tokens=1), len(prompts), "prefill")  # both runs find the prompts cached
     res = drive(engine, prompts, guided, len(prompts), "guided", on_output=lambda o: outs.append(o.outputs[0].text))

@@ -135,9 +135,11 @@ def run_engine_core(
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine-core %(levelname)s %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the whole group: the HTTP process decides
     try:
+        from tandem.engine.engine import freeze_startup_heap
         from tandem.engine.llm import build_engine
 
         engine = build_engine(model, **dict(engine_kwargs))
+        freeze_startup_heap()  # this process keeps its engine: full GC passes skip the start-up heap
     except BaseException as e:  # noqa: BLE001 - any failure to start is reported, then the process ends
         results.send(("failed", f"{type(e).__name__}: {e}"))
         return

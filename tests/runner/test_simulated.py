@@ -1,0 +1,40 @@
+"""The simulated accelerator (benchmarks): its forward ends `step_s` after launch whatever the host does, and in
+`rows_by_token` mode a row's logits depend on its own input token alone."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from tandem.core.plan import ScheduledRequest, StepPlan
+from tandem.runner.simulated import SimulatedRunner
+
+
+def _plan(last_tokens: list[int]) -> StepPlan:
+    return StepPlan(step_id=0, requests=[ScheduledRequest(f"r{i}", [t], start_pos=5, block_table=[0])
+                                         for i, t in enumerate(last_tokens)])
+
+
+def test_the_forward_ends_on_time_and_a_late_host_is_not_the_device() -> None:
+    runner = SimulatedRunner(vocab_size=64, num_blocks=4, step_s=0.05)
+    t0 = time.perf_counter()
+    handle = runner.launch(_plan([1, 2]))
+    logits = runner.collect(handle)  # early: waits for the forward
+    waited = time.perf_counter() - t0
+    assert logits.shape == (2, 64)
+    assert 0.05 <= waited < 0.05 + 0.02
+    assert abs(handle.finished_at - (t0 + 0.05)) < 2e-3  # the forward's end, not when the host woke
+
+    handle = runner.launch(_plan([3]))
+    time.sleep(0.08)  # the host is late: the forward still ended 0.05 s after its launch
+    runner.collect(handle)
+    assert time.perf_counter() - handle.finished_at >= 0.03
+
+
+def test_rows_by_token_follow_the_input_token_not_the_batch() -> None:
+    runner = SimulatedRunner(vocab_size=32, num_blocks=4, step_s=0.0, table_rows=16, rows_by_token=True)
+    alone = runner.collect(runner.launch(_plan([7])))
+    batch = runner.collect(runner.launch(_plan([3, 7, 7 + 16])))
+    assert torch.equal(batch[1], alone[0]) and torch.equal(batch[2], alone[0])  # token % table_rows picks the row
+    assert not torch.equal(batch[0], alone[0])
