@@ -92,7 +92,7 @@ def tiktoken_tokenizer(name: str) -> Tokenizer:
 
 def simulated_engine(tok: Tokenizer, step_s: float, max_num_seqs: int, backend: str,
                      speculative: SpeculativeConfig | None, unmasked_greedy: bool = True,
-                     rows_by_token: bool = False) -> LLMEngine:
+                     rows_by_token: bool = False, unmasked_min_fill_ms: float = 0.1) -> LLMEngine:
     vocab = -(-len(tok.hf) // 64) * 64  # a padded lm_head, as real models have
     model = ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "vocab_size": vocab, "hidden_size": 4096,
                                  "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
@@ -103,7 +103,7 @@ def simulated_engine(tok: Tokenizer, step_s: float, max_num_seqs: int, backend: 
     runner = SimulatedRunner(vocab, num_blocks=max_num_seqs * 40, step_s=step_s, rows_by_token=rows_by_token)
     budget = plan_cpu_budget(device="cuda")  # the host beside an accelerator: the forward needs no cores
     structured = StructuredOutputConfig(backend=backend, num_threads=max(2, budget.grammar_threads),
-                                        unmasked_greedy=unmasked_greedy)
+                                        unmasked_greedy=unmasked_greedy, unmasked_min_fill_ms=unmasked_min_fill_ms)
     spec = make_speculation(speculative, build_proposer(speculative, vocab, tok) if speculative else None, 2048)
     return LLMEngine(config, runner, tok, speculation=spec, structured_config=structured, cpu_budget=budget)
 

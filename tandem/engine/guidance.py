@@ -9,8 +9,8 @@ logits rows to bitmask rows:
 Drafts of guided requests are cut at their first token the grammar rejects; tokens the grammar forces are
 proposed as drafts (free: the mask makes the target put all its mass on them, so they are always accepted).
 
-Unmasked greedy rows: a greedy request whose last mask was open (free text, e.g. inside a JSON string) gets no mask
-fill for its next row: it is sampled unconstrained and its token checked afterwards (`check_unmasked`). When the
+Unmasked greedy rows: a greedy request whose last mask was open and costly (free text, e.g. inside a JSON string)
+gets no mask fill for its next row: it is sampled unconstrained and its token checked afterwards (`check_unmasked`). When the
 grammar accepts the argmax, that token is the masked argmax too (same logits, a subset of the candidates, ties to
 the lowest id), so outputs are exactly those of masked sampling; when it rejects it, the engine takes the first
 allowed of the row's top candidates, or fills the mask and samples again. Open-mask fills are the expensive ones

@@ -58,7 +58,9 @@ def test_random_logits_give_the_masked_tokens(gpt2: Tokenizer, speculative: bool
     verified rows stay masked beside the unmasked plain rows."""
     spec = SpeculativeConfig(method="suffix", num_speculative_tokens=3, adaptive=False) if speculative else None
     requests = _schema_requests(24)
-    unmasked, stats = _run(simulated_engine(gpt2, 0.0, 24, "llguidance", spec, rows_by_token=True), requests)
+    # every fill counts as costly (GPT-2's 50k vocabulary fills fast on a quick machine): the same paths everywhere
+    unmasked, stats = _run(simulated_engine(gpt2, 0.0, 24, "llguidance", spec, rows_by_token=True,
+                                            unmasked_min_fill_ms=0.0), requests)
     masked, plain_stats = _run(simulated_engine(gpt2, 0.0, 24, "llguidance", spec, unmasked_greedy=False,
                                                 rows_by_token=True), requests)
     assert unmasked == masked
@@ -76,12 +78,13 @@ def test_a_real_model_gives_the_masked_tokens_and_valid_documents(stories_engine
     so = StructuredOutputsParams(json=SCHEMA, backend="llguidance")
     requests = {f"s{i}": (p, SamplingParams(temperature=0.0, max_tokens=80, structured_outputs=so))
                 for i, p in enumerate(["Once upon a time", "Tom and Lily", "The cat", "One day"])}
-    unmasked, stats = _run(stories_engine_factory(max_model_len=512), requests)
+    cheap = {"unmasked_min_fill_ms": 0.0}  # a 512-token vocabulary: every fill is cheap, skip them all the same
+    unmasked, stats = _run(stories_engine_factory(max_model_len=512, structured_outputs_config=cheap), requests)
     masked, _ = _run(stories_engine_factory(max_model_len=512, structured_outputs_config={"unmasked_greedy": False}),
                      requests)
     assert unmasked == masked
     assert stats["guided_unmasked_rows"] > 0
-    engine = stories_engine_factory(max_model_len=512)
+    engine = stories_engine_factory(max_model_len=512, structured_outputs_config=cheap)
     oracle = GrammarOracle(engine.tokenizer.hf, engine.vocab_size, engine.eos_token_ids)
     for tokens, _, err in unmasked.values():
         assert err is None
