@@ -270,7 +270,7 @@ class Guidance:
         """Fresh bitmask rows [len(request_ids), W] for these requests, in order (rejected unmasked rows whose
         candidates settled nothing); failures are recorded in `failure`."""
         mask = _fresh("sample", len(request_ids), self.words)
-        rows = list(range(len(request_ids)))  # one row per chunk: these fills hold up the device, so all threads help
+        rows = list(range(len(request_ids)))  # every fill thread helps, from 2 rows: these fills hold up the device
         for rid, reason in self.manager.fill_bitmask(list(request_ids), mask, rows, min_rows_per_chunk=1).items():
             self._fail(rid, reason)
         self.stats.num_refills += len(request_ids)

@@ -656,10 +656,10 @@ class _RowQueue:
     `tandem bench simulated`: the fill's wall time was 1.48x the rows' summed time / 2 threads with halves, 1.32x
     with this queue)."""
 
-    BATCH = 4  # rows per hand-out: few lock round trips, fine-grained enough to balance
-
     def __init__(self, work: list[_Work], bitmask: np.ndarray, eos: Sequence[int], measure_over_s: float) -> None:
         self._work = work
+        # rows per hand-out: up to 4 in a large fill (few lock round trips), 1 in a small one (every thread gets some)
+        self._batch = max(1, min(4, len(work) // 16))
         self._fill = (bitmask, eos, measure_over_s)
         self._next = 0
         self._lock = threading.Lock()
@@ -667,7 +667,7 @@ class _RowQueue:
     def take(self) -> list[_Work]:
         with self._lock:
             start = self._next
-            self._next = min(len(self._work), start + self.BATCH)
+            self._next = min(len(self._work), start + self._batch)
         return self._work[start : self._next] if start < len(self._work) else []
 
     def drain(self) -> list[_Filled]:
