@@ -375,7 +375,7 @@ class LLMEngine:
         if unsettled:
             mask = self.guidance.fill_rows(unsettled)
             t0 = time.perf_counter()
-            tokens.update(self.runner.on_tensor_thread(self.step_sampler.sample_masked, plan, logits, mask, self._seqs, unsettled))
+            tokens.update(self.runner.on_tensor_thread(self.step_sampler.sample_masked, rows, logits, mask, self._seqs, unsettled))
             self.stats.sample_s += time.perf_counter() - t0
         return tokens
 

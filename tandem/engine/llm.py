@@ -223,7 +223,7 @@ def _structured_config(value: Mapping[str, Any] | StructuredOutputConfig | None)
         return value
     try:
         return StructuredOutputConfig(**dict(value))
-    except TypeError as e:
+    except (TypeError, ValueError) as e:  # an unknown setting, or one of the wrong type or range (named)
         raise ConfigError(f"structured_outputs_config: {e}") from e
 
 

@@ -27,6 +27,7 @@ Both libraries release the GIL in their native code, so the pools run truly in p
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections import OrderedDict, deque
@@ -78,12 +79,28 @@ class StructuredOutputConfig:
     unmasked_min_fill_ms: float = 0.1  # ... if that fill cost this much CPU (structural JSON states: ~0.05 ms)
 
     def __post_init__(self) -> None:
+        """ValueError naming the first setting of the wrong type (e.g. the string "false" for a flag) or range."""
+        for f in dataclasses.fields(self):
+            value, want = getattr(self, f.name), type(f.default)
+            if not _of_type(value, want):
+                raise ValueError(f"{f.name} must be a{'n' if want is int else ''} {want.__name__}, got {value!r}")
         if self.backend not in ("auto", *BACKENDS):
             raise ValueError(f"backend must be 'auto', 'xgrammar' or 'llguidance', got {self.backend!r}")
-        if (self.compile_timeout_s <= 0 or self.max_grammar_bytes <= 0 or self.cache_bytes < 0 or self.num_threads < 1
-                or self.max_queued_compiles < 1 or self.max_fill_ms <= 0 or self.promote_after < 0
-                or self.unmasked_min_fill_ms < 0):
-            raise ValueError(f"invalid structured-output config {self}")
+        positive = ("compile_timeout_s", "max_grammar_bytes", "num_threads", "max_queued_compiles", "max_fill_ms",
+                    "min_rows_per_chunk")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        for name in ("cache_bytes", "promote_after", "unmasked_min_fill_ms", "rejected_entries", "stats_window"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+
+
+def _of_type(value: Any, want: type) -> bool:
+    """`value` fits a setting whose default is of type `want`: a float setting takes an int, no number takes a bool."""
+    if want in (int, float) and isinstance(value, bool):
+        return False
+    return isinstance(value, want) or (want is float and isinstance(value, int))
 
 
 class _JobClock:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import pickle
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -568,3 +569,16 @@ def test_a_slow_fill_moves_the_request_to_llguidance(tokenizer: Any, backends: d
     assert manager.accept("x", rest) == len(rest) and manager.is_terminated("x")
     assert manager.stats()["switches"] == 1
     manager.shutdown()
+
+
+@pytest.mark.parametrize("setting,problem", [
+    ({"unmasked_greedy": "false"}, "unmasked_greedy must be a bool, got 'false'"),
+    ({"unmasked_min_fill_ms": -1}, "unmasked_min_fill_ms must be >= 0, got -1"),
+    ({"max_fill_ms": "fast"}, "max_fill_ms must be a float, got 'fast'"),
+    ({"num_threads": True}, "num_threads must be an int, got True"),
+    ({"min_rows_per_chunk": 0}, "min_rows_per_chunk must be > 0, got 0"),
+])
+def test_config_names_the_bad_setting(setting: dict[str, object], problem: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        StructuredOutputConfig(**setting)  # type: ignore[arg-type]
+    assert StructuredOutputConfig(max_fill_ms=5).max_fill_ms == 5  # an int for a float setting is fine
