@@ -12,13 +12,14 @@ Step protocol with the engine: set `req.draft_token_ids` -> `schedule()` -> run 
 Scheduling ahead (the engine's asynchronous mode, no drafts): `schedule(protected)` -> `reserve(plan)` accounts
 the plan before it runs, appending a PLACEHOLDER token for each request that will sample; the next plan is
 scheduled while this one runs and feeds those placeholders; `resolve(plan, tokens, next_plan)` writes the sampled
-tokens over them (in the requests and in the next plan's inputs) before the next plan is launched.
+tokens over them (in the requests and in the next plan's inputs) before the next plan is launched. A request whose
+token needs more work than the launch can wait for is `withdraw`n from the next plan and resolved later.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 from tandem.config import SchedulerConfig
 from tandem.core.kv_blocks import BlockManager
@@ -289,6 +290,22 @@ class Scheduler:
                 if feed is not None and feed.start_pos <= position < feed.start_pos + feed.num_tokens:
                     feed.input_ids[position - feed.start_pos] = toks[0]
             self.block_manager.commit(req)
+
+    def withdraw(self, plan: StepPlan, request_ids: Collection[str]) -> None:
+        """Take `request_ids` out of `plan`, reserved but not launched, undoing `reserve` for them: their input (the
+        token the running plan sampled) is not known in time. The next `schedule` takes them again once it is."""
+        if not request_ids:
+            return
+        kept = []
+        for sr in plan.requests:
+            req = self._requests.get(sr.request_id)
+            if sr.request_id not in request_ids or req is None:
+                kept.append(sr)
+                continue
+            if sr.needs_logits and req.token_ids and req.token_ids[-1] == PLACEHOLDER:
+                req.token_ids.pop()  # the token this plan was going to sample
+            req.num_computed_tokens = sr.start_pos
+        plan.requests = kept
 
     @staticmethod
     def _check_accepted(sr: ScheduledRequest, accepted: list[int]) -> None:

@@ -258,7 +258,9 @@ class LLMEngine:
         timer.mark("collected")
         tokens = self.runner.on_tensor_thread(self.step_sampler.sample, plan, logits, masks.staged, self._seqs)
         timer.mark("sampled")
-        tokens = self._check_unmasked(plan, logits, masks.filled, tokens)
+        unsettled = self._check_unmasked(plan, logits, masks.filled, tokens)
+        if unsettled:
+            tokens.update(self._resample(self._rows_of(plan, logits, unsettled), unsettled))
         outputs = self._advance(plan, tokens)
         self._record_step(plan, timer, handle, masks)
         return outputs + self._drain_errors()
@@ -280,10 +282,14 @@ class LLMEngine:
         self.guidance.record_wait(cur.masks.filled, cur.filled_at, cur.handle.finished_at)
         tokens = self.runner.on_tensor_thread(self.step_sampler.sample, cur.plan, logits, cur.masks.staged, self._seqs)
         timer.mark("sampled")
-        tokens = self._check_unmasked(cur.plan, logits, cur.masks.filled, tokens)
+        unsettled = self._check_unmasked(cur.plan, logits, cur.masks.filled, tokens)
+        held = self._rows_of(cur.plan, logits, unsettled) if unsettled else None  # [n, V]: copied before the launch
+        self.scheduler.withdraw(nxt, unsettled)  # their tokens come during the next forward: they sit it out
         self.scheduler.resolve(cur.plan, tokens, nxt)
         self._inflight = self._launch_ahead(nxt, fill_now=False)
         timer.mark("launched")
+        if held is not None:
+            self._resolve_late(cur.plan, held, unsettled, tokens)
         outputs = self._advance_ahead(cur.plan, tokens)
         if self._inflight is not None:  # after the accepts: the matchers are where the next step starts
             self._inflight.masks = self._fill_masks(nxt)
@@ -352,15 +358,16 @@ class LLMEngine:
         return self._outputs(touched.values(), now)
 
     def _check_unmasked(self, plan: StepPlan, logits: torch.Tensor, masks: StepMasks,
-                        tokens: dict[str, list[int]]) -> dict[str, list[int]]:
+                        tokens: dict[str, list[int]]) -> list[str]:
         """Greedy rows sampled without their grammar mask: keep each token the grammar accepts; for the others take
-        the first allowed of the row's top candidates, else fill the mask and sample the row again. Its tensor work
-        counts as sampling (`stats.sample_s`, device work beside an accelerator), the rest as host time."""
+        the first allowed of the row's top candidates. Returns the rows still unsettled, their tokens in `tokens`
+        emptied: `_resample` them with their masks. The top candidates count as sampling (`stats.sample_s`, device
+        work beside an accelerator), the checks as host time."""
         if not masks.unmasked:
-            return tokens
+            return []
         rejected = self.guidance.check_unmasked(masks.unmasked, tokens)
         if not rejected:
-            return tokens
+            return []
         rows = plain_rows(plan)
         t0 = time.perf_counter()
         candidates = self.runner.on_tensor_thread(top_candidates, logits, [rows[r] for r in rejected], UNMASKED_CANDIDATES)
@@ -372,12 +379,33 @@ class LLMEngine:
                 tokens[rid] = [token]
             elif self.guidance.failure(rid) is None:
                 unsettled.append(rid)
-        if unsettled:
-            mask = self.guidance.fill_rows(unsettled)
-            t0 = time.perf_counter()
-            tokens.update(self.runner.on_tensor_thread(self.step_sampler.sample_masked, rows, logits, mask, self._seqs, unsettled))
-            self.stats.sample_s += time.perf_counter() - t0
+                tokens[rid] = []
+        return unsettled
+
+    def _rows_of(self, plan: StepPlan, logits: torch.Tensor, request_ids: Sequence[str]) -> torch.Tensor:
+        """The plain logits rows of `request_ids` [n, V], copied (the runner may reuse `logits` for its next forward)."""
+        rows = plain_rows(plan)
+        index = torch.tensor([rows[rid] for rid in request_ids], device=logits.device)
+        return self.runner.on_tensor_thread(logits.index_select, 0, index)
+
+    def _resample(self, logits: torch.Tensor, request_ids: Sequence[str]) -> dict[str, list[int]]:
+        """Fill the masks of `request_ids` and sample their rows `logits` [n, V] (in that order) with them."""
+        mask = self.guidance.fill_rows(request_ids)
+        rows = {rid: i for i, rid in enumerate(request_ids)}
+        t0 = time.perf_counter()
+        tokens = self.runner.on_tensor_thread(self.step_sampler.sample_masked, rows, logits, mask, self._seqs, request_ids)
+        self.stats.sample_s += time.perf_counter() - t0
         return tokens
+
+    def _resolve_late(self, plan: StepPlan, logits: torch.Tensor, request_ids: Sequence[str],
+                      tokens: dict[str, list[int]]) -> None:
+        """Scheduling ahead: sample the unsettled rows `logits` [n, V] of `plan` with their masks while the next
+        forward (which they sit out) runs, and resolve their placeholders; `tokens` gets them."""
+        late = self._resample(logits, request_ids)
+        mine = set(request_ids)
+        self.scheduler.resolve(StepPlan(plan.step_id, [sr for sr in plan.requests if sr.request_id in mine]), late, None)
+        tokens.update(late)
+        self.stats.num_late_rows += len(request_ids)
 
     def _draft(self, running: Sequence[Request]) -> None:
         """Drafts for the next step: the proposer's, cut by the grammars, or the grammars' forced tokens."""

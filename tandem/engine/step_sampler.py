@@ -148,7 +148,7 @@ class StepSampler:
 
     def sample_masked(self, rows: Mapping[str, int], logits: torch.Tensor, mask: np.ndarray,
                       seqs: Mapping[str, SequenceState], request_ids: Sequence[str]) -> dict[str, list[int]]:
-        """Sample again the plain rows of `request_ids` (in that order; `rows`: `plain_rows` of the step's plan), each
+        """Sample again the rows of `request_ids` (in that order; `rows`: request id -> its row of `logits`), each
         with its row of `mask` [n, W] int32 (rows first sampled without one). Dead rows are added to `failures`."""
         plain: list[PlainRow] = [(seqs.get(rid), rows[rid]) for rid in request_ids]
         return self._sample_plain(plain, logits, torch.from_numpy(mask).to(logits.device))

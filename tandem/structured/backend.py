@@ -101,6 +101,12 @@ class Matcher(Protocol):
         """Advance over `tokens`; stop at the first token the grammar rejects (not consumed). Returns how many."""
         ...
 
+    def consume(self, tokens: Sequence[int]) -> None:
+        """Advance over `tokens` known to be allowed (sampled under this matcher's mask, or validated), without
+        the check `accept` makes first. Raises GrammarError if one is rejected after all: the matcher is then
+        unusable (its request ends)."""
+        ...
+
     def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
         """Overwrite `bitmask[row]` (int32 [R, ceil(V/32)]) with the tokens allowed next. State is unchanged."""
         ...
@@ -128,6 +134,9 @@ class GrammarBackend(Protocol):
 
     name: str
     vocab_size: int  # V, the bitmask covers ceil(V / 32) words
+    # `Matcher.validate` takes exactly the tokens `fill_bitmask` allows, so a validated argmax is the masked argmax
+    # (unmasked greedy rows rely on it); xgrammar's masks can be narrower than its matcher (left recursion)
+    validates_as_masks: bool
 
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
         """Compile `spec` (thread-safe; may take long). Raises GrammarError with the backend's reason."""

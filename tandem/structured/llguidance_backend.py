@@ -93,6 +93,17 @@ class LLGuidanceMatcher:
             n += 1
         return n
 
+    def consume(self, tokens: Sequence[int]) -> None:
+        """No `validate_tokens` first (it cost as much as the consume itself, for every sampled token)."""
+        body, eos_next = self._split_at_eos(tokens)
+        if self._terminated or (body and not self._matcher.consume_tokens(body)):
+            raise GrammarError("llguidance", f"tokens {list(tokens)} were sampled but the grammar rejects them: "
+                                             f"{self._matcher.get_error() or 'it has ended'}")
+        if eos_next:
+            if not self._matcher.is_accepting():
+                raise GrammarError("llguidance", "EOS was sampled but the grammar cannot end here")
+            self._terminated = True
+
     def validate(self, tokens: Sequence[int]) -> int:
         if self._terminated:
             return 0
@@ -147,6 +158,7 @@ class LLGuidanceBackend:
     """Compiles specs against one `llguidance.LLTokenizer` (thread-safe: compiles share only the tokenizer)."""
 
     name = "llguidance"
+    validates_as_masks = True  # masks and validation walk the same lexer and parser
 
     def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int] = ()) -> None:
         """Wrap a fast Hugging Face tokenizer; `vocab_size` is the logits width (ids past the tokenizer: never allowed)."""

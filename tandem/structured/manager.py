@@ -155,9 +155,11 @@ class _Request:
         return (self.spec.kind, self.spec.text, self.spec.whitespace)
 
 
-_Work = tuple[str, Matcher, int]  # (request id, matcher, bitmask row)
-# (request id, seconds, CPU seconds of the filling thread, error, estimated fraction of the vocabulary allowed)
+_Work = tuple[str, Matcher, int, int | None]  # (request id, matcher, bitmask row, probe token or None: see fill_or_skip)
+# (request id, seconds, CPU seconds of the filling thread, error, estimated fraction of the vocabulary allowed, or
+# SKIPPED: the probe token was allowed, the row was left as it was)
 _Filled = tuple[str, float, float, str | None, float]
+SKIPPED = -1.0
 OPEN_MASK_FRACTION = 0.2  # a mask allowing this much of the vocabulary marks a state of free text (inside a string)
 _DENSITY_STRIDE = 8  # the allowed fraction is estimated from every 8th word of a row (~3 us for 200k tokens)
 
@@ -300,19 +302,29 @@ class StructuredOutputManager:
         {request id: reason} for the requests whose fill failed (their rows then allow only EOS); the manager has
         nothing more to do for them but `release`.
         """
+        return self.fill_or_skip(request_ids, bitmask, rows, min_rows_per_chunk)[0]
+
+    def fill_or_skip(self, request_ids: Sequence[str], bitmask: np.ndarray, rows: Sequence[int],
+                     min_rows_per_chunk: int | None = None, probe: Mapping[str, int] | None = None,
+                     ) -> tuple[dict[str, str], list[str]]:
+        """`fill_bitmask`, except that a request in `probe` whose grammar accepts its probe token next (a plain
+        letter: a state of free text, where fills over a large vocabulary cost 0.3-2 ms and a model's own choice is
+        most likely allowed) keeps its row untouched. Returns (failures, the requests skipped so)."""
         if len(request_ids) != len(rows):
             raise ValueError(f"{len(request_ids)} request ids but {len(rows)} rows")
         check_bitmask(bitmask, self.vocab_size)
         if len(set(rows)) != len(rows) or any(not 0 <= r < bitmask.shape[0] for r in rows):
             raise ValueError(f"rows must be distinct and in [0, {bitmask.shape[0]})")
-        work = [(rid, self._matcher(rid), int(row)) for rid, row in zip(request_ids, rows, strict=True)]
+        probe = probe or {}
+        work = [(rid, self._matcher(rid), int(row), probe.get(rid)) for rid, row in zip(request_ids, rows, strict=True)]
         threads = max(1, min(self.config.num_threads, len(work) // (min_rows_per_chunk or self.config.min_rows_per_chunk)))
         queue = _RowQueue(work, bitmask, self.eos_token_ids, self.config.unmasked_min_fill_ms / 1e3)
         futures = [self._fill_pool.submit(queue.drain) for _ in range(threads - 1)]
         results = queue.drain()
         for future in futures:
             results.extend(future.result())
-        return self._after_fills(results)
+        skipped = [r[0] for r in results if r[4] == SKIPPED and r[3] is None]
+        return self._after_fills([r for r in results if r[4] != SKIPPED or r[3] is not None]), skipped
 
     def fill_draft_bitmasks(self, request_id: str, draft_tokens: Sequence[int], bitmask: np.ndarray, first_row: int) -> int:
         """Speculative decoding: row first_row + j gets the mask after draft_tokens[:j], j = 0..len(drafts).
@@ -351,6 +363,13 @@ class StructuredOutputManager:
             request.tokens.extend(toks[:n])
         return n
 
+    def consume(self, request_id: str, tokens: Sequence[int]) -> None:
+        """`accept` for tokens known to be allowed (sampled under the request's mask, or validated): no check
+        first. GrammarError if one is rejected after all (the request must end: its matcher is unusable)."""
+        toks = [int(t) for t in tokens]
+        self._matcher(request_id).consume(toks)
+        self._requests[request_id].tokens.extend(toks)
+
     def rollback(self, request_id: str, n: int) -> None:
         """Undo the last `n` accepted tokens (rejected draft tokens)."""
         self._matcher(request_id).rollback(int(n))
@@ -370,6 +389,12 @@ class StructuredOutputManager:
             if matcher.validate([int(token)]) == 1:
                 return i
         return None
+
+    def validates_as_masks(self, request_id: str) -> bool:
+        """The request's backend validates exactly the tokens its masks allow (see `GrammarBackend`): only then may
+        a row be sampled unmasked and its argmax validated afterwards."""
+        grammar = self._request(request_id).grammar
+        return grammar is not None and self.backend(grammar.backend).validates_as_masks
 
     def mask_was_open(self, request_id: str) -> bool:
         """The request's last plain mask took at least `config.unmasked_min_fill_ms` of CPU and allowed at least
@@ -697,12 +722,16 @@ class _RowQueue:
 
 def _fill_chunk(chunk: Sequence[_Work], bitmask: np.ndarray, eos: Sequence[int], measure_over_s: float) -> list[_Filled]:
     """Fill one chunk's rows: (request id, seconds, CPU seconds, error or None, allowed fraction) per row. A failed
-    row allows only EOS. The allowed fraction is measured only for a fill over `measure_over_s` of CPU (only such a
-    fill is worth skipping next time), else 0."""
+    row allows only EOS; a row whose probe token is allowed is left as it was (allowed fraction SKIPPED). The
+    allowed fraction is measured only for a fill over `measure_over_s` of CPU (only such a fill is worth skipping
+    next time), else 0."""
     out: list[_Filled] = []
-    for rid, matcher, row in chunk:
+    for rid, matcher, row, probe in chunk:
         started, cpu = time.perf_counter(), time.thread_time()
         try:
+            if probe is not None and matcher.validate([probe]) == 1:
+                out.append((rid, 0.0, 0.0, None, SKIPPED))
+                continue
             matcher.fill_bitmask(bitmask, row)
             error = None
         except Exception as e:  # noqa: BLE001 - one request's grammar failing must not fail the step

@@ -75,6 +75,11 @@ class XGrammarMatcher:
             n += 1
         return n
 
+    def consume(self, tokens: Sequence[int]) -> None:
+        n = self.accept(tokens)  # xgrammar checks each token as it accepts it: nothing to save
+        if n != len(tokens):
+            raise GrammarError("xgrammar", f"token {int(tokens[n])} was sampled but the grammar rejects it")
+
     def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
         if self._matcher.is_terminated():
             fill_only(bitmask, row, self._eos)  # xgrammar refuses to fill after EOS; keep the row well-defined
@@ -135,6 +140,8 @@ class XGrammarBackend:
     """
 
     name = "xgrammar"
+    # 'root ::= root "a" | "b"' after "baa": the mask allows only "a" and EOS, the matcher also takes "aa"
+    validates_as_masks = False
 
     def __init__(
         self,

@@ -543,6 +543,38 @@ def test_abort_between_schedule_and_update_is_skipped() -> None:
     assert eng.bm.num_free_blocks == 16
 
 
+def test_withdraw_takes_a_request_out_of_a_plan_scheduled_ahead() -> None:
+    """Scheduling ahead, a request whose sampled token comes late sits out the next plan: `withdraw` undoes its
+    reservation, the late token resolves its placeholder, and the plan after feeds it; no placeholder reaches the
+    prefix cache."""
+    from tandem.core.scheduler import PLACEHOLDER
+
+    bm = BlockManager(16, 2, enable_prefix_caching=True)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64), bm)
+    a, b = Request("a", [1, 2, 3], SamplingParams(max_tokens=8)), Request("b", [4, 5, 6], SamplingParams(max_tokens=8))
+    sched.add(a)
+    sched.add(b)
+    cur = sched.schedule()
+    sched.reserve(cur)
+    nxt = sched.schedule(frozenset({"a", "b"}))
+    sched.reserve(nxt)
+    assert a.token_ids == [1, 2, 3, PLACEHOLDER, PLACEHOLDER] and a.num_computed_tokens == 4
+    sched.withdraw(nxt, ["a"])
+    assert [sr.request_id for sr in nxt.requests] == ["b"]
+    assert a.token_ids == [1, 2, 3, PLACEHOLDER] and a.num_computed_tokens == 3
+    sched.resolve(cur, {"b": [7]}, nxt)
+    assert nxt.requests[0].input_ids == [7] and a.token_ids[-1] == PLACEHOLDER
+    sched.resolve(StepPlan(cur.step_id, [sr for sr in cur.requests if sr.request_id == "a"]), {"a": [9]}, None)
+    assert a.token_ids == [1, 2, 3, 9]
+    after = sched.schedule(frozenset({"b"}))
+    assert [(sr.request_id, sr.input_ids, sr.start_pos) for sr in after.requests] == [("a", [9], 3), ("b", [PLACEHOLDER], 4)]
+    sched.reserve(after)
+    sched.resolve(nxt, {"b": [8]}, after)
+    sched.resolve(after, {"a": [5], "b": [6]}, None)
+    first = hash_block(ROOT_HASH, [1, 2])
+    assert a.block_hashes == [first, hash_block(first, [3, 9])]  # the late token, never the placeholder
+
+
 def test_finish_and_add_validation() -> None:
     eng = FakeEngine(num_blocks=16, block_size=4)
     eng.add("a", [1], max_tokens=5)

@@ -67,8 +67,11 @@ def test_random_logits_give_the_masked_tokens(gpt2: Tokenizer, speculative: bool
     assert all(err is None for _, _, err in unmasked.values())
     assert plain_stats["guided_unmasked_rows"] == 0
     assert stats["guided_unmasked_rows"] > 50
+    assert 0 < stats["guided_probe_skips"] <= stats["guided_unmasked_rows"]  # told by the probe (or by the last mask)
     assert 0 < stats["guided_unmasked_rejected"] < stats["guided_unmasked_rows"]  # some argmaxes kept, some not
     assert stats["guided_candidate_hits"] > 0 and stats["guided_refills"] > 0  # both ways of settling a rejection
+    # scheduled ahead, a refilled row is sampled during the next forward, which its request sits out
+    assert stats["num_late_rows"] == (0 if speculative else stats["guided_refills"])
     assert stats["grammar_rows_filled"] < plain_stats["grammar_rows_filled"]
 
 
@@ -89,6 +92,20 @@ def test_a_real_model_gives_the_masked_tokens_and_valid_documents(stories_engine
     for tokens, _, err in unmasked.values():
         assert err is None
         oracle.accepts(so, tokens, complete=False)  # fresh matchers of both backends take every token
+
+
+def test_rows_of_a_backend_whose_masks_are_narrower_than_its_matcher_stay_masked(gpt2: Tokenizer) -> None:
+    """xgrammar's mask for a left-recursive grammar after "baa" allows "a" but not "aa", which its matcher accepts:
+    a validated argmax would not be the masked one, so its rows are never sampled unmasked (llguidance's are)."""
+    so = StructuredOutputsParams(grammar='root ::= root "a" | "b"', backend="xgrammar")
+    requests = {f"x{i}": (f"letters {i}", SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=so))
+                for i in range(4)}
+    unmasked, stats = _run(simulated_engine(gpt2, 0.0, 4, "xgrammar", None, rows_by_token=True,
+                                            unmasked_min_fill_ms=0.0), requests)
+    masked, _ = _run(simulated_engine(gpt2, 0.0, 4, "xgrammar", None, unmasked_greedy=False, rows_by_token=True),
+                     requests)
+    assert unmasked == masked
+    assert stats["guided_unmasked_rows"] == 0
 
 
 def test_sampled_and_logprob_rows_are_always_masked(gpt2: Tokenizer) -> None:

@@ -220,6 +220,24 @@ def test_validate_leaves_state(backend: Any, vocab: Vocab) -> None:
     assert matcher.validate([vocab.eos]) == 0  # EOS is not allowed at the start of an object
 
 
+def test_consume_trusts_its_tokens_and_raises_on_a_rejected_one(backend: Any, vocab: Vocab) -> None:
+    """`consume` (tokens sampled under the mask) ends where `accept` does; a token the grammar rejects raises."""
+    spec = GrammarSpec.from_params(CASES["json"].params)
+    tokens = [*vocab.encode(CASES["json"].valid), vocab.eos]
+    trusted, checked = backend.matcher(backend.compile(spec)), backend.matcher(backend.compile(spec))
+    trusted.consume(tokens[:3])
+    assert checked.accept(tokens[:3]) == 3
+    a, b = allocate_bitmask(1, vocab.vocab_size), allocate_bitmask(1, vocab.vocab_size)
+    trusted.fill_bitmask(a, 0)
+    checked.fill_bitmask(b, 0)
+    np.testing.assert_array_equal(a, b)
+    trusted.consume(tokens[3:])
+    assert trusted.is_terminated()
+    fresh = backend.matcher(backend.compile(spec))
+    with pytest.raises(GrammarError):
+        fresh.consume([vocab.eos])  # EOS is not allowed at the start of an object
+
+
 def test_forced_tokens(backend: Any, vocab: Vocab) -> None:
     """A single-option choice forces tokens spelling a prefix of it; a real choice forces nothing."""
     text = "hello world, forced"
