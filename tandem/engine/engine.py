@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ from tandem.engine.timing import EngineStats, StepTimer
 from tandem.params import ParamError, SamplingParams
 from tandem.request import Request, RequestMetrics, RequestOutput, RequestStatus
 from tandem.runner.base import ForwardHandle, Runner
-from tandem.sampling.sampler import Sampler, top_candidates
+from tandem.sampling.sampler import Sampler, tied_ids, top_candidates
 from tandem.spec_decode.config import SpeculativeConfig, build_proposer
 from tandem.spec_decode.proposer import Proposer
 from tandem.structured.manager import StructuredOutputConfig
@@ -63,6 +64,7 @@ class _Masks:
 
 _NO_MASKS = _Masks(StepMasks(None, None), StagedMasks(None, None))
 UNMASKED_CANDIDATES = 16  # top logits tried, in order, for an unmasked greedy row whose argmax the grammar rejected
+TIED_LIMIT = 64  # tokens tied at the 16th value walked before giving up (filling the mask)
 
 
 def freeze_startup_heap() -> None:
@@ -372,11 +374,33 @@ class LLMEngine:
         t0 = time.perf_counter()
         candidates = self.runner.on_tensor_thread(top_candidates, logits, [rows[r] for r in rejected], UNMASKED_CANDIDATES)
         self.stats.sample_s += time.perf_counter() - t0
-        unsettled = []
+        undecided: list[tuple[str, float]] = []  # (request, the k-th largest logit)
         for rid, (values, ids) in zip(rejected, candidates, strict=True):
             token = self.guidance.first_allowed(rid, values, ids)
             if token is not None:
                 tokens[rid] = [token]
+            elif self.guidance.failure(rid) is None:  # a NaN logit: only the mask decides (k-th value: inf)
+                undecided.append((rid, math.inf if any(map(math.isnan, values)) else min(values)))
+        return self._check_ties(rows, logits, undecided, tokens)
+
+    def _check_ties(self, rows: Mapping[str, int], logits: torch.Tensor, undecided: list[tuple[str, float]],
+                    tokens: dict[str, list[int]]) -> list[str]:
+        """Rows the top candidates left undecided: walk every token tied at the k-th value (bf16 logits tie often);
+        the rest are unsettled, their tokens emptied."""
+        finite = [(rid, v) for rid, v in undecided if math.isfinite(v)]
+        t0 = time.perf_counter()
+        tied = self.runner.on_tensor_thread(tied_ids, logits, [rows[r] for r, _ in finite], [v for _, v in finite],
+                                            TIED_LIMIT) if finite else []
+        self.stats.sample_s += time.perf_counter() - t0
+        settled = {}
+        for (rid, _), ids in zip(finite, tied, strict=True):
+            token = self.guidance.first_allowed_tied(rid, ids) if ids else None
+            if token is not None:
+                settled[rid] = token
+        unsettled = []
+        for rid, _ in undecided:
+            if rid in settled:
+                tokens[rid] = [settled[rid]]
             elif self.guidance.failure(rid) is None:
                 unsettled.append(rid)
                 tokens[rid] = []

@@ -11,7 +11,7 @@ proposed as drafts (free: the mask makes the target put all its mass on them, so
 
 Unmasked greedy rows: a greedy request in a state of free text (e.g. inside a JSON string) gets no mask fill for
 its next row: it is sampled unconstrained and its token checked afterwards (`check_unmasked`). Free text is told
-by a probe, one validation of the token "a" on the fill thread instead of the fill (or by the request's last mask:
+by a probe, validations of the tokens "q" and "X" on the fill thread instead of the fill (or by the request's last mask:
 open and costly). When the grammar accepts the argmax, that token is the masked argmax too (same logits, a subset of
 the candidates, ties to the lowest id), so outputs are exactly those of masked sampling; when it rejects it, the
 engine takes the first allowed of the row's top candidates, or fills the mask and samples again (scheduling ahead,
@@ -61,7 +61,7 @@ class GuidanceStats:
     mask_fill_s: float = 0.0
     exposed_s: float = 0.0  # mask work the device had to wait for (see `Guidance.record_wait`)
     num_unmasked_rows: int = 0  # greedy rows sampled without a mask fill, their token checked afterwards
-    num_probe_skips: int = 0  # of those, rows whose probe token (a letter) was allowed: free text
+    num_probe_skips: int = 0  # of those, rows whose probe tokens (letters) were allowed: free text
     num_unmasked_rejected: int = 0  # of those, rows whose argmax the grammar rejected
     num_candidate_hits: int = 0  # rejected rows settled by a top candidate (no fill)
     num_refills: int = 0  # rejected rows that needed their mask after all
@@ -90,12 +90,12 @@ class Guidance:
     """
 
     def __init__(self, make_manager: Callable[[], StructuredOutputManager], vocab_size: int,
-                 unmasked_greedy: bool = True, probe_token: int | None = None) -> None:
-        """probe_token: a plain letter's token id; an argmax-only row whose grammar allows it next skips its fill
-        (None: only rows whose last fill was open and costly do)."""
+                 unmasked_greedy: bool = True, probe_tokens: tuple[int, ...] = ()) -> None:
+        """probe_tokens: plain letters' token ids; an argmax-only row whose grammar allows each of them next skips its
+        fill (empty: only rows whose last fill was open and costly do)."""
         self._make_manager = make_manager
         self.unmasked_greedy = unmasked_greedy
-        self.probe_token = probe_token if unmasked_greedy else None
+        self.probe_tokens = probe_tokens if unmasked_greedy else ()
         self._manager: StructuredOutputManager | None = None
         self.vocab_size = vocab_size
         self.words = bitmask_words(vocab_size)
@@ -207,7 +207,7 @@ class Guidance:
         alloc = alloc or _fresh
         t0 = time.perf_counter()
         sampled_ids, sampled_rows, verify_jobs, unmasked = [], [], [], []
-        probe: dict[str, int] = {}
+        probe: dict[str, tuple[int, ...]] = {}
         n_sampled = n_verify = 0
         for sr in plan.requests:
             if not sr.needs_logits:
@@ -225,7 +225,7 @@ class Guidance:
                     sampled_ids.append(sr.request_id)
                     sampled_rows.append(n_sampled)
                     if self._may_probe(sr.request_id):
-                        probe[sr.request_id] = self.probe_token  # type: ignore[assignment]
+                        probe[sr.request_id] = self.probe_tokens
                     self._recheck.discard(sr.request_id)
                     self._refilled.discard(sr.request_id)
                 n_sampled += 1
@@ -253,7 +253,7 @@ class Guidance:
     def _may_probe(self, request_id: str) -> bool:
         """A rejected argmax settled by a top candidate costs little; one that needed its mask after all is
         expensive (scheduling ahead, its request sits out a step): that request's next row is filled in full."""
-        return (self.probe_token is not None and request_id in self._argmax_only and request_id not in self._refilled
+        return (bool(self.probe_tokens) and request_id in self._argmax_only and request_id not in self._refilled
                 and self.manager.validates_as_masks(request_id))
 
     # ------------------------------------------------------------------------------------- unmasked greedy rows
@@ -286,6 +286,18 @@ class Guidance:
             return None
         self.stats.num_candidate_hits += token is not None
         return token
+
+    def first_allowed_tied(self, request_id: str, tied: Sequence[int]) -> int | None:
+        """The first allowed of `tied`, or None: every token whose logit equals the k-th largest, ascending, when
+        the k candidates could not tell (see `masked_argmax_among`). No token above that value is allowed, so the
+        lowest allowed id among them is the masked argmax; if none is allowed, it lies below and needs the mask."""
+        try:
+            hit = self.manager.first_allowed(request_id, tied)
+        except Exception as e:  # noqa: BLE001 - this request's grammar failed; the others go on
+            self._fail(request_id, f"checking a token failed: {type(e).__name__}: {e}")
+            return None
+        self.stats.num_candidate_hits += hit is not None
+        return None if hit is None else int(tied[hit])
 
     def fill_rows(self, request_ids: Sequence[str]) -> np.ndarray:
         """Fresh bitmask rows [len(request_ids), W] for these requests, in order (rejected unmasked rows whose
@@ -365,8 +377,9 @@ def masked_argmax_among(values: Sequence[float], ids: Sequence[int],
                         first_allowed: Callable[[list[int]], int | None]) -> int | None:
     """The argmax over the allowed tokens, found among a row's k largest logits (`values`, `ids`, any order), or None
     when those cannot tell it: none is allowed, or the first allowed ties the k-th value (a token outside the k with
-    the same logit and a lower id would win: ties go to the lowest id, as in `torch.argmax`). `first_allowed(order)`
-    gives the position of the first token of `order` the grammar accepts, or None."""
+    the same logit and a lower id would win: ties go to the lowest id, as in `torch.argmax`; the engine then walks
+    every token tied at the k-th value, `first_allowed_tied`). `first_allowed(order)` gives the position of the first
+    token of `order` the grammar accepts, or None."""
     order = sorted(range(len(ids)), key=lambda j: (-values[j], ids[j]))
     hit = first_allowed([int(ids[j]) for j in order])
     if hit is None or not values[order[hit]] > min(values):  # (also refuses NaN and -inf winners)
@@ -382,14 +395,20 @@ def _decided_by_argmax(p: SamplingParams) -> bool:
 
 def make_guidance(hf_tokenizer: Any, vocab_size: int, eos: Sequence[int], config: StructuredOutputConfig) -> Guidance:
     return Guidance(lambda: StructuredOutputManager(hf_tokenizer, vocab_size, eos, config), vocab_size,
-                    config.unmasked_greedy, letter_token(hf_tokenizer, vocab_size))
+                    config.unmasked_greedy, letter_tokens(hf_tokenizer, vocab_size))
 
 
-def letter_token(hf_tokenizer: Any, vocab_size: int) -> int | None:
-    """The id of the token "a" when the tokenizer spells it as one token in the vocabulary, else None: allowed in
-    free text (a JSON string, a regex's letters), not in JSON's structural states, numbers or literals."""
-    try:
-        ids = hf_tokenizer.encode("a", add_special_tokens=False)
-    except Exception:  # noqa: BLE001 - a tokenizer without this call: no probing
-        return None
-    return int(ids[0]) if len(ids) == 1 and 0 <= int(ids[0]) < vocab_size else None
+def letter_tokens(hf_tokenizer: Any, vocab_size: int) -> tuple[int, ...]:
+    """The ids of the tokens "q" and "X" when the tokenizer spells each as one token in the vocabulary, else ():
+    both are allowed in free text (a JSON string), neither in JSON's structural states, numbers or literals, and
+    an enum or pattern rarely allows both (a lone "a" was allowed at the start of every enum value "a...")."""
+    ids: list[int] = []
+    for text in ("q", "X"):
+        try:
+            encoded = hf_tokenizer.encode(text, add_special_tokens=False)
+        except Exception:  # noqa: BLE001 - a tokenizer without this call: no probing
+            return ()
+        if len(encoded) != 1 or not 0 <= int(encoded[0]) < vocab_size:
+            return ()
+        ids.append(int(encoded[0]))
+    return tuple(ids)

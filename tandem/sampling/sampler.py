@@ -308,6 +308,16 @@ def top_candidates(logits: Tensor, rows: Sequence[int], k: int) -> list[tuple[li
     return list(zip(values.float().cpu().tolist(), ids.cpu().tolist(), strict=True))
 
 
+def tied_ids(logits: Tensor, rows: Sequence[int], values: Sequence[float], limit: int) -> list[list[int] | None]:
+    """For each (row, value): the token ids whose logit in that row of logits [R, V] equals `value`, ascending; None
+    where more than `limit` do. For a top-k candidate walk that a tie at the k-th value left undecided."""
+    out: list[list[int] | None] = []
+    for row, value in zip(rows, values, strict=True):
+        ids = (logits[row] == value).nonzero().flatten()  # [n] ascending; the logits' dtype holds `value` exactly
+        out.append(ids.cpu().tolist() if ids.numel() <= limit else None)
+    return out
+
+
 def prompt_logprobs(
     logits: Tensor, next_token_ids: Sequence[int], top_n: int, chunk_rows: int = 256
 ) -> list[RowLogprobs]:

@@ -155,9 +155,9 @@ class _Request:
         return (self.spec.kind, self.spec.text, self.spec.whitespace)
 
 
-_Work = tuple[str, Matcher, int, int | None]  # (request id, matcher, bitmask row, probe token or None: see fill_or_skip)
+_Work = tuple[str, Matcher, int, Sequence[int]]  # (request id, matcher, bitmask row, probe tokens: see fill_or_skip)
 # (request id, seconds, CPU seconds of the filling thread, error, estimated fraction of the vocabulary allowed, or
-# SKIPPED: the probe token was allowed, the row was left as it was)
+# SKIPPED: the probe tokens were allowed, the row was left as it was)
 _Filled = tuple[str, float, float, str | None, float]
 SKIPPED = -1.0
 OPEN_MASK_FRACTION = 0.2  # a mask allowing this much of the vocabulary marks a state of free text (inside a string)
@@ -305,10 +305,10 @@ class StructuredOutputManager:
         return self.fill_or_skip(request_ids, bitmask, rows, min_rows_per_chunk)[0]
 
     def fill_or_skip(self, request_ids: Sequence[str], bitmask: np.ndarray, rows: Sequence[int],
-                     min_rows_per_chunk: int | None = None, probe: Mapping[str, int] | None = None,
+                     min_rows_per_chunk: int | None = None, probe: Mapping[str, Sequence[int]] | None = None,
                      ) -> tuple[dict[str, str], list[str]]:
-        """`fill_bitmask`, except that a request in `probe` whose grammar accepts its probe token next (a plain
-        letter: a state of free text, where fills over a large vocabulary cost 0.3-2 ms and a model's own choice is
+        """`fill_bitmask`, except that a request in `probe` whose grammar accepts each of its probe tokens next
+        (plain letters: a state of free text, where fills over a large vocabulary cost 0.3-2 ms and a model's own choice is
         most likely allowed) keeps its row untouched. Returns (failures, the requests skipped so)."""
         if len(request_ids) != len(rows):
             raise ValueError(f"{len(request_ids)} request ids but {len(rows)} rows")
@@ -316,7 +316,7 @@ class StructuredOutputManager:
         if len(set(rows)) != len(rows) or any(not 0 <= r < bitmask.shape[0] for r in rows):
             raise ValueError(f"rows must be distinct and in [0, {bitmask.shape[0]})")
         probe = probe or {}
-        work = [(rid, self._matcher(rid), int(row), probe.get(rid)) for rid, row in zip(request_ids, rows, strict=True)]
+        work = [(rid, self._matcher(rid), int(row), probe.get(rid, ())) for rid, row in zip(request_ids, rows, strict=True)]
         threads = max(1, min(self.config.num_threads, len(work) // (min_rows_per_chunk or self.config.min_rows_per_chunk)))
         queue = _RowQueue(work, bitmask, self.eos_token_ids, self.config.unmasked_min_fill_ms / 1e3)
         futures = [self._fill_pool.submit(queue.drain) for _ in range(threads - 1)]
@@ -722,14 +722,14 @@ class _RowQueue:
 
 def _fill_chunk(chunk: Sequence[_Work], bitmask: np.ndarray, eos: Sequence[int], measure_over_s: float) -> list[_Filled]:
     """Fill one chunk's rows: (request id, seconds, CPU seconds, error or None, allowed fraction) per row. A failed
-    row allows only EOS; a row whose probe token is allowed is left as it was (allowed fraction SKIPPED). The
+    row allows only EOS; a row whose probe tokens are all allowed is left as it was (allowed fraction SKIPPED). The
     allowed fraction is measured only for a fill over `measure_over_s` of CPU (only such a fill is worth skipping
     next time), else 0."""
     out: list[_Filled] = []
     for rid, matcher, row, probe in chunk:
         started, cpu = time.perf_counter(), time.thread_time()
         try:
-            if probe is not None and matcher.validate([probe]) == 1:
+            if probe and all(matcher.validate([token]) == 1 for token in probe):
                 out.append((rid, 0.0, 0.0, None, SKIPPED))
                 continue
             matcher.fill_bitmask(bitmask, row)

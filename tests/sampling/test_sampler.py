@@ -9,7 +9,7 @@ import torch
 
 from tandem.params import SamplingParams
 from tandem.sampling.bitmask import bitmask_words
-from tandem.sampling.sampler import RowLogprobs, Sampler, SamplingRow, prompt_logprobs
+from tandem.sampling.sampler import RowLogprobs, Sampler, SamplingRow, prompt_logprobs, tied_ids, top_candidates
 
 EOS = 9
 
@@ -325,3 +325,16 @@ def test_prompt_logprobs() -> None:
     assert len(got) == 5
     for i, tok in enumerate(tokens):
         _check_logprobs(got[i], logits[i], tok, 2)
+
+
+def test_top_candidates_and_tied_ids_on_bf16() -> None:
+    """The candidate walk of unmasked greedy rows: the k largest logits in the logits' dtype, and every token tied at
+    a value (ascending), None past the limit."""
+    logits = torch.zeros(2, 10, dtype=torch.bfloat16)
+    logits[0, [2, 5, 7]] = 3.0
+    logits[0, 4] = 5.0
+    logits[1, 1] = 1.5
+    (values, ids), = top_candidates(logits, [0], 2)
+    assert values[0] == 5.0 and ids[0] == 4 and values[1] == 3.0 and ids[1] in (2, 5, 7)
+    assert tied_ids(logits, [0, 1], [3.0, 1.5], limit=8) == [[2, 5, 7], [1]]
+    assert tied_ids(logits, [0], [0.0], limit=3) == [None]  # six tokens tie at 0
