@@ -9,7 +9,14 @@ import torch
 
 from tandem.params import SamplingParams
 from tandem.sampling.bitmask import bitmask_words
-from tandem.sampling.sampler import RowLogprobs, Sampler, SamplingRow, prompt_logprobs, tied_ids, top_candidates
+from tandem.sampling.sampler import (
+    RowLogprobs,
+    Sampler,
+    SamplingRow,
+    prompt_logprobs,
+    tied_ids,
+    top_candidates,
+)
 
 EOS = 9
 
