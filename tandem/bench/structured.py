@@ -274,6 +274,10 @@ def _distinct_row(
         row[f"served {b}"] = int(served1.get(f"grammar_served_{b}", 0) - served0.get(f"grammar_served_{b}", 0))
         if new:
             row[f"compile ms {b} p50/p99"] = f"{1e3 * percentile(new, 50):.1f}/{1e3 * percentile(new, 99):.1f}"
+    # guided rows sampled without a mask fill (unmasked greedy rows), argmaxes the grammar rejected, masks refilled
+    for key, name in (("guided_tokens", "guided tokens"), ("guided_unmasked_rows", "unmasked rows"),
+                      ("guided_unmasked_rejected", "rejected"), ("guided_refills", "refilled")):
+        row[name] = int(served1.get(key, 0) - served0.get(key, 0))
     if failed:
         row["first failure"] = failed[0][:80]
     return row
