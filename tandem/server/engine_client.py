@@ -16,7 +16,8 @@ Where the core runs is the client's one seam, a `CoreLauncher`: `LocalCoreLaunch
 two pipes; `server/ray_cores.py` places the core as a Ray actor joined by two authenticated TCP connections
 (multiprocessing.connection). Either way the core runs `run_engine_core` and the messages are the same.
 
-Messages child -> parent: ("ready", info with the idle engine's stats) | ("failed", reason) | ("step", events, stats) | ("fatal", reason).
+Messages child -> parent: ("ready", info with the idle engine's stats) | ("failed", reason) | ("step", events, stats
+or None: at most every STATS_EVERY_S while busy, and whenever the engine goes idle) | ("fatal", reason).
 Commands parent -> child: ("add", request_id, prompt, SamplingParams) | ("abort", [ids]) | ("shutdown",).
 """
 
@@ -46,6 +47,7 @@ logger = logging.getLogger("tandem.server")
 IDLE_POLL_S = 1.0  # idle core: how often it checks that its parent is still alive
 _MAX_MESSAGES_PER_WAKEUP = 64
 PENDING_POLL_S = 0.002
+STATS_EVERY_S = 0.25  # while busy, engine stats go with a step message at most this often (0.5-1 ms to build)
 RESTART_BASE_DELAY_S = 1.0  # a core that dies again within RESTART_WINDOW_S waits 1, 2, 4 ... s before restarting
 RESTART_MAX_DELAY_S = 30.0
 RESTART_WINDOW_S = 60.0  # unfinished requests but nothing scheduled (e.g. a grammar compiling): wait this long for commands
@@ -159,6 +161,7 @@ def run_engine_core(
 def _core_loop(engine: Any, commands: Connection, results: Connection, parent_pid: int) -> None:
     tracker = _DeltaTracker(engine.tokenizer.decode)
     progressed = True
+    stats_sent = 0.0
     while True:
         if os.getppid() != parent_pid:
             logger.warning("parent process is gone; engine core exits")
@@ -177,7 +180,11 @@ def _core_loop(engine: Any, commands: Connection, results: Connection, parent_pi
             progressed = bool(outs)
             events.extend(("out", tracker.delta(o)) for o in outs)
         if events or cmds:
-            results.send(("step", events, engine.get_stats()))
+            # percentiles over thousands of samples each step cost the engine thread 0.5-1 ms at 256 requests
+            now = time.monotonic()
+            fresh = not engine.has_unfinished_requests() or now - stats_sent >= STATS_EVERY_S
+            results.send(("step", events, engine.get_stats() if fresh else None))
+            stats_sent = now if fresh else stats_sent
 
 
 def _drain(commands: Connection, block_s: float | None) -> list[tuple[Any, ...]]:
@@ -606,7 +613,8 @@ class EngineClient:
         if kind == "step":
             for ev in msg[1]:
                 self._dispatch_event(ev)
-            self.stats = msg[2]
+            if msg[2] is not None:  # None: unchanged since the last stats (sent at most every STATS_EVERY_S)
+                self.stats = msg[2]
         elif kind == "ready":
             info = msg[1]
             self.stats = info.get("stats", {})  # a new core's own (idle) stats, not the last ones of one that died
