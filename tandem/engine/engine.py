@@ -379,8 +379,9 @@ class LLMEngine:
             token = self.guidance.first_allowed(rid, values, ids)
             if token is not None:
                 tokens[rid] = [token]
-            elif self.guidance.failure(rid) is None:  # a NaN logit: only the mask decides (k-th value: inf)
-                undecided.append((rid, math.inf if any(map(math.isnan, values)) else min(values)))
+            elif self.guidance.failure(rid) is None:
+                nan = any(map(math.isnan, values))  # then only the mask decides: no tie walk (an infinite value)
+                undecided.append((rid, math.inf if nan else min(values)))
         return self._check_ties(rows, logits, undecided, tokens)
 
     def _check_ties(self, rows: Mapping[str, int], logits: torch.Tensor, undecided: list[tuple[str, float]],
