@@ -296,6 +296,7 @@ class Scheduler:
         token the running plan sampled) is not known in time. The next `schedule` takes them again once it is."""
         if not request_ids:
             return
+        request_ids = set(request_ids)
         kept = []
         for sr in plan.requests:
             req = self._requests.get(sr.request_id)

@@ -323,8 +323,8 @@ class StructuredOutputManager:
         results = queue.drain()
         for future in futures:
             results.extend(future.result())
-        skipped = [r[0] for r in results if r[4] == SKIPPED and r[3] is None]
-        return self._after_fills([r for r in results if r[4] != SKIPPED or r[3] is not None]), skipped
+        skipped = [r[0] for r in results if r[4] == SKIPPED]  # (a row whose probe failed is an error row, filled)
+        return self._after_fills([r for r in results if r[4] != SKIPPED]), skipped
 
     def fill_draft_bitmasks(self, request_id: str, draft_tokens: Sequence[int], bitmask: np.ndarray, first_row: int) -> int:
         """Speculative decoding: row first_row + j gets the mask after draft_tokens[:j], j = 0..len(drafts).
