@@ -25,7 +25,7 @@ from tandem.core.kv_blocks import BlockManager
 from tandem.core.plan import ScheduledRequest, StepPlan
 from tandem.core.scheduler import Scheduler
 from tandem.cpu_budget import CpuBudget
-from tandem.engine.guidance import StepMasks, make_guidance
+from tandem.engine.guidance import PendingMasks, StepMasks, make_guidance
 from tandem.engine.sequences import RequestGroup, SequenceState
 from tandem.engine.speculation import NoSpeculation, Speculation, make_speculation
 from tandem.engine.step_sampler import StagedMasks, StepSampler, plain_rows
@@ -45,12 +45,14 @@ logger = logging.getLogger("tandem")
 
 @dataclass(eq=False)
 class _InFlight:
-    """Scheduling ahead: a launched plan, and the grammar masks its sampling will use (filled during its forward)."""
+    """Scheduling ahead: a launched plan, and the grammar masks its sampling will use (filled during its forward:
+    `fill` while under way, `masks` once joined)."""
 
     plan: StepPlan
     handle: ForwardHandle
     masks: _Masks
     filled_at: float = 0.0
+    fill: PendingMasks | None = None
 
 
 @dataclass(frozen=True)
@@ -279,6 +281,7 @@ class LLMEngine:
             return self._idle()
         nxt = self._schedule_ahead(frozenset(sr.request_id for sr in cur.plan.requests))
         timer.mark("scheduled")
+        self._join_fill(cur)
         logits = self.runner.collect(cur.handle)  # [R, V]
         timer.mark("collected")
         self.guidance.record_wait(cur.masks.filled, cur.filled_at, cur.handle.finished_at)
@@ -292,13 +295,14 @@ class LLMEngine:
         timer.mark("launched")
         if held is not None:
             self._resolve_late(cur.plan, held, unsettled, tokens)
-        outputs = self._advance_ahead(cur.plan, tokens)
-        if self._inflight is not None:  # after the accepts: the matchers are where the next step starts
-            self._inflight.masks = self._fill_masks(nxt)
-            self._inflight.filled_at = time.perf_counter()
+        accepted = self._accept_ahead(tokens)  # the matchers are where the next step starts: its fill may begin
+        if self._inflight is not None:  # llguidance's threads fill beside the stop checks and outputs below
+            self._inflight.fill = self.guidance.start_fill(nxt, self.step_sampler.mask_buffer)
+        outputs = self._advance_ahead(cur.plan, tokens, accepted)
         timer.mark("overlapped")
         self.stats.record_ahead(timer, len(cur.plan.preempted_ids))
         if self._inflight is not None and not any(sr.request_id in self._seqs for sr in nxt.requests):
+            self._join_fill(self._inflight)  # (its fill must not outlive it: the next one may reuse the buffer)
             self._inflight = None  # every request of it has ended: nothing to collect
         return outputs + self._drain_errors()
 
@@ -317,6 +321,14 @@ class LLMEngine:
             flight.filled_at = time.perf_counter()
         return flight
 
+    def _join_fill(self, flight: _InFlight) -> None:
+        """Wait for the masks of `flight` (filled during its forward) and stage them for sampling."""
+        if flight.fill is None:
+            return
+        filled, flight.fill = flight.fill.result(), None
+        flight.masks = _Masks(filled, self.step_sampler.stage(filled))
+        flight.filled_at = time.perf_counter()
+
     def _launch(self, plan: StepPlan) -> tuple[ForwardHandle, _Masks]:
         """Start the forward of `plan` and fill its grammar masks: after the launch (overlapped) when the forward has
         its own device, before it when the forward shares the host's cores (`overlap_masks`)."""
@@ -333,9 +345,23 @@ class LLMEngine:
         masks = self.guidance.fill(plan, self.step_sampler.mask_buffer)
         return _Masks(masks, self.step_sampler.stage(masks))
 
-    def _advance_ahead(self, plan: StepPlan, new_tokens: dict[str, list[int]]) -> list[RequestOutput]:
-        """`_advance` for a plan already accounted by `reserve` / `resolve`: settle each sequence, finish what
-        ended (dropping tokens it did not keep); outputs of touched groups."""
+    def _accept_ahead(self, new_tokens: Mapping[str, list[int]]) -> dict[str, tuple[bool, str | None]]:
+        """Scheduling ahead: feed each live guided sequence's tokens to its grammar before the stop checks, so that
+        the next step's fill can start. {request: (terminated, error)} for those fed. Tokens a stop check then
+        drops were taken too: that sequence has ended, its matcher is not used again."""
+        accepted: dict[str, tuple[bool, str | None]] = {}
+        for rid, toks in new_tokens.items():
+            seq = self._seqs.get(rid)
+            if seq is None or seq.req.is_finished or self.guidance.failure(rid) is not None:
+                continue
+            accepted[rid] = self.guidance.accept(seq.req, toks, len(seq.req.draft_token_ids))
+        return accepted
+
+    def _advance_ahead(self, plan: StepPlan, new_tokens: dict[str, list[int]],
+                       accepted: Mapping[str, tuple[bool, str | None]]) -> list[RequestOutput]:
+        """`_advance` for a plan already accounted by `reserve` / `resolve`: settle each sequence (`accepted`: the
+        grammar outcomes of `_accept_ahead`), finish what ended (dropping tokens it did not keep); outputs of
+        touched groups."""
         finished: dict[str, tuple[RequestStatus, int]] = {}  # -> (final status, tokens to drop)
         touched: dict[str, RequestGroup] = {}
         now = time.monotonic()
@@ -343,7 +369,7 @@ class LLMEngine:
             seq = self._seqs.get(rid)
             if seq is None or seq.req.is_finished:
                 continue
-            kept, status = self._settle(seq, toks)
+            kept, status = self._settle(seq, toks, accepted.get(rid))
             if status is not None:
                 finished[rid] = (status, len(toks) - len(kept) if toks and status else 0)
             if seq.group.metrics.first_token_time is None:
@@ -527,12 +553,15 @@ class LLMEngine:
         end = min(sr.start_pos + sr.num_tokens - sr.num_draft_tokens, len(seq.group.prompt_token_ids))
         return max(0, end - sr.start_pos)
 
-    def _settle(self, seq: SequenceState, toks: list[int]) -> tuple[list[int], RequestStatus | None]:
-        """One sequence's emitted tokens: the ones it keeps, and its final status if it ended.
+    def _settle(self, seq: SequenceState, toks: list[int],
+                accepted: tuple[bool, str | None] | None = None) -> tuple[list[int], RequestStatus | None]:
+        """One sequence's emitted tokens: the ones it keeps, and its final status if it ended. `accepted`: the
+        grammar has taken `toks` already, with this outcome (it had not failed before); else the kept tokens are
+        fed to it here.
 
         Per-request work that fails (its grammar, detokenizing) ends this sequence alone with an error, as does a
         row where no token is allowed (after the drafts accepted before it, which it keeps)."""
-        failure = self.guidance.failure(seq.request_id)
+        failure = self.guidance.failure(seq.request_id) if accepted is None else None
         no_token = self.step_sampler.failures.get(seq.request_id)
         if failure is not None or (no_token is not None and not toks):  # the sampled token means nothing
             seq.group.error = failure or no_token
@@ -547,7 +576,9 @@ class LLMEngine:
         self._learn_drafts(seq, toks)
         if seq.logprobs is not None and len(kept) < len(toks):
             del seq.logprobs[len(seq.logprobs) - (len(toks) - len(kept)) :]
-        terminated, grammar_error = self.guidance.accept(seq.req, kept, len(seq.req.draft_token_ids))
+        if accepted is None:
+            accepted = self.guidance.accept(seq.req, kept, len(seq.req.draft_token_ids))
+        terminated, grammar_error = accepted
         return kept, self._final_status(seq, decision, terminated, grammar_error or no_token)
 
     def _learn_drafts(self, seq: SequenceState, emitted: list[int]) -> None:
@@ -608,6 +639,8 @@ class LLMEngine:
         """
         if self.has_unfinished_requests():
             raise RuntimeError("set_speculation needs an idle engine: requests are in flight")
+        if self._inflight is not None:
+            self._join_fill(self._inflight)
         self._inflight = None
         if self._owns_speculation:
             self.speculation.close()

@@ -33,10 +33,24 @@ from tandem.core.plan import StepPlan
 from tandem.params import EngineOverloaded, ParamError, SamplingParams, StructuredOutputsParams
 from tandem.request import Request
 from tandem.structured.backend import GrammarError, GrammarQueueFull, bitmask_words
-from tandem.structured.manager import StructuredOutputConfig, StructuredOutputManager
+from tandem.structured.manager import PendingFill, StructuredOutputConfig, StructuredOutputManager
 
 logger = logging.getLogger("tandem")
 MAX_FORCED_DRAFTS = 16  # forced tokens proposed per step: a long forced run (a 30 KB const) goes in chunks
+
+
+class PendingMasks:
+    """A step's masks being filled (`Guidance.start_fill`); `result()` waits for them, once."""
+
+    def __init__(self, guidance: Guidance, masks: StepMasks, pending: PendingFill | None, spent_s: float) -> None:
+        self._guidance, self._masks, self._pending, self._spent_s = guidance, masks, pending, spent_s
+        self._done = False
+
+    def result(self) -> StepMasks:
+        if not self._done:
+            self._done = True
+            self._masks = self._guidance._finish_fill(self._masks, self._pending, self._spent_s)
+        return self._masks
 
 
 @dataclass
@@ -204,6 +218,11 @@ class Guidance:
 
         `alloc(kind, rows, words)` gives the all-ones int32 arrays to fill ('sample' / 'verify'), e.g. views of
         page-locked memory for an accelerator; default: fresh arrays."""
+        return self.start_fill(plan, alloc).result()
+
+    def start_fill(self, plan: StepPlan, alloc: Callable[[str, int, int], np.ndarray] | None = None) -> PendingMasks:
+        """`fill`, returning while llguidance's threads still fill the batched rows: the caller goes on with other
+        work (no GIL is held by the fill meanwhile), and must not use the plan's matchers before `result()`."""
         alloc = alloc or _fresh
         t0 = time.perf_counter()
         sampled_ids, sampled_rows, verify_jobs, unmasked = [], [], [], []
@@ -230,21 +249,30 @@ class Guidance:
                     self._refilled.discard(sr.request_id)
                 n_sampled += 1
         sample_mask = verify_mask = None
+        pending = None
         if sampled_ids:
             sample_mask = alloc("sample", n_sampled, self.words)
-            failures, skipped = self.manager.fill_or_skip(sampled_ids, sample_mask, sampled_rows, probe=probe)
-            for rid, reason in failures.items():
-                self._fail(rid, reason)
-            unmasked.extend(skipped)
-            self.stats.num_probe_skips += len(skipped)
+            pending = self.manager.start_fill(sampled_ids, sample_mask, sampled_rows, probe=probe)
         if verify_jobs:
             verify_mask = alloc("verify", n_verify, self.words)
             for rid, row0, drafts in verify_jobs:
                 self._fill_verify_rows(rid, drafts, verify_mask, row0)
-        dt = time.perf_counter() - t0
-        self.stats.mask_fill_s += dt
-        self.stats.num_unmasked_rows += len(unmasked)
-        return StepMasks(sample_mask, verify_mask, dt, unmasked)
+        return PendingMasks(self, StepMasks(sample_mask, verify_mask, 0.0, unmasked), pending, time.perf_counter() - t0)
+
+    def _finish_fill(self, masks: StepMasks, pending: PendingFill | None, spent_s: float) -> StepMasks:
+        """Settle a started fill: failures recorded, skipped rows unmasked, stats (`spent_s`: the fill's time on
+        the calling thread before; the wait for the batch is added)."""
+        t0 = time.perf_counter()
+        if pending is not None:
+            failures, skipped = pending.result()
+            for rid, reason in failures.items():
+                self._fail(rid, reason)
+            masks.unmasked.extend(skipped)
+            self.stats.num_probe_skips += len(skipped)
+        masks.fill_s = spent_s + time.perf_counter() - t0
+        self.stats.mask_fill_s += masks.fill_s
+        self.stats.num_unmasked_rows += len(masks.unmasked)
+        return masks
 
     def _may_skip_mask(self, request_id: str) -> bool:
         return (request_id in self._argmax_only and request_id not in self._recheck

@@ -137,6 +137,9 @@ class GrammarBackend(Protocol):
     # `Matcher.validate` takes exactly the tokens `fill_bitmask` allows, so a validated argmax is the masked argmax
     # (unmasked greedy rows rely on it); xgrammar's masks can be narrower than its matcher (left recursion)
     validates_as_masks: bool
+    # `fill_batch` fills many rows in one library call on the library's own threads, the GIL released once: the
+    # manager hands it a step's rows at once; otherwise rows are filled one by one over the manager's fill pool
+    fills_in_batches: bool
 
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
         """Compile `spec` (thread-safe; may take long). Raises GrammarError with the backend's reason."""
@@ -144,6 +147,11 @@ class GrammarBackend(Protocol):
 
     def matcher(self, grammar: CompiledGrammar) -> Matcher:
         """A fresh matcher at the grammar's start (cheap)."""
+        ...
+
+    def fill_batch(self, work: Sequence[tuple[Matcher, int]], bitmask: np.ndarray) -> None:
+        """`Matcher.fill_bitmask` for each (matcher of this backend, row) of `work` (distinct matchers and rows);
+        a matcher whose state is broken gets a row allowing only EOS, as `fill_bitmask` gives it."""
         ...
 
     def close(self) -> None:

@@ -3,8 +3,8 @@ and structural tags (translated to Lark: `StructuralTagLark`).
 
 llguidance computes masks lazily (a derivative-based lexer over a token trie plus an Earley parser), so its
 "compile" is cheap: we translate the spec to llguidance's grammar JSON and build one prototype `LLMatcher`, which
-validates it; each request's matcher is a `deep_copy()` of the prototype (microseconds). Its Rust calls drop the
-GIL. The 'grammar' kind accepts Lark text and llama.cpp GBNF (converted to Lark by `llguidance.grammar_from`).
+validates it; each request's matcher is a `deep_copy()` of the prototype (microseconds). One matcher's mask fill
+holds the GIL; a step's fills go to llguidance's own threads in one call (`fill_batch`). The 'grammar' kind accepts Lark text and llama.cpp GBNF (converted to Lark by `llguidance.grammar_from`).
 
 Choices made here:
 - JSON schemas use JSON Schema semantics (extra object keys allowed unless `additionalProperties: false`); the
@@ -39,6 +39,7 @@ from tandem.structured.backend import (
     CompiledGrammar,
     GrammarError,
     GrammarSpec,
+    Matcher,
     TiktokenVocab,
     backend_reason,
     check_structural_tag,
@@ -117,6 +118,11 @@ class LLGuidanceMatcher:
                 self._matcher.rollback(len(body))
         return n
 
+    @property
+    def native(self) -> llguidance.LLMatcher:
+        """The `LLMatcher` (for the backend's batched fills)."""
+        return self._matcher
+
     def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
         if self._terminated:
             fill_only(bitmask, row, self._eos)
@@ -159,16 +165,23 @@ class LLGuidanceBackend:
 
     name = "llguidance"
     validates_as_masks = True  # masks and validation walk the same lexer and parser
+    # one `LLExecutor` call fills a step's rows on its own threads, the GIL released once: a single matcher's fill
+    # holds the GIL (256 rows over o200k: 3.1 ms on one Python thread, 3.4 ms split over two, 1.4 ms in one call
+    # on two executor threads)
+    fills_in_batches = True
 
-    def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int] = ()) -> None:
-        """Wrap a fast Hugging Face tokenizer; `vocab_size` is the logits width (ids past the tokenizer: never allowed)."""
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int] = (), fill_threads: int = 2) -> None:
+        """Wrap a fast Hugging Face tokenizer; `vocab_size` is the logits width (ids past the tokenizer: never allowed);
+        `fill_threads`: the threads of `fill_batch`."""
         eos = list(eos_token_ids) or [int(hf_tokenizer.eos_token_id)]
         tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos)
         added = {int(i): str(t.content) for i, t in getattr(hf_tokenizer, "added_tokens_decoder", {}).items()}
-        self._setup(tokenizer, vocab_size, eos, {text: i for i, text in added.items() if i < vocab_size and tokenizer.is_special_token(i)})
+        self._setup(tokenizer, vocab_size, eos, {text: i for i, text in added.items() if i < vocab_size and tokenizer.is_special_token(i)},
+                    fill_threads)
 
     @classmethod
-    def from_tiktoken(cls, vocab: TiktokenVocab, vocab_size: int | None = None, eos_token_ids: Sequence[int] = ()) -> LLGuidanceBackend:
+    def from_tiktoken(cls, vocab: TiktokenVocab, vocab_size: int | None = None, eos_token_ids: Sequence[int] = (),
+                      fill_threads: int = 2) -> LLGuidanceBackend:
         """A backend over a raw tiktoken vocabulary."""
         size = vocab_size or vocab.size
         eos = list(eos_token_ids) or [vocab.eos_token_id]
@@ -176,13 +189,14 @@ class LLGuidanceBackend:
             encoder=vocab.ranks, special_tokens=vocab.special_tokens, pattern=vocab.pattern, eos_token=eos, n_vocab=size
         )
         self = cls.__new__(cls)
-        self._setup(tokenizer, size, eos, {t: i for t, i in vocab.special_tokens.items() if i < size})
+        self._setup(tokenizer, size, eos, {t: i for t, i in vocab.special_tokens.items() if i < size}, fill_threads)
         return self
 
-    def _setup(self, tokenizer: Any, vocab_size: int, eos: list[int], special: dict[str, int]) -> None:
+    def _setup(self, tokenizer: Any, vocab_size: int, eos: list[int], special: dict[str, int], fill_threads: int) -> None:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos
         self._tokenizer = tokenizer
+        self._executor = llguidance.LLExecutor(max(1, fill_threads))
         self.special_tokens = special  # text -> id of the tokens llguidance treats as special (structural tags)
         self._translators: dict[str, Callable[[GrammarSpec], str]] = {
             "json": lambda s: self._schema_grammar(s.text, s.whitespace),
@@ -211,6 +225,21 @@ class LLGuidanceBackend:
     def matcher(self, grammar: CompiledGrammar) -> LLGuidanceMatcher:
         assert isinstance(grammar, LLGuidanceCompiled), "a grammar compiled by another backend"
         return LLGuidanceMatcher(grammar, self.eos_token_ids)
+
+    def fill_batch(self, work: Sequence[tuple[Matcher, int]], bitmask: np.ndarray) -> None:
+        pairs = []
+        for matcher, row in work:
+            assert isinstance(matcher, LLGuidanceMatcher), "a matcher of another backend"
+            if matcher.is_terminated():
+                fill_only(bitmask, row, self.eos_token_ids)
+            else:
+                pairs.append((matcher.native, row))
+        if not pairs:
+            return
+        if not (bitmask.dtype == np.int32 and bitmask.ndim == 2 and bitmask.flags["C_CONTIGUOUS"]):
+            raise ValueError("bitmask must be a C-contiguous int32 [R, W] array")
+        # writes rows [R, W] at bitmask's address: every row index of `pairs` is < R (the manager checks)
+        self._executor.unsafe_compute_mask_ptr(pairs, bitmask.ctypes.data, bitmask.shape[1] * 4, bitmask.shape[0])
 
     def close(self) -> None:
         """Nothing to stop: compiles run on the caller's threads."""

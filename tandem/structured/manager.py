@@ -5,7 +5,8 @@ Life of a guided request:
     submit(rid, params)   size check; route to a backend (routing.py); cache hit -> ready at once, else a compile
                           job (GrammarQueueFull when too many distinct grammars already wait: the caller says 429)
     poll(rid)             'pending' | 'ready' | 'failed'  (ready: a matcher has been made; failed: error(rid) says why)
-    fill_bitmask(...)     each step, for the ready requests of the batch (parallel over chunks on the fill pool);
+    fill_bitmask(...)     each step, for the ready requests of the batch: in one call per backend that fills in
+                          batches (llguidance, on its own threads), one by one over the fill pool otherwise;
                           returns the requests whose fill failed, so the engine ends those alone
     fill_draft_bitmasks   speculative steps: one row per draft position, the matcher walks the drafts and rolls back
     accept / rollback / validate_draft / forced_tokens / is_terminated
@@ -22,12 +23,14 @@ fails ends only its request; one slower than `max_fill_ms` moves its request to 
 accepted), or ends it when that is impossible.
 
 Two thread pools: compiles on one, mask fills on the other, so a slow compile can never delay a decoding step.
-Both libraries release the GIL in their native code, so the pools run truly in parallel with the engine loop.
+A batched fill runs on llguidance's threads with the GIL released once for the whole step; the rows filled one by
+one (xgrammar's, and each request's timed fills: `TIMED_FILL_EVERY`) go over the fill pool meanwhile.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 from collections import OrderedDict, deque
@@ -55,7 +58,13 @@ from tandem.structured.cache import CacheKey, GrammarCache
 from tandem.structured.measure import percentile
 from tandem.structured.routing import BackendRouter, Route, TextKey
 
+logger = logging.getLogger("tandem")
 BACKENDS = ("xgrammar", "llguidance")
+# A request's fills go in batches, where no row has a time of its own; one in this many is filled alone and timed:
+# the backend router's per-grammar mean, the fill percentiles and the `max_fill_ms` guard see those. A timed row
+# holds the engine thread (and the GIL) while it fills: at 1 in 16, 256 guided requests over o200k spent 2 ms a
+# step on them in `tandem bench simulated`
+TIMED_FILL_EVERY = 64
 PENDING, READY, FAILED = "pending", "ready", "failed"
 
 
@@ -149,6 +158,7 @@ class _Request:
     reason: str | None = None  # why its backend serves it
     tokens: list[int] = field(default_factory=list)  # accepted so far (replayed when it moves to another backend)
     open_mask: bool = False  # its last plain mask was costly and allowed at least OPEN_MASK_FRACTION of the vocabulary
+    untimed_fills: int = 0  # batched fills since its last timed one
 
     @property
     def text_key(self) -> TextKey:
@@ -156,10 +166,11 @@ class _Request:
 
 
 _Work = tuple[str, Matcher, int, Sequence[int]]  # (request id, matcher, bitmask row, probe tokens: see fill_or_skip)
-# (request id, seconds, CPU seconds of the filling thread, error, estimated fraction of the vocabulary allowed, or
-# SKIPPED: the probe tokens were allowed, the row was left as it was)
+# (request id, seconds, CPU seconds of the filling thread or UNTIMED (filled in a batch), error, estimated fraction of
+# the vocabulary allowed, or SKIPPED: the probe tokens were allowed, the row was left as it was)
 _Filled = tuple[str, float, float, str | None, float]
 SKIPPED = -1.0
+UNTIMED = -1.0
 OPEN_MASK_FRACTION = 0.2  # a mask allowing this much of the vocabulary marks a state of free text (inside a string)
 _DENSITY_STRIDE = 8  # the allowed fraction is estimated from every 8th word of a row (~3 us for 200k tokens)
 
@@ -183,7 +194,7 @@ class StructuredOutputManager:
         self.eos_token_ids = [int(t) for t in eos_token_ids]
         self._factories: dict[str, Callable[[], GrammarBackend]] = {
             "xgrammar": lambda: _xgrammar(hf_tokenizer, vocab_size, self.eos_token_ids, cfg),
-            "llguidance": lambda: _llguidance(hf_tokenizer, vocab_size, self.eos_token_ids),
+            "llguidance": lambda: _llguidance(hf_tokenizer, vocab_size, self.eos_token_ids, cfg),
         }
         self._factories.update(backend_factories or {})
         self._backends: dict[str, GrammarBackend] = {}
@@ -310,6 +321,14 @@ class StructuredOutputManager:
         """`fill_bitmask`, except that a request in `probe` whose grammar accepts each of its probe tokens next
         (plain letters: a state of free text, where fills over a large vocabulary cost 0.3-2 ms and a model's own choice is
         most likely allowed) keeps its row untouched. Returns (failures, the requests skipped so)."""
+        return self.start_fill(request_ids, bitmask, rows, min_rows_per_chunk, probe).result()
+
+    def start_fill(self, request_ids: Sequence[str], bitmask: np.ndarray, rows: Sequence[int],
+                   min_rows_per_chunk: int | None = None, probe: Mapping[str, Sequence[int]] | None = None,
+                   ) -> PendingFill:
+        """`fill_or_skip`, returning while the batched rows are still being filled on llguidance's threads (the
+        probes and the rows filled one by one are done when it returns). Until `result()`, the matchers of
+        `request_ids` must not be used, and `bitmask` must be neither read nor freed."""
         if len(request_ids) != len(rows):
             raise ValueError(f"{len(request_ids)} request ids but {len(rows)} rows")
         check_bitmask(bitmask, self.vocab_size)
@@ -317,14 +336,73 @@ class StructuredOutputManager:
             raise ValueError(f"rows must be distinct and in [0, {bitmask.shape[0]})")
         probe = probe or {}
         work = [(rid, self._matcher(rid), int(row), probe.get(rid, ())) for rid, row in zip(request_ids, rows, strict=True)]
-        threads = max(1, min(self.config.num_threads, len(work) // (min_rows_per_chunk or self.config.min_rows_per_chunk)))
-        queue = _RowQueue(work, bitmask, self.eos_token_ids, self.config.unmasked_min_fill_ms / 1e3)
-        futures = [self._fill_pool.submit(queue.drain) for _ in range(threads - 1)]
-        results = queue.drain()
+        batched, alone = self._batches(work)
+        pending = PendingFill(self, bitmask)
+        for backend, batch in batched.items():
+            fill = self._probe(batch, bitmask, pending.done)
+            if fill:
+                pending.batches.append((backend, fill, self._fill_pool.submit(self._run_batch, backend, fill, bitmask)))
+        threads = max(1, min(self.config.num_threads, len(alone) // (min_rows_per_chunk or self.config.min_rows_per_chunk)))
+        queue = _RowQueue(alone, bitmask, self.eos_token_ids, self.config.unmasked_min_fill_ms / 1e3)
+        futures = [self._fill_pool.submit(queue.drain) for _ in range(threads - 1)] if alone else []
+        pending.done.extend(queue.drain())
         for future in futures:
-            results.extend(future.result())
-        skipped = [r[0] for r in results if r[4] == SKIPPED]  # (a row whose probe failed is an error row, filled)
-        return self._after_fills([r for r in results if r[4] != SKIPPED]), skipped
+            pending.done.extend(future.result())
+        return pending
+
+    def _batches(self, work: list[_Work]) -> tuple[dict[str, list[_Work]], list[_Work]]:
+        """Split a fill: {backend: rows} for backends that fill in batches, and the rows filled one by one (other
+        backends, and each request's timed fill)."""
+        batched: dict[str, list[_Work]] = {}
+        alone: list[_Work] = []
+        for w in work:
+            request = self._requests[w[0]]
+            assert request.grammar is not None
+            name = request.grammar.backend
+            if self.backend(name).fills_in_batches and request.untimed_fills < TIMED_FILL_EVERY - 1:
+                request.untimed_fills += 1
+                batched.setdefault(name, []).append(w)
+            else:
+                request.untimed_fills = 0
+                alone.append(w)
+        return batched, alone
+
+    def _probe(self, work: list[_Work], bitmask: np.ndarray, done: list[_Filled]) -> list[_Work]:
+        """Run the probes of a batch's rows (this thread): a row whose probe passes is SKIPPED, one whose probe
+        raises is filled alone (which reports the error); both go to `done`. Returns the rows left to fill."""
+        fill: list[_Work] = []
+        for w in work:
+            try:
+                passed = bool(w[3]) and _probe_passes(w[1], w[3])
+            except Exception:  # noqa: BLE001 - reported by the fill alone
+                done.extend(_fill_chunk([w], bitmask, self.eos_token_ids, self.config.unmasked_min_fill_ms / 1e3))
+                continue
+            if passed:
+                done.append((w[0], 0.0, 0.0, None, SKIPPED))
+            else:
+                fill.append(w)
+        return fill
+
+    def _run_batch(self, backend: str, work: list[_Work], bitmask: np.ndarray) -> float:
+        """One library call filling `work` (on a fill-pool thread; the GIL is released inside); its wall seconds."""
+        started = time.perf_counter()
+        self.backend(backend).fill_batch([(w[1], w[2]) for w in work], bitmask)
+        return time.perf_counter() - started
+
+    def _settle_batch(self, work: list[_Work], bitmask: np.ndarray, seconds: float | None) -> list[_Filled]:
+        """UNTIMED results of a batch that took `seconds`, or, when it raised (None), its rows filled one by one,
+        each failing alone. A batch over `max_fill_ms` makes the next fill of each of its requests a timed one,
+        which finds the slow grammar."""
+        if seconds is None:
+            return _fill_chunk([(*w[:3], ()) for w in work], bitmask, self.eos_token_ids, 0.0)
+        if seconds * 1e3 > self.config.max_fill_ms:
+            for w in work:
+                request = self._requests.get(w[0])
+                if request is not None:
+                    request.untimed_fills = TIMED_FILL_EVERY
+        fractions = _allowed_fractions(bitmask, [w[2] for w in work])
+        share = seconds / len(work)
+        return [(w[0], share, UNTIMED, None, float(f)) for w, f in zip(work, fractions, strict=True)]
 
     def fill_draft_bitmasks(self, request_id: str, draft_tokens: Sequence[int], bitmask: np.ndarray, first_row: int) -> int:
         """Speculative decoding: row first_row + j gets the mask after draft_tokens[:j], j = 0..len(drafts).
@@ -513,13 +591,15 @@ class StructuredOutputManager:
         for rid, _, cpu, err, allowed in results:
             request = self._requests.get(rid)
             if err is None and request is not None and request.grammar is not None:
-                self._router.record_fill(request.grammar.backend, request.text_key, cpu)
                 if plain:
                     request.open_mask = allowed >= OPEN_MASK_FRACTION
+                if cpu == UNTIMED:
+                    continue
+                self._router.record_fill(request.grammar.backend, request.text_key, cpu)
                 if cpu * 1e3 > self.config.max_fill_ms:
                     slow[rid] = max(slow.get(rid, 0.0), cpu)
         with self._lock:
-            self._fill_row_s.extend(s for _, s, _, err, _ in results if err is None)
+            self._fill_row_s.extend(s for _, s, _, err, _ in results if err is None)  # a batched row: its share
             self._counts["rows_filled"] += len(results)
             self._counts["fill_errors"] += len(failures)
             self._counts["slow_fills"] += len(slow)
@@ -692,6 +772,33 @@ def _combined(rejections: Sequence[GrammarError]) -> GrammarError:
     return GrammarError("auto", "; ".join(str(e) for e in rejections))
 
 
+class PendingFill:
+    """A fill under way (`StructuredOutputManager.start_fill`): its batches run on fill-pool threads."""
+
+    def __init__(self, manager: StructuredOutputManager, bitmask: np.ndarray) -> None:
+        self.done: list[_Filled] = []  # rows settled when the fill started: skipped, filled alone
+        self.batches: list[tuple[str, list[_Work], Future[float]]] = []  # (backend, rows, seconds of the call)
+        self._manager = manager
+        self._bitmask = bitmask
+        self._outcome: tuple[dict[str, str], list[str]] | None = None
+
+    def result(self) -> tuple[dict[str, str], list[str]]:
+        """Wait for the batches; (failures, the requests whose probe passed: rows left as they were)."""
+        if self._outcome is not None:
+            return self._outcome
+        results = self.done
+        for _, work, future in self.batches:
+            try:
+                seconds: float | None = future.result()
+            except Exception:  # noqa: BLE001 - the rows are filled one by one instead, each failing alone
+                logger.exception("a batched fill of %d rows failed; filling them one by one", len(work))
+                seconds = None
+            results.extend(self._manager._settle_batch(work, self._bitmask, seconds))
+        skipped = [r[0] for r in results if r[4] == SKIPPED]  # (a row whose probe failed is an error row, filled)
+        self._outcome = self._manager._after_fills([r for r in results if r[4] != SKIPPED]), skipped
+        return self._outcome
+
+
 class _RowQueue:
     """Rows to fill, handed out a few at a time to whichever thread asks next: a row costs 0.01-1 ms by the
     grammar's state, so fixed halves left one thread idle while the other filled the expensive rows (256 rows in
@@ -729,7 +836,7 @@ def _fill_chunk(chunk: Sequence[_Work], bitmask: np.ndarray, eos: Sequence[int],
     for rid, matcher, row, probe in chunk:
         started, cpu = time.perf_counter(), time.thread_time()
         try:
-            if probe and all(matcher.validate([token]) == 1 for token in probe):
+            if probe and _probe_passes(matcher, probe):
                 out.append((rid, 0.0, 0.0, None, SKIPPED))
                 continue
             matcher.fill_bitmask(bitmask, row)
@@ -742,6 +849,18 @@ def _fill_chunk(chunk: Sequence[_Work], bitmask: np.ndarray, eos: Sequence[int],
         allowed = _allowed_fraction(bitmask[row]) if cpu >= measure_over_s and error is None else 0.0
         out.append((rid, time.perf_counter() - started, cpu, error, allowed))
     return out
+
+
+def _probe_passes(matcher: Matcher, probe: Sequence[int]) -> bool:
+    """Each probe token is allowed next (a state of free text: the fill may be skipped)."""
+    return all(matcher.validate([token]) == 1 for token in probe)
+
+
+def _allowed_fractions(bitmask: np.ndarray, rows: Sequence[int]) -> np.ndarray:
+    """float64 [len(rows)]: `_allowed_fraction` of each row, in one pass (a batched fill measures every row: it has
+    no CPU time per row to tell a costly one)."""
+    sample = bitmask[:, ::_DENSITY_STRIDE][np.asarray(rows, dtype=np.intp)].view(np.uint32)  # [n, W / stride]
+    return np.bitwise_count(sample).sum(axis=1) / (32 * max(1, sample.shape[1]))
 
 
 def _allowed_fraction(row: np.ndarray) -> float:
@@ -757,7 +876,7 @@ def _xgrammar(hf_tokenizer: Any, vocab_size: int, eos: Sequence[int], config: St
                            isolated=config.isolate_compiles, compile_cpu_limit_s=config.compile_timeout_s)
 
 
-def _llguidance(hf_tokenizer: Any, vocab_size: int, eos: Sequence[int]) -> GrammarBackend:
+def _llguidance(hf_tokenizer: Any, vocab_size: int, eos: Sequence[int], config: StructuredOutputConfig) -> GrammarBackend:
     from tandem.structured.llguidance_backend import LLGuidanceBackend
 
-    return LLGuidanceBackend(hf_tokenizer, vocab_size, eos)
+    return LLGuidanceBackend(hf_tokenizer, vocab_size, eos, fill_threads=config.num_threads)

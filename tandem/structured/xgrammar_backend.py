@@ -30,6 +30,7 @@ from tandem.structured.backend import (
     CompiledGrammar,
     GrammarError,
     GrammarSpec,
+    Matcher,
     TiktokenVocab,
     allowed_tokens,
     backend_reason,
@@ -142,6 +143,7 @@ class XGrammarBackend:
     name = "xgrammar"
     # 'root ::= root "a" | "b"' after "baa": the mask allows only "a" and EOS, the matcher also takes "aa"
     validates_as_masks = False
+    fills_in_batches = False  # a fill holds the GIL: rows go one by one over the manager's fill pool
 
     def __init__(
         self,
@@ -194,6 +196,10 @@ class XGrammarBackend:
     def matcher(self, grammar: CompiledGrammar) -> XGrammarMatcher:
         assert isinstance(grammar, XGrammarCompiled), "a grammar compiled by another backend"
         return XGrammarMatcher(grammar, self.eos_token_ids, self._vocab_bytes)
+
+    def fill_batch(self, work: Sequence[tuple[Matcher, int]], bitmask: np.ndarray) -> None:
+        for matcher, row in work:
+            matcher.fill_bitmask(bitmask, row)
 
     def close(self) -> None:
         """Stop the compile workers (if isolated)."""

@@ -94,3 +94,30 @@ def test_ahead_structured_outputs_and_aborts(stories_engine_factory) -> None:  #
     ref = run_all(sync, {rid: prompts[rid] for rid in ("r0", "r1", "r2")}, guided)
     for rid in ref:
         assert ref[rid].outputs[0].token_ids == done[rid].outputs[0].token_ids
+
+
+def test_ahead_fill_pending_between_steps_and_an_abort_during_it(stories_engine_factory) -> None:  # type: ignore[no-untyped-def]
+    """Scheduling ahead, the next step's masks are still being filled (llguidance's threads) when `step` returns;
+    aborting a guided request then leaves the others' outputs equal to the synchronous engine's."""
+    engine = stories_engine_factory(async_scheduling=True)
+    regex = StructuredOutputsParams(regex=r"(Lily|Tom) (ran|sat)( and (ran|sat))*\.", backend="llguidance")
+    guided = SamplingParams(temperature=0.0, max_tokens=30, structured_outputs=regex)
+    prompts = _prompts(engine, 3)
+    for rid, p in prompts.items():
+        engine.add_request(rid, p, guided)
+    pending = 0
+    for _ in range(6):
+        engine.step()
+        pending += engine._inflight is not None and engine._inflight.fill is not None
+    assert pending >= 3
+    engine.abort_request("r1")
+    done: dict[str, RequestOutput] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert sorted(done) == ["r0", "r2"]
+    assert engine.block_manager.num_free_blocks == engine.runner.num_blocks
+    ref = run_all(stories_engine_factory(async_scheduling=False), {r: prompts[r] for r in ("r0", "r2")}, guided)
+    for rid in ref:
+        assert ref[rid].outputs[0].token_ids == done[rid].outputs[0].token_ids

@@ -27,10 +27,12 @@ from tandem.structured import (
     TiktokenVocab,
     allocate_bitmask,
     allowed_tokens,
+    bitmask_words,
     is_allowed,
     load_tiktoken,
     measure_mask_fill,
 )
+from tandem.structured.backend import popcount
 from tandem.structured.llguidance_backend import LLGuidanceBackend
 from tandem.structured.xgrammar_backend import XGrammarBackend
 
@@ -236,6 +238,28 @@ def test_consume_trusts_its_tokens_and_raises_on_a_rejected_one(backend: Any, vo
     fresh = backend.matcher(backend.compile(spec))
     with pytest.raises(GrammarError):
         fresh.consume([vocab.eos])  # EOS is not allowed at the start of an object
+
+
+def test_fill_batch_writes_what_row_by_row_fills_write(backend: Any, vocab: Vocab) -> None:
+    """One matcher per prefix of a valid output (EOS accepted in the last: terminated), filled in one batch into
+    shuffled rows of a dirty array: each row equals that matcher's own `fill_bitmask`; rows not named stay as they were."""
+    spec = GrammarSpec.from_params(CASES["json"].params)
+    tokens = [*vocab.encode(CASES["json"].valid), vocab.eos]
+    matchers = []
+    for n in range(len(tokens) + 1):
+        m = backend.matcher(backend.compile(spec))
+        m.consume(tokens[:n])
+        matchers.append(m)
+    rows = np.random.default_rng(0).permutation(len(matchers) + 2)[: len(matchers)]
+    batch = np.full((len(matchers) + 2, bitmask_words(vocab.vocab_size)), 0x5A5A5A5A, dtype=np.int32)
+    backend.fill_batch(list(zip(matchers, rows.tolist(), strict=True)), batch)
+    one = allocate_bitmask(1, vocab.vocab_size)
+    for m, row in zip(matchers, rows, strict=True):
+        m.fill_bitmask(one, 0)
+        np.testing.assert_array_equal(batch[row], one[0])
+    untouched = sorted(set(range(len(batch))) - set(rows.tolist()))
+    assert (batch[untouched] == 0x5A5A5A5A).all()
+    assert matchers[-1].is_terminated() and popcount(batch[rows[-1]]) == 1  # EOS alone
 
 
 def test_forced_tokens(backend: Any, vocab: Vocab) -> None:

@@ -28,6 +28,7 @@ from tandem.structured import (
     measure_mask_fill,
 )
 from tandem.structured.llguidance_backend import LLGuidanceBackend
+from tandem.structured.manager import TIMED_FILL_EVERY
 from tandem.structured.xgrammar_backend import XGrammarBackend
 
 SHARED = Path(__file__).resolve().parents[2] / "../shared/data"
@@ -367,7 +368,8 @@ def test_grammar_cache_lru() -> None:
 
 
 def test_fill_bitmask_parallel_matches_serial(tokenizer: Any, backends: dict[str, Any]) -> None:
-    """40 requests in chunks on the pool == each request's own mask; rows of unguided requests untouched."""
+    """40 requests, twice (xgrammar's rows in chunks on the pool, llguidance's in one batch) == each request's own
+    mask; rows of unguided requests untouched."""
     manager = make_manager(tokenizer, backends, num_threads=2, min_rows_per_chunk=4)
     specs = [
         StructuredOutputsParams(json=PERSON),
@@ -386,13 +388,14 @@ def test_fill_bitmask_parallel_matches_serial(tokenizer: Any, backends: dict[str
             assert manager.accept(rid, prefix) == len(prefix)
     rows = list(range(1, 81, 2))  # guided rows are odd; even rows are unguided
     bitmask = allocate_bitmask(81, len(tokenizer))
-    bitmask[0::2] = 0x5A5A5A5A
-    manager.fill_bitmask(ids, bitmask, rows)
-    assert (bitmask[0::2] == 0x5A5A5A5A).all()
-    for rid, row in zip(ids, rows, strict=True):
-        np.testing.assert_array_equal(allowed_tokens(bitmask, row, len(tokenizer)), manager.allowed_tokens(rid))
+    for _ in range(2):
+        bitmask[:] = 0x5A5A5A5A
+        manager.fill_bitmask(ids, bitmask, rows)
+        assert (bitmask[0::2] == 0x5A5A5A5A).all()
+        for rid, row in zip(ids, rows, strict=True):
+            np.testing.assert_array_equal(allowed_tokens(bitmask, row, len(tokenizer)), manager.allowed_tokens(rid))
     stats = manager.stats()
-    assert stats["rows_filled"] == 40 and stats["mask_fill_us_per_row_p99"] >= stats["mask_fill_us_per_row_p50"] > 0
+    assert stats["rows_filled"] == 80 and stats["mask_fill_us_per_row_p99"] >= stats["mask_fill_us_per_row_p50"] > 0
     with pytest.raises(ValueError, match="int32"):
         manager.fill_bitmask(ids[:1], np.zeros((2, 3), np.int64), [0])
     with pytest.raises(ValueError, match="distinct"):
@@ -533,6 +536,31 @@ def test_a_failing_fill_ends_only_its_request(manager: StructuredOutputManager, 
     np.testing.assert_array_equal(allowed_tokens(bitmask, 0, len(tokenizer)), manager.allowed_tokens("good"))
     assert allowed_tokens(bitmask, 1, len(tokenizer)).tolist() == [tokenizer.eos_token_id]
     assert manager.stats()["fill_errors"] == 1
+
+
+def test_batched_fills_time_one_in_n_and_a_slow_batch_times_the_next(tokenizer: Any, backends: dict[str, Any]) -> None:
+    """llguidance rows go in batches, untimed; every TIMED_FILL_EVERY-th fill of a request is filled alone and
+    timed (the router and the fill percentiles see only those). A batch over max_fill_ms makes the next fill of its
+    requests a timed one, which ends a request whose fill is over the limit on its own."""
+    manager = make_manager(tokenizer, backends, backend="llguidance")
+    ids = ["a", "b", "c"]
+    for rid in ids:
+        manager.submit(rid, StructuredOutputsParams(json=PERSON))
+        assert wait(manager, rid) == "ready"
+    bitmask = allocate_bitmask(3, len(tokenizer))
+    key = manager._requests["a"].text_key
+    timed = []
+    for _ in range(TIMED_FILL_EVERY + 2):
+        assert manager.fill_bitmask(ids, bitmask, [0, 1, 2]) == {}
+        timed.append(manager._router.mean_fill_s("llguidance", key) is not None)
+    assert timed.index(True) == TIMED_FILL_EVERY - 1 and all(timed[TIMED_FILL_EVERY - 1 :])
+    stats = manager.stats()
+    assert stats["rows_filled"] == 3 * (TIMED_FILL_EVERY + 2) and stats["mask_fill_us_per_row_p50"] > 0
+    manager.config.max_fill_ms = 1e-6  # every batch is over it now
+    assert manager.fill_bitmask(ids, bitmask, [0, 1, 2]) == {}  # batched: the rows are valid, no one to blame yet
+    failures = manager.fill_bitmask(ids, bitmask, [0, 1, 2])  # each filled alone, timed: over the limit
+    assert sorted(failures) == ids and all("llguidance: a mask took" in f for f in failures.values())
+    manager.shutdown()
 
 
 class _SlowMatcher:
