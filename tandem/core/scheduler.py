@@ -273,10 +273,13 @@ class Scheduler:
             if sr.needs_logits:
                 req.append_tokens([PLACEHOLDER])
 
-    def resolve(self, plan: StepPlan, tokens: Mapping[str, Sequence[int]], next_plan: StepPlan | None) -> None:
+    def resolve(self, plan: StepPlan, tokens: Mapping[str, Sequence[int]], next_plan: StepPlan | None,
+                commit: bool = True) -> None:
         """The tokens `plan` sampled replace their placeholders, in the requests and in `next_plan`'s inputs (call
-        before `next_plan` is launched); newly full blocks go to the prefix cache. Requests that finished,
-        were aborted or preempted meanwhile are skipped; a request that got no token keeps its placeholder."""
+        before `next_plan` is launched); newly full blocks go to the prefix cache, unless `commit` is False (then
+        call `commit(plan)` before the next `schedule`: after the launch, off the device's critical path). Requests
+        that finished, were aborted or preempted meanwhile are skipped; a request that got no token keeps its
+        placeholder."""
         feeds = {sr.request_id: sr for sr in next_plan.requests} if next_plan is not None else {}
         for sr in plan.requests:
             req = self._requests.get(sr.request_id)
@@ -289,7 +292,15 @@ class Scheduler:
                 feed = feeds.get(sr.request_id)
                 if feed is not None and feed.start_pos <= position < feed.start_pos + feed.num_tokens:
                     feed.input_ids[position - feed.start_pos] = toks[0]
-            self.block_manager.commit(req)
+            if commit:
+                self.block_manager.commit(req)
+
+    def commit(self, plan: StepPlan) -> None:
+        """Offer the blocks of `plan`'s running requests that became full to the prefix cache (see `resolve`)."""
+        for sr in plan.requests:
+            req = self._requests.get(sr.request_id)
+            if req is not None and req.status is RequestStatus.RUNNING:
+                self.block_manager.commit(req)
 
     def withdraw(self, plan: StepPlan, request_ids: Collection[str]) -> None:
         """Take `request_ids` out of `plan`, reserved but not launched, undoing `reserve` for them: their input (the

@@ -290,9 +290,10 @@ class LLMEngine:
         unsettled = self._check_unmasked(cur.plan, logits, cur.masks.filled, tokens)
         held = self._rows_of(cur.plan, logits, unsettled) if unsettled else None  # [n, V]: copied before the launch
         self.scheduler.withdraw(nxt, unsettled)  # their tokens come during the next forward: they sit it out
-        self.scheduler.resolve(cur.plan, tokens, nxt)
+        self.scheduler.resolve(cur.plan, tokens, nxt, commit=False)
         self._inflight = self._launch_ahead(nxt, fill_now=False)
         timer.mark("launched")
+        self.scheduler.commit(cur.plan)  # the prefix cache learns the new full blocks while nxt runs
         if held is not None:
             self._resolve_late(cur.plan, held, unsettled, tokens)
         accepted = self._accept_ahead(tokens)  # the matchers are where the next step starts: its fill may begin
@@ -434,10 +435,14 @@ class LLMEngine:
         return unsettled
 
     def _rows_of(self, plan: StepPlan, logits: torch.Tensor, request_ids: Sequence[str]) -> torch.Tensor:
-        """The plain logits rows of `request_ids` [n, V], copied (the runner may reuse `logits` for its next forward)."""
+        """The plain logits rows of `request_ids` [n, V], copied (the runner may reuse `logits` for its next forward).
+        The copy counts as sampling (`stats.sample_s`): device work beside an accelerator."""
         rows = plain_rows(plan)
         index = torch.tensor([rows[rid] for rid in request_ids], device=logits.device)
-        return self.runner.on_tensor_thread(logits.index_select, 0, index)
+        t0 = time.perf_counter()
+        held = self.runner.on_tensor_thread(logits.index_select, 0, index)
+        self.stats.sample_s += time.perf_counter() - t0
+        return held
 
     def _resample(self, logits: torch.Tensor, request_ids: Sequence[str]) -> dict[str, list[int]]:
         """Fill the masks of `request_ids` and sample their rows `logits` [n, V] (in that order) with them."""
