@@ -12,15 +12,14 @@ Step protocol with the engine: set `req.draft_token_ids` -> `schedule()` -> run 
 Scheduling ahead (the engine's asynchronous mode, no drafts): `schedule(protected)` -> `reserve(plan)` accounts
 the plan before it runs, appending a PLACEHOLDER token for each request that will sample; the next plan is
 scheduled while this one runs and feeds those placeholders; `resolve(plan, tokens, next_plan)` writes the sampled
-tokens over them (in the requests and in the next plan's inputs) before the next plan is launched. A token found
-wrong after that launch (an unmasked argmax the grammar rejects) is `retract`ed: replaced, and the request's row in
-the running plan becomes garbage (its position is fed again by the plan after).
+tokens over them (in the requests and in the next plan's inputs) before the next plan is launched. A request whose
+token needs more work than the launch can wait for is `withdraw`n from the next plan and resolved later.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 from tandem.config import SchedulerConfig
 from tandem.core.kv_blocks import BlockManager
@@ -303,23 +302,22 @@ class Scheduler:
             if req is not None and req.status is RequestStatus.RUNNING:
                 self.block_manager.commit(req)
 
-    def retract(self, plan: StepPlan, request_id: str, position: int, token: int) -> bool:
-        """Scheduling ahead: `plan` was launched feeding `request_id` the token at `position`, which turned out
-        wrong (an unmasked argmax the grammar rejected); `token` replaces it. If `plan` computes that position, the
-        request's row there is garbage: the position counts as not computed (the next plan feeds it again and
-        overwrites its KV) and the placeholder `plan` was to sample into is dropped. Returns whether the row in
-        `plan` is garbage (its sampled token must be thrown away)."""
-        req = self._requests.get(request_id)
-        if req is None or req.status is not RequestStatus.RUNNING or position >= req.num_tokens:
-            return False
-        req.token_ids[position] = token
-        sr = next((sr for sr in plan.requests if sr.request_id == request_id), None)
-        if sr is None or not sr.start_pos <= position < sr.start_pos + sr.num_tokens:
-            return False
-        if sr.needs_logits and req.token_ids[-1] == PLACEHOLDER:
-            req.token_ids.pop()
-        req.num_computed_tokens = position
-        return True
+    def withdraw(self, plan: StepPlan, request_ids: Collection[str]) -> None:
+        """Take `request_ids` out of `plan`, reserved but not launched, undoing `reserve` for them: their input (the
+        token the running plan sampled) is not known in time. The next `schedule` takes them again once it is."""
+        if not request_ids:
+            return
+        request_ids = set(request_ids)
+        kept = []
+        for sr in plan.requests:
+            req = self._requests.get(sr.request_id)
+            if sr.request_id not in request_ids or req is None:
+                kept.append(sr)
+                continue
+            if sr.needs_logits and req.token_ids and req.token_ids[-1] == PLACEHOLDER:
+                req.token_ids.pop()  # the token this plan was going to sample
+            req.num_computed_tokens = sr.start_pos
+        plan.requests = kept
 
     @staticmethod
     def _check_accepted(sr: ScheduledRequest, accepted: list[int]) -> None:

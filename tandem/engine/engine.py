@@ -15,7 +15,7 @@ import logging
 import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -53,7 +53,6 @@ class _InFlight:
     masks: _Masks
     filled_at: float = 0.0
     fill: PendingMasks | None = None
-    garbage: set[str] = field(default_factory=set)  # requests whose row was fed a retracted token: thrown away
 
 
 @dataclass(frozen=True)
@@ -263,7 +262,7 @@ class LLMEngine:
         timer.mark("collected")
         tokens = self.runner.on_tensor_thread(self.step_sampler.sample, plan, logits, masks.staged, self._seqs)
         timer.mark("sampled")
-        unsettled = self._check_unmasked(plain_rows(plan), logits, masks.filled.unmasked, tokens)
+        unsettled = self._check_unmasked(plan, logits, masks.filled, tokens)
         if unsettled:
             tokens.update(self._resample(self._rows_of(plan, logits, unsettled), unsettled))
         outputs = self._advance(plan, tokens)
@@ -287,17 +286,16 @@ class LLMEngine:
         timer.mark("collected")
         self.guidance.record_wait(cur.masks.filled, cur.filled_at, cur.handle.finished_at)
         tokens = self.runner.on_tensor_thread(self.step_sampler.sample, cur.plan, logits, cur.masks.staged, self._seqs)
-        for rid in cur.garbage:
-            tokens.pop(rid, None)
         timer.mark("sampled")
-        unmasked = [rid for rid in cur.masks.filled.unmasked if tokens.get(rid)]
-        held = self._rows_of(cur.plan, logits, unmasked) if unmasked else None  # [n, V]: copied before the launch
-        self.scheduler.resolve(cur.plan, tokens, nxt, commit=False)  # unmasked rows: their argmax, checked below
+        unsettled = self._check_unmasked(cur.plan, logits, cur.masks.filled, tokens)
+        held = self._rows_of(cur.plan, logits, unsettled) if unsettled else None  # [n, V]: copied before the launch
+        self.scheduler.withdraw(nxt, unsettled)  # their tokens come during the next forward: they sit it out
+        self.scheduler.resolve(cur.plan, tokens, nxt, commit=False)
         self._inflight = self._launch_ahead(nxt, fill_now=False)
         timer.mark("launched")
-        if held is not None:
-            self._check_after_launch(cur.plan, held, unmasked, tokens, nxt)
         self.scheduler.commit(cur.plan)  # the prefix cache learns the new full blocks while nxt runs
+        if held is not None:
+            self._resolve_late(cur.plan, held, unsettled, tokens)
         accepted = self._accept_ahead(tokens)  # the matchers are where the next step starts: its fill may begin
         if self._inflight is not None:  # llguidance's threads fill beside the stop checks and outputs below
             self._inflight.fill = self.guidance.start_fill(nxt, self.step_sampler.mask_buffer)
@@ -388,35 +386,18 @@ class LLMEngine:
         self.stats.num_prompt_tokens += sum(sr.num_tokens for sr in plan.requests if sr.is_prefill)
         return self._outputs(touched.values(), now)
 
-    def _check_after_launch(self, plan: StepPlan, held: torch.Tensor, unmasked: list[str],
-                            tokens: dict[str, list[int]], nxt: StepPlan) -> None:
-        """Scheduling ahead: `nxt` was launched with the unmasked rows' argmaxes (`held` [n, V]: their logits rows,
-        in the order of `unmasked`). Check them now, while it runs; a rejected one is replaced by the masked argmax
-        (a candidate, or the row sampled again with its mask) and retracted from `nxt`, whose row for that request
-        is then garbage: the request sits out that step."""
-        argmax = {rid: tokens[rid][0] for rid in unmasked}
-        rows = {rid: i for i, rid in enumerate(unmasked)}
-        unsettled = self._check_unmasked(rows, held, unmasked, tokens)
-        if unsettled:
-            tokens.update(self._resample(held.index_select(0, torch.tensor([rows[r] for r in unsettled])), unsettled))
-        positions = {sr.request_id: sr.start_pos + sr.num_tokens for sr in plan.requests}
-        for rid in unmasked:
-            changed = bool(tokens.get(rid)) and tokens[rid][0] != argmax[rid] and self.guidance.failure(rid) is None
-            if changed and self.scheduler.retract(nxt, rid, positions[rid], tokens[rid][0]) and self._inflight:
-                self._inflight.garbage.add(rid)
-                self.stats.num_late_rows += 1
-
-    def _check_unmasked(self, rows: Mapping[str, int], logits: torch.Tensor, unmasked: Sequence[str],
+    def _check_unmasked(self, plan: StepPlan, logits: torch.Tensor, masks: StepMasks,
                         tokens: dict[str, list[int]]) -> list[str]:
         """Greedy rows sampled without their grammar mask: keep each token the grammar accepts; for the others take
         the first allowed of the row's top candidates. Returns the rows still unsettled, their tokens in `tokens`
         emptied: `_resample` them with their masks. The top candidates count as sampling (`stats.sample_s`, device
         work beside an accelerator), the checks as host time."""
-        if not unmasked:
+        if not masks.unmasked:
             return []
-        rejected = self.guidance.check_unmasked(unmasked, tokens)
+        rejected = self.guidance.check_unmasked(masks.unmasked, tokens)
         if not rejected:
             return []
+        rows = plain_rows(plan)
         t0 = time.perf_counter()
         candidates = self.runner.on_tensor_thread(top_candidates, logits, [rows[r] for r in rejected], UNMASKED_CANDIDATES)
         self.stats.sample_s += time.perf_counter() - t0
@@ -471,6 +452,16 @@ class LLMEngine:
         tokens = self.runner.on_tensor_thread(self.step_sampler.sample_masked, rows, logits, mask, self._seqs, request_ids)
         self.stats.sample_s += time.perf_counter() - t0
         return tokens
+
+    def _resolve_late(self, plan: StepPlan, logits: torch.Tensor, request_ids: Sequence[str],
+                      tokens: dict[str, list[int]]) -> None:
+        """Scheduling ahead: sample the unsettled rows `logits` [n, V] of `plan` with their masks while the next
+        forward (which they sit out) runs, and resolve their placeholders; `tokens` gets them."""
+        late = self._resample(logits, request_ids)
+        mine = set(request_ids)
+        self.scheduler.resolve(StepPlan(plan.step_id, [sr for sr in plan.requests if sr.request_id in mine]), late, None)
+        tokens.update(late)
+        self.stats.num_late_rows += len(request_ids)
 
     def _draft(self, running: Sequence[Request]) -> None:
         """Drafts for the next step: the proposer's, cut by the grammars, or the grammars' forced tokens."""

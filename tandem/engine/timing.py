@@ -36,7 +36,7 @@ class EngineStats:
     draft_s: float = 0.0  # drafting before the step (the device waits for it)
     sample_s: float = 0.0
     launch_gap_s: float = 0.0  # scheduling ahead: host time between sampling and the next launch (device idle)
-    num_late_rows: int = 0  # scheduling ahead: tokens replaced after the next launch (rejected argmaxes); that row thrown away
+    num_late_rows: int = 0  # scheduling ahead: rows sampled again during the next forward, which their request sat out
 
     def record(self, timer: StepTimer, num_preempted: int) -> None:
         """Add one step whose timer marked 'drafted', 'launched', 'overlapped', 'collected' and 'sampled'."""

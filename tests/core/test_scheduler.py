@@ -543,10 +543,10 @@ def test_abort_between_schedule_and_update_is_skipped() -> None:
     assert eng.bm.num_free_blocks == 16
 
 
-def test_retract_replaces_a_token_fed_to_a_launched_plan() -> None:
-    """Scheduling ahead, a token fed to the next plan turns out wrong after its launch: `retract` replaces it, the
-    request's row in that plan becomes garbage (its position is fed again by the plan after, the placeholder it was
-    to sample into is gone), and no wrong token reaches the prefix cache."""
+def test_withdraw_takes_a_request_out_of_a_plan_scheduled_ahead() -> None:
+    """Scheduling ahead, a request whose sampled token comes late sits out the next plan: `withdraw` undoes its
+    reservation, the late token resolves its placeholder, and the plan after feeds it; no placeholder reaches the
+    prefix cache."""
     from tandem.core.scheduler import PLACEHOLDER
 
     bm = BlockManager(16, 2, enable_prefix_caching=True)
@@ -559,20 +559,20 @@ def test_retract_replaces_a_token_fed_to_a_launched_plan() -> None:
     nxt = sched.schedule(frozenset({"a", "b"}))
     sched.reserve(nxt)
     assert a.token_ids == [1, 2, 3, PLACEHOLDER, PLACEHOLDER] and a.num_computed_tokens == 4
-    sched.resolve(cur, {"a": [8], "b": [7]}, nxt, commit=False)  # (nxt is launched here, feeding a 8 and b 7)
-    assert [sr.input_ids for sr in nxt.requests] == [[8], [7]]
-    assert sched.retract(nxt, "a", 3, 9)  # 8 was wrong: 9
-    assert not sched.retract(nxt, "b", 99, 1)  # a position beyond the request: nothing to do
-    sched.commit(cur)
-    assert a.token_ids == [1, 2, 3, 9] and a.num_computed_tokens == 3
-    after = sched.schedule(frozenset({"a", "b"}))
+    sched.withdraw(nxt, ["a"])
+    assert [sr.request_id for sr in nxt.requests] == ["b"]
+    assert a.token_ids == [1, 2, 3, PLACEHOLDER] and a.num_computed_tokens == 3
+    sched.resolve(cur, {"b": [7]}, nxt)
+    assert nxt.requests[0].input_ids == [7] and a.token_ids[-1] == PLACEHOLDER
+    sched.resolve(StepPlan(cur.step_id, [sr for sr in cur.requests if sr.request_id == "a"]), {"a": [9]}, None)
+    assert a.token_ids == [1, 2, 3, 9]
+    after = sched.schedule(frozenset({"b"}))
     assert [(sr.request_id, sr.input_ids, sr.start_pos) for sr in after.requests] == [("a", [9], 3), ("b", [PLACEHOLDER], 4)]
     sched.reserve(after)
-    sched.resolve(nxt, {"b": [8]}, after)  # a's row of nxt was garbage: its token is not given
+    sched.resolve(nxt, {"b": [8]}, after)
     sched.resolve(after, {"a": [5], "b": [6]}, None)
     first = hash_block(ROOT_HASH, [1, 2])
-    assert a.block_hashes == [first, hash_block(first, [3, 9])]  # the right token, never the retracted one
-    assert a.token_ids == [1, 2, 3, 9, 5]
+    assert a.block_hashes == [first, hash_block(first, [3, 9])]  # the late token, never the placeholder
 
 
 def test_finish_and_add_validation() -> None:
