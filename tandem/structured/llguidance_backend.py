@@ -4,7 +4,8 @@ and structural tags (translated to Lark: `StructuralTagLark`).
 llguidance computes masks lazily (a derivative-based lexer over a token trie plus an Earley parser), so its
 "compile" is cheap: we translate the spec to llguidance's grammar JSON and build one prototype `LLMatcher`, which
 validates it; each request's matcher is a `deep_copy()` of the prototype (microseconds). One matcher's mask fill
-holds the GIL; a step's fills go to llguidance's own threads in one call (`fill_batch`). The 'grammar' kind accepts Lark text and llama.cpp GBNF (converted to Lark by `llguidance.grammar_from`).
+holds the GIL; a step's fills go to llguidance's own threads in one call (`fill_batch`). The 'grammar' kind
+accepts Lark text and llama.cpp GBNF (converted to Lark by `llguidance.grammar_from`).
 
 Choices made here:
 - JSON schemas use JSON Schema semantics (extra object keys allowed unless `additionalProperties: false`); the
@@ -42,6 +43,7 @@ from tandem.structured.backend import (
     Matcher,
     TiktokenVocab,
     backend_reason,
+    check_bitmask,
     check_structural_tag,
     fill_only,
 )
@@ -227,6 +229,9 @@ class LLGuidanceBackend:
         return LLGuidanceMatcher(grammar, self.eos_token_ids)
 
     def fill_batch(self, work: Sequence[tuple[Matcher, int]], bitmask: np.ndarray) -> None:
+        check_bitmask(bitmask, self.vocab_size)  # the executor writes whole rows at the array's address
+        if any(not 0 <= row < bitmask.shape[0] for _, row in work):
+            raise ValueError(f"rows must be in [0, {bitmask.shape[0]})")
         pairs = []
         for matcher, row in work:
             assert isinstance(matcher, LLGuidanceMatcher), "a matcher of another backend"
@@ -234,12 +239,8 @@ class LLGuidanceBackend:
                 fill_only(bitmask, row, self.eos_token_ids)
             else:
                 pairs.append((matcher.native, row))
-        if not pairs:
-            return
-        if not (bitmask.dtype == np.int32 and bitmask.ndim == 2 and bitmask.flags["C_CONTIGUOUS"]):
-            raise ValueError("bitmask must be a C-contiguous int32 [R, W] array")
-        # writes rows [R, W] at bitmask's address: every row index of `pairs` is < R (the manager checks)
-        self._executor.unsafe_compute_mask_ptr(pairs, bitmask.ctypes.data, bitmask.shape[1] * 4, bitmask.shape[0])
+        if pairs:
+            self._executor.unsafe_compute_mask_ptr(pairs, bitmask.ctypes.data, bitmask.shape[1] * 4, bitmask.shape[0])
 
     def close(self) -> None:
         """Nothing to stop: compiles run on the caller's threads."""

@@ -157,7 +157,7 @@ class _Request:
     error: str | None = None
     reason: str | None = None  # why its backend serves it
     tokens: list[int] = field(default_factory=list)  # accepted so far (replayed when it moves to another backend)
-    open_mask: bool = False  # its last plain mask was costly and allowed at least OPEN_MASK_FRACTION of the vocabulary
+    open_mask: bool = False  # its last plain mask allowed OPEN_MASK_FRACTION of the vocabulary (and, alone, was costly)
     untimed_fills: int = 0  # batched fills since its last timed one
 
     @property
@@ -475,9 +475,9 @@ class StructuredOutputManager:
         return grammar is not None and self.backend(grammar.backend).validates_as_masks
 
     def mask_was_open(self, request_id: str) -> bool:
-        """The request's last plain mask took at least `config.unmasked_min_fill_ms` of CPU and allowed at least
-        `OPEN_MASK_FRACTION` of the vocabulary (False before its first fill): a state of free text, where a model's
-        own choice is most likely allowed and a fill is expensive."""
+        """The request's last plain mask allowed at least `OPEN_MASK_FRACTION` of the vocabulary and, if it was
+        filled alone (timed), took at least `config.unmasked_min_fill_ms` of CPU; False before its first fill. A
+        state of free text, where a model's own choice is most likely allowed and a fill is expensive."""
         return self._request(request_id).open_mask
 
     def forced_tokens(self, request_id: str, limit: int = 16) -> list[int]:
@@ -846,7 +846,7 @@ def _fill_chunk(chunk: Sequence[_Work], bitmask: np.ndarray, eos: Sequence[int],
             error = f"mask computation failed: {type(e).__name__}: {e}"
         cpu = time.thread_time() - cpu
         # only a costly fill is worth skipping next time; a cheap one (a structural state) is not even measured
-        allowed = _allowed_fraction(bitmask[row]) if cpu >= measure_over_s and error is None else 0.0
+        allowed = float(_allowed_fractions(bitmask, [row])[0]) if cpu >= measure_over_s and error is None else 0.0
         out.append((rid, time.perf_counter() - started, cpu, error, allowed))
     return out
 
@@ -857,16 +857,11 @@ def _probe_passes(matcher: Matcher, probe: Sequence[int]) -> bool:
 
 
 def _allowed_fractions(bitmask: np.ndarray, rows: Sequence[int]) -> np.ndarray:
-    """float64 [len(rows)]: `_allowed_fraction` of each row, in one pass (a batched fill measures every row: it has
-    no CPU time per row to tell a costly one)."""
-    sample = bitmask[:, ::_DENSITY_STRIDE][np.asarray(rows, dtype=np.intp)].view(np.uint32)  # [n, W / stride]
+    """float64 [len(rows)]: the fraction of set bits in each of `rows`, estimated from every `_DENSITY_STRIDE`th word
+    (a batched fill measures every row: it has no CPU time per row to tell a costly one)."""
+    # [n, W / stride]; uint32 because bitwise_count of a signed int counts its absolute value
+    sample = bitmask[:, ::_DENSITY_STRIDE][np.asarray(rows, dtype=np.intp)].view(np.uint32)
     return np.bitwise_count(sample).sum(axis=1) / (32 * max(1, sample.shape[1]))
-
-
-def _allowed_fraction(row: np.ndarray) -> float:
-    """The fraction of set bits in an int32 bitmask row, estimated from every `_DENSITY_STRIDE`th word."""
-    sample = row[::_DENSITY_STRIDE].view(np.uint32)  # (bitwise_count of a signed int counts its absolute value)
-    return float(np.bitwise_count(sample).sum()) / (32 * max(1, len(sample)))
 
 
 def _xgrammar(hf_tokenizer: Any, vocab_size: int, eos: Sequence[int], config: StructuredOutputConfig) -> GrammarBackend:
