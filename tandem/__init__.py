@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tandem.params import ParamError, SamplingParams, StructuredOutputsParams
+from tandem.params import ParamError, RequestOutputKind, SamplingParams, StructuredOutputsParams
 from tandem.request import CompletionOutput, RequestOutput
 
 __all__ = [
@@ -17,6 +17,7 @@ __all__ = [
     "CompletionOutput",
     "ParamError",
     "RequestOutput",
+    "RequestOutputKind",
     "SamplingParams",
     "StructuredOutputsParams",
     "build_engine",

@@ -5,6 +5,7 @@ Both are frozen dataclasses of plain Python values, so they pickle and cross a p
 
 from __future__ import annotations
 
+import enum
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
@@ -24,6 +25,14 @@ class EngineOverloaded(ParamError):
 def _check(cond: bool, msg: str) -> None:
     if not cond:
         raise ParamError(msg)
+
+
+class RequestOutputKind(enum.IntEnum):
+    """Which outputs a request reports while it runs (vLLM's names and values)."""
+
+    CUMULATIVE = 0  # at every step it progressed, everything so far (streaming, `LLMEngine.step` by default)
+    FINAL_ONLY = 2  # once, when it has ended (`LLM.generate` / `LLM.chat`, as in vLLM): no output and, without
+    # stop strings, no detokenizing while it runs (256 requests: 2-4 ms a step of the engine thread)
 
 
 @dataclass(frozen=True)
@@ -176,6 +185,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -199,6 +209,8 @@ class SamplingParams:
             object.__setattr__(self, "logit_bias", {int(k): float(v) for k, v in dict(self.logit_bias).items()})
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
+        if self.output_kind in tuple(RequestOutputKind):
+            object.__setattr__(self, "output_kind", RequestOutputKind(self.output_kind))
         self._validate()
 
     def _validate(self) -> None:
@@ -224,6 +236,7 @@ class SamplingParams:
         if self.allowed_token_ids is not None:
             _check(len(self.allowed_token_ids) > 0, "allowed_token_ids must not be empty")
         _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams), "structured_outputs must be a StructuredOutputsParams")
+        _check(self.output_kind in tuple(RequestOutputKind), f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
 
     @property
     def greedy(self) -> bool:

@@ -124,8 +124,10 @@ def drive(
         for out in outs:
             rid = out.request_id
             ntok = sum(len(o.token_ids) for o in out.outputs)
-            if rid not in first and ntok:
-                first[rid] = now
+            if rid not in first and ntok:  # a FINAL_ONLY request reports once: its metrics know its first token
+                at = out.metrics.first_token_time if out.metrics is not None else None
+                since = 0.0 if at is None else time.monotonic() - at
+                first[rid] = now - max(0.0, since)
             if out.finished:
                 res.output_tokens += ntok
                 ttft = first.get(rid, now) - start[rid]

@@ -27,7 +27,7 @@ from tandem.cpu_budget import plan_cpu_budget
 from tandem.engine.engine import LLMEngine, freeze_startup_heap
 from tandem.engine.speculation import make_speculation
 from tandem.layers.kernels import load_cpu_kernels
-from tandem.params import SamplingParams, StructuredOutputsParams
+from tandem.params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from tandem.paths import tandem_home
 from tandem.runner.simulated import SimulatedRunner
 from tandem.spec_decode.config import SpeculativeConfig, build_proposer
@@ -47,6 +47,9 @@ def add_parser(bsub: Any) -> None:
     p.add_argument("--modes", default="text,guided,guided+suffix", help="comma-separated: text, guided, guided+suffix")
     p.add_argument("--always-mask", action="store_true",
                    help="fill every guided row's mask (no unmasked greedy rows): the comparison for that optimisation")
+    p.add_argument("--cumulative-outputs", action="store_true",
+                   help="every request reports at every step (as a streaming server's do) instead of once, at its end "
+                        "(as LLM.generate's do): the comparison")
     p.add_argument("--no-gc-freeze", action="store_true",
                    help="leave the start-up heap to the cyclic GC (the engine core freezes it): the comparison")
     p.add_argument("--json", type=Path, default=None)
@@ -134,7 +137,8 @@ def _run_mode(tok: Tokenizer, mode: str, level: int, n: int, args: argparse.Name
     schemas = distinct_schemas(n, seed=level)
     prompts = [tok.encode(describe(s)) for s in schemas]
     guided = mode.startswith("guided")
-    params = [SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=not guided,
+    kind = RequestOutputKind.CUMULATIVE if args.cumulative_outputs else RequestOutputKind.FINAL_ONLY  # as LLM.generate
+    params = [SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=not guided, output_kind=kind,
                              structured_outputs=StructuredOutputsParams(json=s, backend=args.backend) if guided else None)
               for s in schemas]
     if guided:

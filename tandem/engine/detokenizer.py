@@ -71,6 +71,19 @@ class IncrementalDetokenizer:
         self.text += delta
         return delta
 
+    def add_tokens_at_once(self, token_ids: Sequence[int]) -> str:
+        """`add_tokens` for many ids in one decode (the deferred text of a request that reports only its final
+        output). The same text as one call per id for byte-level BPE, and for SentencePiece wherever the output
+        decodes cleanly (its decode of stray byte-fallback or special ids depends on the window); if the text ends
+        inside a character, the calls per id are made, which emit the characters completed before it."""
+        before = len(self._ids)
+        delta = self.add_tokens(token_ids)
+        if delta or not token_ids:
+            return delta
+        del self._ids[before:]  # nothing emitted: the state is as before but for the ids appended
+        self.num_tokens -= len(token_ids)
+        return "".join([self.add_tokens([t]) for t in token_ids])
+
     def _trim_window(self) -> None:
         """Drop ids before prefix_offset (never decoded again), so `_ids` holds only the live window."""
         if self._prefix_offset:

@@ -31,7 +31,7 @@ from tandem.engine.speculation import NoSpeculation, Speculation, make_speculati
 from tandem.engine.step_sampler import StagedMasks, StepSampler, plain_rows
 from tandem.engine.stop import StopChecker, StopDecision
 from tandem.engine.timing import EngineStats, StepTimer
-from tandem.params import ParamError, SamplingParams
+from tandem.params import ParamError, RequestOutputKind, SamplingParams
 from tandem.request import Request, RequestMetrics, RequestOutput, RequestStatus
 from tandem.runner.base import ForwardHandle, Runner
 from tandem.sampling.sampler import Sampler, tied_ids, top_candidates
@@ -244,7 +244,8 @@ class LLMEngine:
 
     # -------------------------------------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; return the outputs of the requests that progressed (cumulative, vLLM-style)."""
+        """Run one engine step; return the outputs of the requests that progressed (cumulative, vLLM-style; a
+        FINAL_ONLY request reports once, when it ends)."""
         if self.async_scheduling or self._inflight is not None:
             return self._step_ahead()
         timer = StepTimer()
@@ -293,12 +294,13 @@ class LLMEngine:
         self.scheduler.resolve(cur.plan, tokens, nxt, commit=False)
         self._inflight = self._launch_ahead(nxt, fill_now=False)
         timer.mark("launched")
+        accepted = self._accept_ahead(tokens)  # the matchers are where the next step starts: its fill may begin
+        if self._inflight is not None:  # llguidance's threads fill beside the work below (nxt lacks the unsettled)
+            self._inflight.fill = self.guidance.start_fill(nxt, self.step_sampler.mask_buffer)
         self.scheduler.commit(cur.plan)  # the prefix cache learns the new full blocks while nxt runs
         if held is not None:
             self._resolve_late(cur.plan, held, unsettled, tokens)
-        accepted = self._accept_ahead(tokens)  # the matchers are where the next step starts: its fill may begin
-        if self._inflight is not None:  # llguidance's threads fill beside the stop checks and outputs below
-            self._inflight.fill = self.guidance.start_fill(nxt, self.step_sampler.mask_buffer)
+            accepted.update(self._accept_ahead({rid: tokens[rid] for rid in unsettled}))
         outputs = self._advance_ahead(cur.plan, tokens, accepted)
         timer.mark("overlapped")
         self.stats.record_ahead(timer, len(cur.plan.preempted_ids))
@@ -353,8 +355,8 @@ class LLMEngine:
         accepted: dict[str, tuple[bool, str | None]] = {}
         for rid, toks in new_tokens.items():
             seq = self._seqs.get(rid)
-            if seq is None or seq.req.is_finished or self.guidance.failure(rid) is not None:
-                continue
+            if not toks or seq is None or seq.req.is_finished or self.guidance.failure(rid) is not None:
+                continue  # (no tokens: an unsettled row, sampled with its mask later)
             accepted[rid] = self.guidance.accept(seq.req, toks, len(seq.req.draft_token_ids))
         return accepted
 
@@ -584,7 +586,15 @@ class LLMEngine:
         if accepted is None:
             accepted = self.guidance.accept(seq.req, kept, len(seq.req.draft_token_ids))
         terminated, grammar_error = accepted
-        return kept, self._final_status(seq, decision, terminated, grammar_error or no_token)
+        status = self._final_status(seq, decision, terminated, grammar_error or no_token)
+        if status is not None and status is not RequestStatus.FINISHED_ERROR:
+            try:
+                seq.stop.decode_deferred()  # a request reporting only its final output is detokenized now
+            except Exception as e:  # noqa: BLE001 - one broken request must not take the batch down
+                logger.exception("request %s failed while detokenizing", seq.request_id)
+                seq.group.error = f"{type(e).__name__}: {e}"
+                return kept, RequestStatus.FINISHED_ERROR
+        return kept, status
 
     def _learn_drafts(self, seq: SequenceState, emitted: list[int]) -> None:
         """Let speculation learn how the proposer's drafts fared (grammar-forced drafts are not the proposer's)."""
@@ -614,12 +624,15 @@ class LLMEngine:
             self._seqs[rid].req.status = status
 
     def _outputs(self, groups: Iterable[RequestGroup], now: float) -> list[RequestOutput]:
-        groups = list(groups)
-        outputs = [g.output() for g in groups]
+        """The outputs of `groups` that report now (all but the unfinished FINAL_ONLY ones); finished ones released."""
+        outputs = []
         for g in groups:
             if g.finished:
                 g.metrics.finished_time = now
+                outputs.append(g.output())
                 self._release(g)
+            elif g.params.output_kind is RequestOutputKind.CUMULATIVE:
+                outputs.append(g.output())
         return outputs
 
     def _release(self, group: RequestGroup) -> None:

@@ -332,7 +332,9 @@ class Guidance:
         candidates settled nothing); failures are recorded in `failure`."""
         mask = _fresh("sample", len(request_ids), self.words)
         rows = list(range(len(request_ids)))  # every fill thread helps, from 2 rows: these fills hold up the device
-        for rid, reason in self.manager.fill_bitmask(list(request_ids), mask, rows, min_rows_per_chunk=1).items():
+        # alone: a library batch would wait for the next step's, filling meanwhile (scheduling ahead)
+        for rid, reason in self.manager.fill_bitmask(list(request_ids), mask, rows, min_rows_per_chunk=1,
+                                                     in_batches=False).items():
             self._fail(rid, reason)
         self.stats.num_refills += len(request_ids)
         self._refilled.update(request_ids)

@@ -22,7 +22,7 @@ from tandem.engine.speculation import NoSpeculation, Speculation, SpeculativeDec
 from tandem.layers.kernels import load_cpu_kernels
 from tandem.models.checkpoint import Checkpoint, resolve_dtype
 from tandem.models.loader import load_checkpoint
-from tandem.params import EngineOverloaded, ParamError, SamplingParams
+from tandem.params import EngineOverloaded, ParamError, RequestOutputKind, SamplingParams
 from tandem.request import RequestOutput
 from tandem.runner.distributed import (
     ProcessLauncher,
@@ -316,7 +316,8 @@ class LLM:
         prompts = [_prompt_of(item) for item in items]  # invalid input raises here, before anything runs
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
-        queued = list(zip(ids, prompts, params))[::-1]
+        final = {id(p): p.clone(output_kind=RequestOutputKind.FINAL_ONLY) for p in params}  # as vLLM's LLM does
+        queued = [(rid, prompt, final[id(p)]) for rid, prompt, p in zip(ids, prompts, params, strict=True)][::-1]
         try:
             while queued or engine.has_unfinished_requests():
                 self._add_while_room(queued)

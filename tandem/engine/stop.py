@@ -11,6 +11,8 @@ Rules, checked for each new output token in order (the n-th output token, n coun
 Tokens after the stopping one in the same call are dropped (`StopDecision.num_tokens_kept`), as when speculative
 decoding accepts several tokens in one step.
 
+A request that reports only its final output (`RequestOutputKind.FINAL_ONLY`) and has no stop strings needs no
+text while it runs: its tokens are detokenized when `text` is read, in one decode (`add_tokens_at_once`).
 Streaming: `visible_text()` leaves out the longest end of the text that is the start of some stop string, since the
 next token may complete the stop string and that text would then be cut. This held-back part only ever shrinks into
 visible text or is cut, so the visible text only grows.
@@ -18,12 +20,15 @@ visible text or is cut, so the visible text only grows.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tandem.engine.detokenizer import IncrementalDetokenizer
-from tandem.params import SamplingParams
+from tandem.params import RequestOutputKind, SamplingParams
 from tandem.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
@@ -60,13 +65,32 @@ class StopChecker:
         if params.max_tokens is not None:
             self._max_output = min(self._max_output, params.max_tokens)
         self.num_output_tokens = 0
-        self.text = ""
+        self._text = ""
+        # ids not yet detokenized: text is read only at the end and no stop string needs it before
+        self._defer_text = not self._stops and params.output_kind is RequestOutputKind.FINAL_ONLY
+        self._undecoded: list[int] = []
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def text(self) -> str:
+        """The output text so far (stop strings cut; deferred ids detokenized now). Best effort: ids that fail to
+        detokenize here are logged and left out; `decode_deferred` first, to end the request on such a failure."""
+        try:
+            self.decode_deferred()
+        except Exception:  # noqa: BLE001 - reading an output must not raise; the request reports its own error
+            logger.exception("detokenizing the output failed")
+        return self._text
+
+    def decode_deferred(self) -> None:
+        """Detokenize the ids deferred so far (raises what the tokenizer raises; they are dropped then)."""
+        if self._undecoded:
+            ids, self._undecoded = self._undecoded, []
+            self._text += self._detokenizer.add_tokens_at_once(ids)
 
     def add_tokens(self, token_ids: Sequence[int]) -> StopDecision:
         """Process `token_ids` in order up to the first that ends the request; advance text and the detokenizer."""
@@ -88,12 +112,15 @@ class StopChecker:
         if may_stop and token_id in self._eos_ids:
             self._finish(FINISH_STOP, None)
             return
-        delta = self._detokenizer.add_tokens([token_id])
-        if delta:
-            old_len = len(self.text)
-            self.text += delta
-            if may_stop and self._stops and self._cut_at_stop_string(old_len):
-                return
+        if self._defer_text:
+            self._undecoded.append(token_id)
+        else:
+            delta = self._detokenizer.add_tokens([token_id])
+            if delta:
+                old_len = len(self._text)
+                self._text += delta
+                if may_stop and self._stops and self._cut_at_stop_string(old_len):
+                    return
         if self.num_output_tokens >= self._max_output:
             self._finish(FINISH_LENGTH, None)
 
@@ -102,7 +129,7 @@ class StopChecker:
         # a match must end after old_len, so it starts at or after old_len - (len(stop) - 1)
         best: tuple[int, int, str] | None = None  # (end, start, stop)
         for stop in self._stops:
-            start = self.text.find(stop, max(0, old_len - len(stop) + 1))
+            start = self._text.find(stop, max(0, old_len - len(stop) + 1))
             if start >= 0:
                 match = (start + len(stop), start, stop)
                 if best is None or match[:2] < best[:2]:
@@ -110,7 +137,7 @@ class StopChecker:
         if best is None:
             return False
         end, start, stop = best
-        self.text = self.text[:end] if self._params.include_stop_str_in_output else self.text[:start]
+        self._text = self._text[:end] if self._params.include_stop_str_in_output else self._text[:start]
         self._finish(FINISH_STOP, stop)
         return True
 

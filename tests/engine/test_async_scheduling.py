@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tandem.engine.engine import LLMEngine
-from tandem.params import SamplingParams, StructuredOutputsParams
+from tandem.params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from tandem.request import RequestOutput
 
 from .test_engine import run_all
@@ -33,9 +33,11 @@ def _params(i: int) -> SamplingParams:
     return kinds[i % len(kinds)]
 
 
-def _run(engine: LLMEngine, prompts: dict[str, list[int]]) -> dict[str, RequestOutput]:
+def _run(engine: LLMEngine, prompts: dict[str, list[int]], final_only: bool = False) -> dict[str, RequestOutput]:
+    """Every request to its end; `final_only`: every other one reports only then (FINAL_ONLY, as LLM.generate's)."""
     for i, (rid, p) in enumerate(prompts.items()):
-        engine.add_request(rid, p, _params(i))
+        kind = RequestOutputKind.FINAL_ONLY if final_only and i % 2 else RequestOutputKind.CUMULATIVE
+        engine.add_request(rid, p, _params(i).clone(output_kind=kind))
     done: dict[str, RequestOutput] = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -61,7 +63,7 @@ def test_ahead_matches_synchronous(stories_engine_factory, kv) -> None:  # type:
     ahead = stories_engine_factory(async_scheduling=True, **kv)
     assert not sync.async_scheduling and ahead.async_scheduling
     prompts = _prompts(sync, 15)
-    _same(_run(sync, prompts), _run(ahead, prompts))
+    _same(_run(sync, prompts), _run(ahead, prompts, final_only=True))
     assert ahead.block_manager.num_free_blocks == ahead.runner.num_blocks  # every block came back
     assert ahead.get_stats()["launch_gap_s"] >= 0
 

@@ -180,3 +180,31 @@ def test_decode_equals_the_tokenizers_own_decode(tok: Tokenizer) -> None:
         for skip in (True, False):
             want = tok.hf.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
             assert tok.decode(ids, skip_special_tokens=skip) == want, ids
+
+
+def one_call_per_token_or_two_calls(tok: Tokenizer, prompt: Sequence[int], ids: Sequence[int], cut: int) -> None:
+    one_by_one = stream(tok, prompt, ids)[1].text
+    det = IncrementalDetokenizer(tok, prompt, SamplingParams())
+    text = det.add_tokens_at_once(ids[:cut]) + det.add_tokens_at_once(ids[cut:])
+    assert text == det.text == one_by_one, ids
+    assert det.num_tokens == len(ids)
+
+
+def test_all_at_once_gives_what_one_token_at_a_time_gives(tok: Tokenizer) -> None:
+    # the deferred text of a FINAL_ONLY request, split once at a random point as a finish may split it; real texts
+    # with characters split across tokens (SentencePiece's decode of random byte-fallback and special ids depends
+    # on the window: one decode and per-token decodes differ there, and both from a full decode)
+    rng = random.Random(1)
+    prompt = tok.encode("Prompt: 你好")
+    for text in [*TEXTS, " ".join(TEXTS)]:
+        ids = tok.encode(text, add_special_tokens=False)
+        one_call_per_token_or_two_calls(tok, prompt, ids, rng.randrange(len(ids) + 1))
+
+
+def test_all_at_once_on_random_byte_level_tokens(gpt2: Tokenizer) -> None:
+    # invalid UTF-8, incomplete characters at the end, special tokens: a byte-level decode is local
+    rng = random.Random(2)
+    prompt = gpt2.encode("Random:")
+    for _ in range(100):
+        ids = [rng.randrange(gpt2.vocab_size) for _ in range(rng.randrange(1, 40))]
+        one_call_per_token_or_two_calls(gpt2, prompt, ids, rng.randrange(len(ids) + 1))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tandem.engine.engine import LLMEngine
-from tandem.params import ParamError, SamplingParams
+from tandem.params import ParamError, RequestOutputKind, SamplingParams
 from tandem.request import RequestOutput
 
 from ..conftest import STORIES_GREEDY
@@ -53,6 +53,29 @@ def test_batch_invariance(stories_engine_factory) -> None:  # type: ignore[no-un
     for rid in ("r0", "r7", "r15"):
         alone = run_all(engine, {rid + "-solo": prompts[rid]})[rid + "-solo"]
         assert alone.outputs[0].token_ids == batched[rid].outputs[0].token_ids
+
+
+def test_final_only_requests_report_once_with_the_same_outputs(stories_engine_factory) -> None:  # type: ignore[no-untyped-def]
+    """FINAL_ONLY (as LLM.generate sends): one output per request, at its end, equal to the cumulative one's final
+    output (text detokenized at the end; with a stop string, per token), beside cumulative requests."""
+    engine = stories_engine_factory()
+    prompts = _prompts(engine, 6)
+    kinds = {"cumulative": RequestOutputKind.CUMULATIVE, "final": RequestOutputKind.FINAL_ONLY}
+    params = [SamplingParams(temperature=0.0, max_tokens=30), SamplingParams(temperature=0.0, max_tokens=30, stop=[" the"]),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=25, n=2, logprobs=2)]
+    for rid, prompt in prompts.items():
+        for name, kind in kinds.items():
+            engine.add_request(f"{rid}-{name}", prompt, params[int(rid[1:]) % 3].clone(output_kind=kind))
+    reports: dict[str, list[RequestOutput]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            reports.setdefault(out.request_id, []).append(out)
+    for rid in prompts:
+        final, cumulative = reports[f"{rid}-final"], reports[f"{rid}-cumulative"]
+        assert len(final) == 1 and final[0].finished and len(cumulative) > 1
+        for a, b in zip(final[0].outputs, cumulative[-1].outputs, strict=True):
+            assert (a.text, a.token_ids, a.finish_reason, a.logprobs) == (b.text, b.token_ids, b.finish_reason, b.logprobs)
+        assert final[0].metrics is not None and final[0].metrics.first_token_time is not None
 
 
 def test_preemption_keeps_outputs(stories_engine_factory) -> None:  # type: ignore[no-untyped-def]

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tandem.engine.stop import StopChecker, StopDecision
-from tandem.params import SamplingParams
+from tandem.params import RequestOutputKind, SamplingParams
 from tandem.tokenizer import Tokenizer
 
 DATA = Path(__file__).parents[2] / "../shared/data"
@@ -192,3 +192,29 @@ def test_max_model_len(gpt2: Tokenizer) -> None:
     sc = checker(gpt2, prompt=prompt, max_model_len=8, max_tokens=None)
     assert sc.add_tokens(ids) == StopDecision(True, "length", None, 3)
     assert sc.text == " six seven eight"
+
+
+@pytest.mark.parametrize("stop", [(), ("END",)])
+def test_a_final_only_request_gets_its_text_when_read(gpt2: Tokenizer, stop: tuple[str, ...]) -> None:
+    # FINAL_ONLY without stop strings: nothing is detokenized per token (the decisions do not need text); the
+    # text read at the end is the streaming one. With a stop string, the text is still made per token.
+    ids = gpt2.encode("Hello 😀 world. The END is here")
+    streaming, final = checker(gpt2, stop=stop), checker(gpt2, stop=stop, output_kind=RequestOutputKind.FINAL_ONLY)
+    assert feed(streaming, ids) == feed(final, ids)
+    deferred = final._undecoded if not stop else []
+    assert len(deferred) == (len(ids) if not stop else 0)
+    assert final.text == streaming.text == final.visible_text()
+    assert not final._undecoded
+
+
+def test_a_deferred_text_that_fails_to_decode_is_reported_once(gpt2: Tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
+    sc = checker(gpt2, output_kind=RequestOutputKind.FINAL_ONLY)
+
+    def broken(*args: object, **kwargs: object) -> str:
+        raise RuntimeError("decode failed")
+
+    monkeypatch.setattr(gpt2, "decode", broken)
+    sc.add_tokens(gpt2.encode(" hello"))  # no decision needs the text: no error yet
+    with pytest.raises(RuntimeError, match="decode failed"):
+        sc.decode_deferred()
+    assert sc.text == ""  # reading it afterwards never raises
