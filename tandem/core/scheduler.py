@@ -281,15 +281,18 @@ class Scheduler:
         that finished, were aborted or preempted meanwhile are skipped; a request that got no token keeps its
         placeholder."""
         feeds = {sr.request_id: sr for sr in next_plan.requests} if next_plan is not None else {}
+        requests, running = self._requests, RequestStatus.RUNNING  # (on the device's critical path: ~1 us a row)
         for sr in plan.requests:
-            req = self._requests.get(sr.request_id)
-            toks = tokens.get(sr.request_id)
-            position = sr.start_pos + sr.num_tokens  # where the sampled token goes
-            if req is None or req.status is not RequestStatus.RUNNING:
+            rid = sr.request_id
+            req = requests.get(rid)
+            if req is None or req.status is not running:
                 continue
-            if toks and position < req.num_tokens and req.token_ids[position] == PLACEHOLDER:
-                req.token_ids[position] = toks[0]
-                feed = feeds.get(sr.request_id)
+            toks = tokens.get(rid)
+            position = sr.start_pos + sr.num_tokens  # where the sampled token goes
+            ids = req.token_ids
+            if toks and position < len(ids) and ids[position] == PLACEHOLDER:
+                ids[position] = toks[0]
+                feed = feeds.get(rid)
                 if feed is not None and feed.start_pos <= position < feed.start_pos + feed.num_tokens:
                     feed.input_ids[position - feed.start_pos] = toks[0]
             if commit:

@@ -10,11 +10,12 @@ One step, in order (the CPU works while the device runs the forward; docs/archit
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import math
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,6 +70,20 @@ UNMASKED_CANDIDATES = 16  # top logits tried, in order, for an unmasked greedy r
 TIED_LIMIT = 64  # tokens tied at the 16th value walked before giving up (filling the mask)
 
 
+@contextlib.contextmanager
+def gc_deferred() -> Iterator[None]:
+    """No cyclic-GC pass inside (one that falls due runs at the first allocation after): for the stretch between a
+    forward's end and the next launch, where a collection (0.1-1 ms at 256 requests) is time the device waits."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 def freeze_startup_heap() -> None:
     """Move every object alive now (modules, the model's and tokenizer's Python objects) out of the cyclic GC's
     reach, as vLLM does after start-up: a full collection otherwise walks them all, and with a large vocabulary's
@@ -121,6 +136,7 @@ class LLMEngine:
         self._finished_errors: list[RequestOutput] = []
         self._async_setting = async_scheduling
         self._inflight: _InFlight | None = None  # scheduling ahead: the plan whose forward runs
+        self._rows_memo: tuple[StepPlan | None, dict[str, int]] = (None, {})  # see _plain_rows
         # grammar masks filled while the forward runs, unless the forward runs on these same cores: a fill beside it
         # preempts a thread of its OpenMP team and the whole team waits at the next barrier (measured: docs/benchmarks.md)
         self.overlap_masks = not runner.forward_uses_host_cores
@@ -283,17 +299,18 @@ class LLMEngine:
         nxt = self._schedule_ahead(frozenset(sr.request_id for sr in cur.plan.requests))
         timer.mark("scheduled")
         self._join_fill(cur)
-        logits = self.runner.collect(cur.handle)  # [R, V]
-        timer.mark("collected")
-        self.guidance.record_wait(cur.masks.filled, cur.filled_at, cur.handle.finished_at)
-        tokens = self.runner.on_tensor_thread(self.step_sampler.sample, cur.plan, logits, cur.masks.staged, self._seqs)
-        timer.mark("sampled")
-        unsettled = self._check_unmasked(cur.plan, logits, cur.masks.filled, tokens)
-        held = self._rows_of(cur.plan, logits, unsettled) if unsettled else None  # [n, V]: copied before the launch
-        self.scheduler.withdraw(nxt, unsettled)  # their tokens come during the next forward: they sit it out
-        self.scheduler.resolve(cur.plan, tokens, nxt, commit=False)
-        self._inflight = self._launch_ahead(nxt, fill_now=False)
-        timer.mark("launched")
+        with gc_deferred():  # the device waits from here to the launch
+            logits = self.runner.collect(cur.handle)  # [R, V]
+            timer.mark("collected")
+            self.guidance.record_wait(cur.masks.filled, cur.filled_at, cur.handle.finished_at)
+            tokens = self.runner.on_tensor_thread(self.step_sampler.sample, cur.plan, logits, cur.masks.staged, self._seqs)
+            timer.mark("sampled")
+            unsettled = self._check_unmasked(cur.plan, logits, cur.masks.filled, tokens)
+            held = self._rows_of(cur.plan, logits, unsettled) if unsettled else None  # [n, V]: copied before the launch
+            self.scheduler.withdraw(nxt, unsettled)  # their tokens come during the next forward: they sit it out
+            self.scheduler.resolve(cur.plan, tokens, nxt, commit=False)
+            self._inflight = self._launch_ahead(nxt, fill_now=False)
+            timer.mark("launched")
         accepted = self._accept_ahead(tokens)  # the matchers are where the next step starts: its fill may begin
         if self._inflight is not None:  # llguidance's threads fill beside the work below (nxt lacks the unsettled)
             self._inflight.fill = self.guidance.start_fill(nxt, self.step_sampler.mask_buffer)
@@ -399,7 +416,7 @@ class LLMEngine:
         rejected = self.guidance.check_unmasked(masks.unmasked, tokens)
         if not rejected:
             return []
-        rows = plain_rows(plan)
+        rows = self._plain_rows(plan)
         t0 = time.perf_counter()
         candidates = self.runner.on_tensor_thread(top_candidates, logits, [rows[r] for r in rejected], UNMASKED_CANDIDATES)
         self.stats.sample_s += time.perf_counter() - t0
@@ -439,12 +456,18 @@ class LLMEngine:
     def _rows_of(self, plan: StepPlan, logits: torch.Tensor, request_ids: Sequence[str]) -> torch.Tensor:
         """The plain logits rows of `request_ids` [n, V], copied (the runner may reuse `logits` for its next forward).
         The copy counts as sampling (`stats.sample_s`): device work beside an accelerator."""
-        rows = plain_rows(plan)
+        rows = self._plain_rows(plan)
         index = torch.tensor([rows[rid] for rid in request_ids], device=logits.device)
         t0 = time.perf_counter()
         held = self.runner.on_tensor_thread(logits.index_select, 0, index)
         self.stats.sample_s += time.perf_counter() - t0
         return held
+
+    def _plain_rows(self, plan: StepPlan) -> dict[str, int]:
+        """`plain_rows(plan)`, made once per plan (asked for after its sampling, when it no longer changes)."""
+        if self._rows_memo[0] is not plan:
+            self._rows_memo = (plan, plain_rows(plan))
+        return self._rows_memo[1]
 
     def _resample(self, logits: torch.Tensor, request_ids: Sequence[str]) -> dict[str, list[int]]:
         """Fill the masks of `request_ids` and sample their rows `logits` [n, V] (in that order) with them."""

@@ -361,8 +361,7 @@ class Guidance:
             return False, None
         m = self.manager
         try:
-            m.consume(rid, tokens)
-            terminated = m.is_terminated(rid)
+            terminated = m.consume(rid, tokens)
         except Exception as e:  # noqa: BLE001 - e.g. llguidance's lexer limits on a hostile regex: this request ends
             self._fail(rid, f"{m.backend_of(rid)}: {type(e).__name__}: {e}")
             return False, self._failed[rid]

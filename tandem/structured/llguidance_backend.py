@@ -98,18 +98,27 @@ class LLGuidanceMatcher:
 
     def consume(self, tokens: Sequence[int]) -> None:
         """No `validate_tokens` first (it cost as much as the consume itself, for every sampled token)."""
+        if len(tokens) == 1 and not self._terminated and tokens[0] not in self._eos_set:  # a step's one token
+            if not self._matcher.consume_tokens(tokens):
+                raise self._rejected(tokens)
+            return
         body, eos_next = self._split_at_eos(tokens)
         if self._terminated or (body and not self._matcher.consume_tokens(body)):
-            raise GrammarError("llguidance", f"tokens {list(tokens)} were sampled but the grammar rejects them: "
-                                             f"{self._matcher.get_error() or 'it has ended'}")
+            raise self._rejected(tokens)
         if eos_next:
             if not self._matcher.is_accepting():
                 raise GrammarError("llguidance", "EOS was sampled but the grammar cannot end here")
             self._terminated = True
 
+    def _rejected(self, tokens: Sequence[int]) -> GrammarError:
+        return GrammarError("llguidance", f"tokens {list(tokens)} were sampled but the grammar rejects them: "
+                                          f"{self._matcher.get_error() or 'it has ended'}")
+
     def validate(self, tokens: Sequence[int]) -> int:
         if self._terminated:
             return 0
+        if len(tokens) == 1 and tokens[0] not in self._eos_set:  # one argmax, candidate or probe: the hot case
+            return int(self._matcher.validate_tokens(tokens))
         body, eos_next = self._split_at_eos(tokens)
         n = self._valid_prefix(body)
         if n == len(body) and eos_next:  # is EOS allowed after the body? look, then undo

@@ -446,12 +446,15 @@ class StructuredOutputManager:
             request.tokens.extend(toks[:n])
         return n
 
-    def consume(self, request_id: str, tokens: Sequence[int]) -> None:
+    def consume(self, request_id: str, tokens: Sequence[int]) -> bool:
         """`accept` for tokens known to be allowed (sampled under the request's mask, or validated): no check
-        first. GrammarError if one is rejected after all (the request must end: its matcher is unusable)."""
+        first. Returns whether the matcher has terminated. GrammarError if one is rejected after all (the request
+        must end: its matcher is unusable)."""
         toks = [int(t) for t in tokens]
-        self._matcher(request_id).consume(toks)
+        matcher = self._matcher(request_id)
+        matcher.consume(toks)
         self._requests[request_id].tokens.extend(toks)
+        return matcher.is_terminated()
 
     def rollback(self, request_id: str, n: int) -> None:
         """Undo the last `n` accepted tokens (rejected draft tokens)."""
