@@ -273,6 +273,18 @@ class Scheduler:
             if sr.needs_logits:
                 req.append_tokens([PLACEHOLDER])
 
+    @staticmethod
+    def feed(tokens: Mapping[str, Sequence[int]], next_plan: StepPlan) -> None:
+        """The tokens the running plan sampled go into `next_plan`'s inputs, over their placeholders: all that must
+        happen before `next_plan` is launched (~0.2 us a row); `resolve` updates the requests after the launch.
+        A request's placeholder is the last of its tokens, so it is the last input of its row or not in the row."""
+        for sr in next_plan.requests:
+            ids = sr.input_ids
+            if ids and ids[-1] == PLACEHOLDER:
+                toks = tokens.get(sr.request_id)
+                if toks:
+                    ids[-1] = toks[0]
+
     def resolve(self, plan: StepPlan, tokens: Mapping[str, Sequence[int]], next_plan: StepPlan | None,
                 commit: bool = True) -> None:
         """The tokens `plan` sampled replace their placeholders, in the requests and in `next_plan`'s inputs (call

@@ -308,9 +308,10 @@ class LLMEngine:
             unsettled = self._check_unmasked(cur.plan, logits, cur.masks.filled, tokens)
             held = self._rows_of(cur.plan, logits, unsettled) if unsettled else None  # [n, V]: copied before the launch
             self.scheduler.withdraw(nxt, unsettled)  # their tokens come during the next forward: they sit it out
-            self.scheduler.resolve(cur.plan, tokens, nxt, commit=False)
+            self.scheduler.feed(tokens, nxt)
             self._inflight = self._launch_ahead(nxt, fill_now=False)
             timer.mark("launched")
+        self.scheduler.resolve(cur.plan, tokens, None, commit=False)  # the requests' own token lists
         accepted = self._accept_ahead(tokens)  # the matchers are where the next step starts: its fill may begin
         if self._inflight is not None:  # llguidance's threads fill beside the work below (nxt lacks the unsettled)
             self._inflight.fill = self.guidance.start_fill(nxt, self.step_sampler.mask_buffer)

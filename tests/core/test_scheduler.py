@@ -575,6 +575,36 @@ def test_withdraw_takes_a_request_out_of_a_plan_scheduled_ahead() -> None:
     assert a.block_hashes == [first, hash_block(first, [3, 9])]  # the late token, never the placeholder
 
 
+def test_feed_before_the_launch_then_resolve_is_resolve_with_the_next_plan() -> None:
+    """The engine feeds the sampled tokens into the next plan before launching it and resolves the requests after:
+    the same inputs and token lists as one `resolve` with the next plan; a withdrawn or unsampled request keeps its
+    placeholder, and a row that does not reach it (a chunk) is untouched."""
+    from tandem.core.scheduler import PLACEHOLDER
+
+    def run(split: bool) -> tuple[list[tuple[str, list[int]]], list[list[int]]]:
+        sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64),
+                          BlockManager(32, 2, enable_prefix_caching=True))
+        reqs = [Request(r, [1, 2, 3 + i], SamplingParams(max_tokens=8)) for i, r in enumerate("abc")]
+        for r in reqs:
+            sched.add(r)
+        cur = sched.schedule()
+        sched.reserve(cur)
+        nxt = sched.schedule(frozenset("abc"))
+        sched.reserve(nxt)
+        sched.withdraw(nxt, ["c"])
+        tokens = {"a": [7], "b": [], "c": [9]}  # b got no token (unsettled), c was withdrawn
+        if split:
+            sched.feed(tokens, nxt)
+            sched.resolve(cur, tokens, None)
+        else:
+            sched.resolve(cur, tokens, nxt)
+        return [(sr.request_id, list(sr.input_ids)) for sr in nxt.requests], [list(r.token_ids) for r in reqs]
+
+    assert run(split=True) == run(split=False)
+    inputs, ids = run(split=True)
+    assert inputs == [("a", [7]), ("b", [PLACEHOLDER])] and ids[0][-2:] == [7, PLACEHOLDER]
+
+
 def test_finish_and_add_validation() -> None:
     eng = FakeEngine(num_blocks=16, block_size=4)
     eng.add("a", [1], max_tokens=5)
