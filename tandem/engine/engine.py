@@ -470,20 +470,25 @@ class LLMEngine:
             self._rows_memo = (plan, plain_rows(plan))
         return self._rows_memo[1]
 
-    def _resample(self, logits: torch.Tensor, request_ids: Sequence[str]) -> dict[str, list[int]]:
-        """Fill the masks of `request_ids` and sample their rows `logits` [n, V] (in that order) with them."""
+    def _resample(self, logits: torch.Tensor, request_ids: Sequence[str], late: bool = False) -> dict[str, list[int]]:
+        """Fill the masks of `request_ids` and sample their rows `logits` [n, V] (in that order) with them. The
+        sampling counts as `stats.sample_s`, or, `late` (during the next forward, off the device's critical path),
+        as `stats.late_sample_s`."""
         mask = self.guidance.fill_rows(request_ids)
         rows = {rid: i for i, rid in enumerate(request_ids)}
         t0 = time.perf_counter()
         tokens = self.runner.on_tensor_thread(self.step_sampler.sample_masked, rows, logits, mask, self._seqs, request_ids)
-        self.stats.sample_s += time.perf_counter() - t0
+        if late:
+            self.stats.late_sample_s += time.perf_counter() - t0
+        else:
+            self.stats.sample_s += time.perf_counter() - t0
         return tokens
 
     def _resolve_late(self, plan: StepPlan, logits: torch.Tensor, request_ids: Sequence[str],
                       tokens: dict[str, list[int]]) -> None:
         """Scheduling ahead: sample the unsettled rows `logits` [n, V] of `plan` with their masks while the next
         forward (which they sit out) runs, and resolve their placeholders; `tokens` gets them."""
-        late = self._resample(logits, request_ids)
+        late = self._resample(logits, request_ids, late=True)
         mine = set(request_ids)
         self.scheduler.resolve(StepPlan(plan.step_id, [sr for sr in plan.requests if sr.request_id in mine]), late, None)
         tokens.update(late)
