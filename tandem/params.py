@@ -236,7 +236,8 @@ class SamplingParams:
         if self.allowed_token_ids is not None:
             _check(len(self.allowed_token_ids) > 0, "allowed_token_ids must not be empty")
         _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams), "structured_outputs must be a StructuredOutputsParams")
-        _check(self.output_kind in tuple(RequestOutputKind), f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+        _check(self.output_kind in tuple(RequestOutputKind),
+               f"output_kind must be RequestOutputKind.CUMULATIVE (0) or FINAL_ONLY (2), got {self.output_kind!r}")
 
     @property
     def greedy(self) -> bool:

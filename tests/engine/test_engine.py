@@ -76,6 +76,9 @@ def test_final_only_requests_report_once_with_the_same_outputs(stories_engine_fa
         for a, b in zip(final[0].outputs, cumulative[-1].outputs, strict=True):
             assert (a.text, a.token_ids, a.finish_reason, a.logprobs) == (b.text, b.token_ids, b.finish_reason, b.logprobs)
         assert final[0].metrics is not None and final[0].metrics.first_token_time is not None
+    for bad in (1, "final"):  # vLLM's DELTA (1) is not offered: the server makes its own deltas
+        with pytest.raises(ParamError, match="output_kind must be"):
+            SamplingParams(output_kind=bad)  # type: ignore[arg-type]
 
 
 def test_preemption_keeps_outputs(stories_engine_factory) -> None:  # type: ignore[no-untyped-def]
