@@ -563,6 +563,23 @@ def test_batched_fills_time_one_in_n_and_a_slow_batch_times_the_next(tokenizer: 
     manager.shutdown()
 
 
+def test_fills_outside_batches_write_the_batched_rows_and_are_timed(tokenizer: Any, backends: dict[str, Any]) -> None:
+    """`in_batches=False` (the late rows' refill, which must not queue behind a batch already filling): every row is
+    filled alone, with the same bits as a batched fill, and each such fill is a timed one."""
+    manager = make_manager(tokenizer, backends, backend="llguidance")
+    ids = ["a", "b"]
+    for rid in ids:
+        manager.submit(rid, StructuredOutputsParams(json=PERSON))
+        assert wait(manager, rid) == "ready"
+    batched, alone = allocate_bitmask(2, len(tokenizer)), allocate_bitmask(2, len(tokenizer))
+    assert manager.fill_bitmask(ids, batched, [0, 1]) == {}
+    assert all(manager._requests[rid].untimed_fills == 1 for rid in ids)
+    assert manager.fill_bitmask(ids, alone, [0, 1], in_batches=False) == {}
+    assert np.array_equal(batched, alone)
+    assert all(manager._requests[rid].untimed_fills == 0 for rid in ids)
+    manager.shutdown()
+
+
 class _SlowMatcher:
     """Wraps a real matcher; every fill burns `delay_s` of CPU (as xgrammar's fills do on some hostile regexes)."""
 
