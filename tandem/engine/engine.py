@@ -15,6 +15,7 @@ import gc
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +53,7 @@ class _InFlight:
     plan: StepPlan
     handle: ForwardHandle
     masks: _Masks
+    launched_at: float = 0.0
     filled_at: float = 0.0
     fill: PendingMasks | None = None
 
@@ -66,6 +68,11 @@ class _Masks:
 
 
 _NO_MASKS = _Masks(StepMasks(None, None), StagedMasks(None, None))
+# Scheduling ahead, rows that may skip their mask are filled while the forward runs until this share of its expected
+# time has passed (structured/slack_fill.py): the rest is for a row still filling (0.3-2 ms over o200k) and for the
+# forward being shorter than expected. 256 guided requests beside a simulated 20 ms forward, 2 cores: the device
+# waited 0.7-0.9 ms a step at 0.7, 0.6-0.8 at 0.8, 0.4-0.5 at 0.85, 0.3-0.7 at 0.9 (docs/benchmarks.md)
+SLACK_SHARE = 0.85
 UNMASKED_CANDIDATES = 16  # top logits tried, in order, for an unmasked greedy row whose argmax the grammar rejected
 TIED_LIMIT = 64  # tokens tied at the 16th value walked before giving up (filling the mask)
 
@@ -137,6 +144,7 @@ class LLMEngine:
         self._async_setting = async_scheduling
         self._inflight: _InFlight | None = None  # scheduling ahead: the plan whose forward runs
         self._rows_memo: tuple[StepPlan | None, dict[str, int]] = (None, {})  # see _plain_rows
+        self._forward_s: deque[float] = deque(maxlen=4)  # the last forwards' device time (see _slack_deadline)
         # grammar masks filled while the forward runs, unless the forward runs on these same cores: a fill beside it
         # preempts a thread of its OpenMP team and the whole team waits at the next barrier (measured: docs/benchmarks.md)
         self.overlap_masks = not runner.forward_uses_host_cores
@@ -302,6 +310,7 @@ class LLMEngine:
         with gc_deferred():  # the device waits from here to the launch
             logits = self.runner.collect(cur.handle)  # [R, V]
             timer.mark("collected")
+            self._forward_s.append(cur.handle.finished_at - cur.launched_at)
             self.guidance.record_wait(cur.masks.filled, cur.filled_at, cur.handle.finished_at)
             tokens = self.runner.on_tensor_thread(self.step_sampler.sample, cur.plan, logits, cur.masks.staged, self._seqs)
             timer.mark("sampled")
@@ -314,7 +323,8 @@ class LLMEngine:
         self.scheduler.resolve(cur.plan, tokens, None, commit=False)  # the requests' own token lists
         accepted = self._accept_ahead(tokens)  # the matchers are where the next step starts: its fill may begin
         if self._inflight is not None:  # llguidance's threads fill beside the work below (nxt lacks the unsettled)
-            self._inflight.fill = self.guidance.start_fill(nxt, self.step_sampler.mask_buffer)
+            self._inflight.fill = self.guidance.start_fill(nxt, self.step_sampler.mask_buffer, self._slack_deadline(),
+                                                           self._inflight.handle.future)
         self.scheduler.commit(cur.plan)  # the prefix cache learns the new full blocks while nxt runs
         if held is not None:
             self._resolve_late(cur.plan, held, unsettled, tokens)
@@ -333,10 +343,19 @@ class LLMEngine:
         self.scheduler.reserve(plan)
         return plan
 
+    def _slack_deadline(self) -> float | None:
+        """When the forward in flight is expected to end, less the margin (`SLACK_SHARE`): by the shortest of the
+        last few forwards (device time: launch to the device's end, whenever it was collected); None before one,
+        and when the forward runs on the host's own cores (fills beside it would slow it)."""
+        if self._inflight is None or not self._forward_s or self.runner.forward_uses_host_cores:
+            return None
+        return self._inflight.launched_at + SLACK_SHARE * max(0.0, min(self._forward_s))
+
     def _launch_ahead(self, plan: StepPlan, fill_now: bool) -> _InFlight | None:
         if plan.is_empty():
             return None
-        flight = _InFlight(plan, self.runner.launch(plan), _NO_MASKS)
+        launched_at = time.perf_counter()
+        flight = _InFlight(plan, self.runner.launch(plan), _NO_MASKS, launched_at)
         if fill_now:
             flight.masks = self._fill_masks(plan)
             flight.filled_at = time.perf_counter()

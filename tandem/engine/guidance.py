@@ -17,6 +17,9 @@ the candidates, ties to the lowest id), so outputs are exactly those of masked s
 engine takes the first allowed of the row's top candidates, or fills the mask and samples again (scheduling ahead,
 during the next forward, which that request sits out). Free-text fills are the expensive ones (0.3-2 ms each over a
 200k vocabulary, against ~0.04 ms in structural states): 1 % of the rows held a third of the fill CPU time.
+Scheduling ahead beside an accelerator, such rows are filled all the same while the forward leaves time for them
+(`start_fill`'s deadline, structured/slack_fill.py): a row filled so is masked, and its check leaves the device's
+critical path.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +37,7 @@ from tandem.core.plan import StepPlan
 from tandem.params import EngineOverloaded, ParamError, SamplingParams, StructuredOutputsParams
 from tandem.request import Request
 from tandem.structured.backend import GrammarError, GrammarQueueFull, bitmask_words
-from tandem.structured.manager import PendingFill, StructuredOutputConfig, StructuredOutputManager
+from tandem.structured.manager import PendingFill, Slack, StructuredOutputConfig, StructuredOutputManager
 
 logger = logging.getLogger("tandem")
 MAX_FORCED_DRAFTS = 16  # forced tokens proposed per step: a long forced run (a 30 KB const) goes in chunks
@@ -75,17 +79,19 @@ class GuidanceStats:
     mask_fill_s: float = 0.0
     exposed_s: float = 0.0  # mask work the device had to wait for (see `Guidance.record_wait`)
     num_unmasked_rows: int = 0  # greedy rows sampled without a mask fill, their token checked afterwards
-    num_probe_skips: int = 0  # of those, rows whose probe tokens (letters) were allowed: free text
+    num_skips: int = 0  # of those, rows the fill left (probe passed, or not reached in the forward's slack)
     num_unmasked_rejected: int = 0  # of those, rows whose argmax the grammar rejected
     num_candidate_hits: int = 0  # rejected rows settled by a top candidate (no fill)
     num_refills: int = 0  # rejected rows that needed their mask after all
+    num_slack_fills: int = 0  # rows that could have been left unmasked, filled while the forward ran
 
     def as_dict(self) -> dict[str, float]:
         frac = self.num_forced_tokens / self.num_guided_tokens if self.num_guided_tokens else 0.0
         return {
             "guided_unmasked_rows": self.num_unmasked_rows,
             "guided_unmasked_rejected": self.num_unmasked_rejected,
-            "guided_probe_skips": self.num_probe_skips,
+            "guided_skips": self.num_skips,
+            "guided_slack_fills": self.num_slack_fills,
             "guided_candidate_hits": self.num_candidate_hits,
             "guided_refills": self.num_refills,
             "guided_tokens": self.num_guided_tokens,
@@ -220,12 +226,20 @@ class Guidance:
         page-locked memory for an accelerator; default: fresh arrays."""
         return self.start_fill(plan, alloc).result()
 
-    def start_fill(self, plan: StepPlan, alloc: Callable[[str, int, int], np.ndarray] | None = None) -> PendingMasks:
+    def start_fill(self, plan: StepPlan, alloc: Callable[[str, int, int], np.ndarray] | None = None,
+                   deadline: float | None = None, forward: Future[Any] | None = None) -> PendingMasks:
         """`fill`, returning while llguidance's threads still fill the batched rows: the caller goes on with other
-        work (no GIL is held by the fill meanwhile), and must not use the plan's matchers before `result()`."""
+        work (no GIL is held by the fill meanwhile), and must not use the plan's matchers before `result()`.
+
+        `deadline` (a `time.perf_counter()` instant before the forward is expected to end): the rows that may skip
+        their mask are filled too while each is expected to finish by then and `forward` (the forward's future) is
+        not done (`structured/slack_fill.py`); `result()` waits for them; those not reached are unmasked. None:
+        they are unmasked."""
         alloc = alloc or _fresh
         t0 = time.perf_counter()
         sampled_ids, sampled_rows, verify_jobs, unmasked = [], [], [], []
+        slack_ids: list[str] = []
+        slack_rows: list[int] = []
         probe: dict[str, tuple[int, ...]] = {}
         n_sampled = n_verify = 0
         for sr in plan.requests:
@@ -239,7 +253,11 @@ class Guidance:
                 n_verify += k + 1
             else:
                 if guided and self._may_skip_mask(sr.request_id):
-                    unmasked.append(sr.request_id)
+                    if deadline is None:
+                        unmasked.append(sr.request_id)
+                    else:
+                        slack_ids.append(sr.request_id)
+                        slack_rows.append(n_sampled)
                 elif guided:
                     sampled_ids.append(sr.request_id)
                     sampled_rows.append(n_sampled)
@@ -250,9 +268,10 @@ class Guidance:
                 n_sampled += 1
         sample_mask = verify_mask = None
         pending = None
-        if sampled_ids:
+        if sampled_ids or slack_ids:
             sample_mask = alloc("sample", n_sampled, self.words)
-            pending = self.manager.start_fill(sampled_ids, sample_mask, sampled_rows, probe=probe)
+            slack = Slack(slack_ids, slack_rows, deadline, forward) if deadline is not None else None
+            pending = self.manager.start_fill(sampled_ids, sample_mask, sampled_rows, probe=probe, slack=slack)
         if verify_jobs:
             verify_mask = alloc("verify", n_verify, self.words)
             for rid, row0, drafts in verify_jobs:
@@ -268,7 +287,8 @@ class Guidance:
             for rid, reason in failures.items():
                 self._fail(rid, reason)
             masks.unmasked.extend(skipped)
-            self.stats.num_probe_skips += len(skipped)
+            self.stats.num_skips += len(skipped)
+            self.stats.num_slack_fills += pending.num_slack_filled
         masks.fill_s = spent_s + time.perf_counter() - t0
         self.stats.mask_fill_s += masks.fill_s
         self.stats.num_unmasked_rows += len(masks.unmasked)

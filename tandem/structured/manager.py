@@ -22,7 +22,8 @@ work); xgrammar compiles run in worker processes that are killed at the limit (c
 fails ends only its request; one slower than `max_fill_ms` moves its request to llguidance (replaying the tokens it
 accepted), or ends it when that is impossible.
 
-Two thread pools: compiles on one, mask fills on the other, so a slow compile can never delay a decoding step.
+Two thread pools: compiles on one, mask fills on the other, so a slow compile can never delay a decoding step
+(and a third for the rows filled in the forward's slack, slack_fill.py).
 A batched fill runs on llguidance's threads with the GIL released once for the whole step; the rows filled one by
 one (xgrammar's, and each request's timed fills: `TIMED_FILL_EVERY`) go over the fill pool meanwhile.
 """
@@ -57,6 +58,7 @@ from tandem.structured.backend import (
 from tandem.structured.cache import CacheKey, GrammarCache
 from tandem.structured.measure import percentile
 from tandem.structured.routing import BackendRouter, Route, TextKey
+from tandem.structured.slack_fill import RowClock, SlackFill
 
 logger = logging.getLogger("tandem")
 BACKENDS = ("xgrammar", "llguidance")
@@ -211,12 +213,15 @@ class StructuredOutputManager:
         self._compile_pool = ThreadPoolExecutor(cfg.num_threads, thread_name_prefix="grammar-compile")
         # two at least: a step's batch may be filling in one while the rows a step sampled late are refilled
         self._fill_pool = ThreadPoolExecutor(max(2, cfg.num_threads), thread_name_prefix="grammar-mask")
+        # slack rows' workers hold their threads until the forward's deadline: never in the way of the fills above
+        self._slack_pool = ThreadPoolExecutor(cfg.num_threads, thread_name_prefix="grammar-slack")
+        self._slack_clock = RowClock()
         self._compile_s: dict[str, deque[float]] = {b: deque(maxlen=cfg.stats_window) for b in BACKENDS}
         self._fill_row_s: deque[float] = deque(maxlen=cfg.stats_window)
         self._running = 0  # compile jobs running now
         self._counts = {k: 0 for k in (
             "compiles", "compile_errors", "cache_hits", "cache_misses", "coalesced", "timeouts", "forced_tokens",
-            "rows_filled", "queue_full", "fill_errors", "slow_fills", "switches", "promotions", "fallbacks",
+            "rows_filled", "slack_fills", "queue_full", "fill_errors", "slow_fills", "switches", "promotions", "fallbacks",
             "served_xgrammar", "served_llguidance")}
 
     # --- submit / poll ------------------------------------------------------------------------------------------
@@ -330,14 +335,21 @@ class StructuredOutputManager:
 
     def start_fill(self, request_ids: Sequence[str], bitmask: np.ndarray, rows: Sequence[int],
                    min_rows_per_chunk: int | None = None, probe: Mapping[str, Sequence[int]] | None = None,
-                   in_batches: bool = True) -> PendingFill:
+                   in_batches: bool = True, slack: Slack | None = None) -> PendingFill:
         """`fill_or_skip`, returning while the batched rows are still being filled on llguidance's threads (the
         probes and the rows filled one by one are done when it returns). Until `result()`, the matchers of
-        `request_ids` must not be used, and `bitmask` must be neither read nor freed."""
-        if len(request_ids) != len(rows):
-            raise ValueError(f"{len(request_ids)} request ids but {len(rows)} rows")
+        `request_ids` (and of `slack`) must not be used, and `bitmask` must be neither read nor freed.
+
+        `slack`: rows that may stay untouched (free text); they, and the rows whose probe passed, are filled after
+        the others while each is expected to finish before `slack.deadline` (slack_fill.py), on the threads of
+        a backend that fills in batches; `result()` reports those not reached as skipped."""
+        slack_ids, slack_rows = (slack.request_ids, slack.rows) if slack is not None else ((), ())
+        for ids, rws in ((request_ids, rows), (slack_ids, slack_rows)):
+            if len(ids) != len(rws):
+                raise ValueError(f"{len(ids)} request ids but {len(rws)} rows")
         check_bitmask(bitmask, self.vocab_size)
-        if len(set(rows)) != len(rows) or any(not 0 <= r < bitmask.shape[0] for r in rows):
+        every_row = [*rows, *slack_rows]
+        if len(set(every_row)) != len(every_row) or any(not 0 <= r < bitmask.shape[0] for r in every_row):
             raise ValueError(f"rows must be distinct and in [0, {bitmask.shape[0]})")
         probe = probe or {}
         work = [(rid, self._matcher(rid), int(row), probe.get(rid, ())) for rid, row in zip(request_ids, rows, strict=True)]
@@ -353,7 +365,38 @@ class StructuredOutputManager:
         pending.done.extend(queue.drain())
         for future in futures:
             pending.done.extend(future.result())
+        if slack is not None:
+            self._start_slack(slack, work, bitmask, pending)
         return pending
+
+    def _start_slack(self, slack: Slack, work: list[_Work], bitmask: np.ndarray, pending: PendingFill) -> None:
+        """Fill `slack`'s rows and those whose probe passed while the forward runs (after the step's batches):
+        each counts as skipped until a slack worker has filled it."""
+        probed = {r[0] for r in pending.done if r[4] == SKIPPED}
+        rows = [w for w in work if w[0] in probed] + [(rid, self._matcher(rid), int(row), ())
+                                                      for rid, row in zip(slack.request_ids, slack.rows, strict=True)]
+        pending.done.extend((rid, 0.0, 0.0, None, SKIPPED) for rid in slack.request_ids)
+        fillable = []
+        for w in rows:
+            grammar = self._requests[w[0]].grammar
+            assert grammar is not None
+            if self.backend(grammar.backend).fills_in_batches:  # (a fill of the others holds the GIL)
+                fillable.append((grammar.backend, w))
+        if fillable:
+            fill = SlackFill(fillable, lambda bw: self._fill_slack_row(*bw, bitmask), slack.deadline,
+                             self._slack_clock, [f for _, _, f in pending.batches])
+            if slack.ends_with is not None:
+                slack.ends_with.add_done_callback(lambda _: fill.stop())  # (at once if it is done already)
+            fill.start(self._slack_pool.submit, self.config.num_threads)
+            pending.slack = fill
+
+    def _fill_slack_row(self, backend: str, w: _Work, bitmask: np.ndarray) -> list[_Filled]:
+        """One slack row in a library call of its own (GIL released); a failure is its result, as in a batch."""
+        try:
+            seconds: float | None = self._run_batch(backend, [w], bitmask)
+        except Exception:  # noqa: BLE001 - filled alone again by _settle_batch, which reports the error
+            seconds = None
+        return self._settle_batch([w], bitmask, seconds)
 
     def _batches(self, work: list[_Work], in_batches: bool = True) -> tuple[dict[str, list[_Work]], list[_Work]]:
         """Split a fill: {backend: rows} for backends that fill in batches, and the rows filled one by one (other
@@ -568,6 +611,7 @@ class StructuredOutputManager:
         """Stop both pools (queued compiles are cancelled; running ones are not waited for) and the workers."""
         self._compile_pool.shutdown(wait=False, cancel_futures=True)
         self._fill_pool.shutdown(wait=False, cancel_futures=True)
+        self._slack_pool.shutdown(wait=False, cancel_futures=True)
         for backend in list(self._backends.values()):
             backend.close()
 
@@ -783,21 +827,43 @@ def _combined(rejections: Sequence[GrammarError]) -> GrammarError:
     return GrammarError("auto", "; ".join(str(e) for e in rejections))
 
 
+@dataclass(frozen=True)
+class Slack:
+    """Rows of a fill that may be left untouched (their tokens checked after sampling), filled while each is
+    expected to finish by `deadline` (a `time.perf_counter()` instant: a share of the forward's expected time) and
+    `ends_with` (the forward, where a thread completes it when the device is done) has not completed."""
+
+    request_ids: Sequence[str]
+    rows: Sequence[int]
+    deadline: float
+    ends_with: Future[Any] | None = None
+
+
 class PendingFill:
-    """A fill under way (`StructuredOutputManager.start_fill`): its batches run on fill-pool threads."""
+    """A fill under way (`StructuredOutputManager.start_fill`): its batches run on fill-pool threads, its slack
+    rows on the slack pool's."""
 
     def __init__(self, manager: StructuredOutputManager, bitmask: np.ndarray) -> None:
         self.done: list[_Filled] = []  # rows settled when the fill started: skipped, filled alone
         self.batches: list[tuple[str, list[_Work], Future[float]]] = []  # (backend, rows, seconds of the call)
+        self.slack: SlackFill[tuple[str, _Work], _Filled] | None = None
+        self.num_slack_filled = 0  # skippable rows filled in the slack (known after `result()`)
         self._manager = manager
         self._bitmask = bitmask
         self._outcome: tuple[dict[str, str], list[str]] | None = None
 
     def result(self) -> tuple[dict[str, str], list[str]]:
-        """Wait for the batches; (failures, the requests whose probe passed: rows left as they were)."""
+        """Wait for the slack rows (until their deadline) and the batches; (failures, the requests whose rows were
+        left as they were: probe passed, or slack rows not reached)."""
         if self._outcome is not None:
             return self._outcome
         results = self.done
+        if self.slack is not None:
+            filled = self.slack.join()
+            ids = {r[0] for r in filled}
+            results = [r for r in results if r[4] != SKIPPED or r[0] not in ids] + filled
+            self.num_slack_filled = len(ids)
+            self._manager._count("slack_fills", len(ids))
         for _, work, future in self.batches:
             try:
                 seconds: float | None = future.result()

@@ -67,12 +67,27 @@ def test_random_logits_give_the_masked_tokens(gpt2: Tokenizer, speculative: bool
     assert all(err is None for _, _, err in unmasked.values())
     assert plain_stats["guided_unmasked_rows"] == 0
     assert stats["guided_unmasked_rows"] > 50
-    assert 0 < stats["guided_probe_skips"] <= stats["guided_unmasked_rows"]  # told by the probe (or by the last mask)
+    assert 0 < stats["guided_skips"] <= stats["guided_unmasked_rows"]  # told by the probe (or by the last mask)
     assert 0 < stats["guided_unmasked_rejected"] < stats["guided_unmasked_rows"]  # some argmaxes kept, some not
     assert stats["guided_candidate_hits"] > 0 and stats["guided_refills"] > 0  # both ways of settling a rejection
     # scheduled ahead, a refilled row is sampled during the next forward, which its request sits out
     assert stats["num_late_rows"] == (0 if speculative else stats["guided_refills"])
     assert stats["grammar_rows_filled"] < plain_stats["grammar_rows_filled"]
+
+
+@pytest.mark.parametrize("step_s", [0.003, 0.02], ids=["some-filled", "most-filled"])
+def test_rows_filled_in_the_forwards_slack_give_the_masked_tokens(gpt2: Tokenizer, step_s: float) -> None:
+    """Scheduled ahead beside a device whose forward takes `step_s`, rows that could go unmasked are filled while it
+    runs (structured/slack_fill.py): with 3 ms some are and the others are checked after sampling, with 20 ms
+    nearly all are; the tokens are the always masked engine's either way."""
+    requests = _schema_requests(16, max_tokens=32)
+    slack, stats = _run(simulated_engine(gpt2, step_s, 16, "llguidance", None, rows_by_token=True,
+                                         unmasked_min_fill_ms=0.0), requests)
+    masked, _ = _run(simulated_engine(gpt2, 0.0, 16, "llguidance", None, unmasked_greedy=False, rows_by_token=True),
+                     requests)
+    assert slack == masked
+    assert stats["guided_slack_fills"] > 0
+    assert stats["grammar_slack_fills"] == stats["guided_slack_fills"]
 
 
 def test_a_real_model_gives_the_masked_tokens_and_valid_documents(stories_engine_factory) -> None:  # type: ignore[no-untyped-def]

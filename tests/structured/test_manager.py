@@ -7,6 +7,7 @@ import pickle
 import re
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ from tandem.structured import (
     measure_mask_fill,
 )
 from tandem.structured.llguidance_backend import LLGuidanceBackend
-from tandem.structured.manager import TIMED_FILL_EVERY
+from tandem.structured.manager import TIMED_FILL_EVERY, Slack
 from tandem.structured.xgrammar_backend import XGrammarBackend
 
 SHARED = Path(__file__).resolve().parents[2] / "../shared/data"
@@ -577,6 +578,50 @@ def test_fills_outside_batches_write_the_batched_rows_and_are_timed(tokenizer: A
     assert manager.fill_bitmask(ids, alone, [0, 1], in_batches=False) == {}
     assert np.array_equal(batched, alone)
     assert all(manager._requests[rid].untimed_fills == 0 for rid in ids)
+    manager.shutdown()
+
+
+@pytest.mark.parametrize("room_s,filled", [(60.0, True), (-1.0, False)], ids=["far-deadline", "deadline-passed"])
+def test_slack_rows_are_filled_before_the_deadline_or_left_as_skipped(tokenizer: Any, backends: dict[str, Any],
+                                                                       room_s: float, filled: bool) -> None:
+    """Rows that may stay untouched (`Slack`) and rows whose probe passed are filled after the required ones while
+    the deadline allows, with the bits a plain fill gives; the rest are reported skipped and left all ones."""
+    manager = make_manager(tokenizer, backends, backend="llguidance")
+    ids = ["req", "slack", "probed"]
+    for rid in ids:
+        manager.submit(rid, StructuredOutputsParams(json=PERSON))
+        assert wait(manager, rid) == "ready"
+        text = encode(tokenizer, '{"name":"Ada')
+        assert manager.accept(rid, text) == len(text)  # inside a string: free text
+    plain, got = allocate_bitmask(3, len(tokenizer)), allocate_bitmask(3, len(tokenizer))
+    assert manager.fill_bitmask(ids, plain, [0, 1, 2]) == {}
+    letters = (encode(tokenizer, "q")[0],)
+    pending = manager.start_fill(["req", "probed"], got, [0, 2], probe={"probed": letters},
+                                 slack=Slack(["slack"], [1], time.perf_counter() + room_s))
+    failures, skipped = pending.result()
+    assert failures == {}
+    assert np.array_equal(got[0], plain[0])
+    if filled:
+        assert skipped == [] and pending.num_slack_filled == 2
+        assert np.array_equal(got, plain)
+    else:
+        assert sorted(skipped) == ["probed", "slack"] and pending.num_slack_filled == 0
+        assert (got[1:] == -1).all()
+    assert manager.stats()["slack_fills"] == (2 if filled else 0)
+    manager.shutdown()
+
+
+def test_slack_rows_stop_when_the_forward_is_done(tokenizer: Any, backends: dict[str, Any]) -> None:
+    """`Slack.ends_with`: the forward's future; once it is done no slack row starts (a device ended early)."""
+    manager = make_manager(tokenizer, backends, backend="llguidance")
+    manager.submit("s", StructuredOutputsParams(json=PERSON))
+    assert wait(manager, "s") == "ready"
+    forward: Future[None] = Future()
+    forward.set_result(None)
+    got = allocate_bitmask(1, len(tokenizer))
+    pending = manager.start_fill([], got, [], slack=Slack(["s"], [0], time.perf_counter() + 60.0, forward))
+    assert pending.result() == ({}, ["s"])
+    assert (got == -1).all()
     manager.shutdown()
 
 
