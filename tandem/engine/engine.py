@@ -70,8 +70,9 @@ class _Masks:
 _NO_MASKS = _Masks(StepMasks(None, None), StagedMasks(None, None))
 # Scheduling ahead, rows that may skip their mask are filled while the forward runs until this share of its expected
 # time has passed (structured/slack_fill.py): the rest is for a row still filling (0.3-2 ms over o200k) and for the
-# forward being shorter than expected. 256 guided requests beside a simulated 20 ms forward, 2 cores: the device
-# waited 0.7-0.9 ms a step at 0.7, 0.6-0.8 at 0.8, 0.4-0.5 at 0.85, 0.3-0.7 at 0.9 (docs/benchmarks.md)
+# forward being shorter than expected. 256 guided requests beside a simulated 20 ms forward, 2 cores, 4 interleaved
+# runs each: the device waited 0.60-0.68 ms a step at 0.8, 0.40-0.66 at 0.85, 0.58-0.71 at 0.9 (alike; without slack
+# fills 0.83-1.26): docs/bench/simulated_slack_share.txt
 SLACK_SHARE = 0.85
 UNMASKED_CANDIDATES = 16  # top logits tried, in order, for an unmasked greedy row whose argmax the grammar rejected
 TIED_LIMIT = 64  # tokens tied at the 16th value walked before giving up (filling the mask)
