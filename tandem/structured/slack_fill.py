@@ -8,9 +8,9 @@ rows are filled anyway, one at a time, each only while it is expected to finish 
 gives (a share of the forward's expected time). A row filled so is sampled under its mask and needs no check; a
 row not reached is sampled unmasked, as before. Outputs are the same either way (the masked argmax).
 
-256 guided requests over o200k beside a simulated 20 ms forward (`tandem bench simulated`, 2 cores): ~10 of the
-~27 rows a step that could skip their mask were filled in the slack, and the device's wait per step fell by a
-quarter (docs/benchmarks.md).
+256 guided requests over o200k beside a simulated 20 ms forward (`tandem bench simulated`, 2 cores): ~18 of the
+~28 rows a step that could skip their mask were filled in the slack, and the device's wait fell from 1.0-1.2 ms a
+step to 0.54-0.61 ms (docs/benchmarks.md).
 """
 
 from __future__ import annotations
