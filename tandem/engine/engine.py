@@ -334,8 +334,7 @@ class LLMEngine:
         timer.mark("overlapped")
         self.stats.record_ahead(timer, len(cur.plan.preempted_ids))
         if self._inflight is not None and not any(sr.request_id in self._seqs for sr in nxt.requests):
-            self._join_fill(self._inflight)  # (its fill must not outlive it: the next one may reuse the buffer)
-            self._inflight = None  # every request of it has ended: nothing to collect
+            self._drop_inflight()  # every request of it has ended: nothing to collect
         return outputs + self._drain_errors()
 
     def _schedule_ahead(self, running: frozenset[str]) -> StepPlan:
@@ -361,6 +360,13 @@ class LLMEngine:
             flight.masks = self._fill_masks(plan)
             flight.filled_at = time.perf_counter()
         return flight
+
+    def _drop_inflight(self) -> None:
+        """Forget the plan in flight: its fill stops and ends first (the next fill may reuse its buffer)."""
+        if self._inflight is not None and self._inflight.fill is not None:
+            self._inflight.fill.stop_slack()
+            self._join_fill(self._inflight)
+        self._inflight = None
 
     def _join_fill(self, flight: _InFlight) -> None:
         """Wait for the masks of `flight` (filled during its forward) and stage them for sampling."""
@@ -706,9 +712,7 @@ class LLMEngine:
         """
         if self.has_unfinished_requests():
             raise RuntimeError("set_speculation needs an idle engine: requests are in flight")
-        if self._inflight is not None:
-            self._join_fill(self._inflight)
-        self._inflight = None
+        self._drop_inflight()
         if self._owns_speculation:
             self.speculation.close()
         sc = SpeculativeConfig.from_dict(config) if config is not None else None

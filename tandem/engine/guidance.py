@@ -50,6 +50,11 @@ class PendingMasks:
         self._guidance, self._masks, self._pending, self._spent_s = guidance, masks, pending, spent_s
         self._done = False
 
+    def stop_slack(self) -> None:
+        """No further slack row starts (the plan will not be sampled: waiting for them would only delay)."""
+        if self._pending is not None:
+            self._pending.stop_slack()
+
     def result(self) -> StepMasks:
         if not self._done:
             self._done = True

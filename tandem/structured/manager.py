@@ -852,6 +852,11 @@ class PendingFill:
         self._bitmask = bitmask
         self._outcome: tuple[dict[str, str], list[str]] | None = None
 
+    def stop_slack(self) -> None:
+        """No further slack row starts; `result()` still waits for those filling."""
+        if self.slack is not None:
+            self.slack.stop()
+
     def result(self) -> tuple[dict[str, str], list[str]]:
         """Wait for the slack rows (until their deadline) and the batches; (failures, the requests whose rows were
         left as they were: probe passed, or slack rows not reached)."""
