@@ -22,8 +22,8 @@ work); xgrammar compiles run in worker processes that are killed at the limit (c
 fails ends only its request; one slower than `max_fill_ms` moves its request to llguidance (replaying the tokens it
 accepted), or ends it when that is impossible.
 
-Two thread pools: compiles on one, mask fills on the other, so a slow compile can never delay a decoding step
-(and a third for the rows filled in the forward's slack, slack_fill.py).
+Three thread pools: compiles on one, mask fills on another, so a slow compile can never delay a decoding step, and
+the workers of rows filled in the forward's slack (slack_fill.py), which hold their threads until its deadline.
 A batched fill runs on llguidance's threads with the GIL released once for the whole step; the rows filled one by
 one (xgrammar's, and each request's timed fills: `TIMED_FILL_EVERY`) go over the fill pool meanwhile.
 """
