@@ -17,7 +17,7 @@ two pipes; `server/ray_cores.py` places the core as a Ray actor joined by two au
 (multiprocessing.connection). Either way the core runs `run_engine_core` and the messages are the same.
 
 Messages child -> parent: ("ready", info with the idle engine's stats) | ("failed", reason) | ("step", events, stats
-or None: at most every STATS_EVERY_S while busy, and whenever the engine goes idle) | ("fatal", reason).
+or None: at most every STATS_EVERY_S while busy, and whenever the engine turns busy or idle) | ("fatal", reason).
 Commands parent -> child: ("add", request_id, prompt, SamplingParams) | ("abort", [ids]) | ("shutdown",).
 """
 
@@ -166,7 +166,8 @@ def _core_loop(engine: Any, commands: Connection, results: Connection, parent_pi
         if os.getppid() != parent_pid:
             logger.warning("parent process is gone; engine core exits")
             return
-        if not engine.has_unfinished_requests():
+        idle = not engine.has_unfinished_requests()
+        if idle:
             wait_s: float | None = IDLE_POLL_S
         else:
             wait_s = None if progressed else PENDING_POLL_S  # nothing moved last step (e.g. a grammar compiling)
@@ -180,9 +181,10 @@ def _core_loop(engine: Any, commands: Connection, results: Connection, parent_pi
             progressed = bool(outs)
             events.extend(("out", tracker.delta(o)) for o in outs)
         if events or cmds:
-            # percentiles over thousands of samples each step cost the engine thread 0.5-1 ms at 256 requests
+            # percentiles over thousands of samples each step cost the engine thread 0.5-1 ms at 256 requests;
+            # fresh ones whenever the engine turns busy or idle, so /metrics never shows the other state
             now = time.monotonic()
-            fresh = not engine.has_unfinished_requests() or now - stats_sent >= STATS_EVERY_S
+            fresh = idle or not engine.has_unfinished_requests() or now - stats_sent >= STATS_EVERY_S
             results.send(("step", events, engine.get_stats() if fresh else None))
             stats_sent = now if fresh else stats_sent
 
