@@ -7,9 +7,10 @@ STAMP := $(VENV)/.tandem-setup-v1
 PYTEST_ARGS ?=
 
 LLAMA_CPP_VERSION ?= 0.3.36
-LLAMA_STAMP := $(VENV)/.tandem-llama-cpp-$(LLAMA_CPP_VERSION)
-# llama.cpp for the CPU it is built on, without the parts the peer does not use
-LLAMA_CPP_CMAKE ?= -DGGML_NATIVE=ON -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF
+LLAMA_STAMP := $(VENV)/.tandem-llama-cpp-$(LLAMA_CPP_VERSION)-v2
+# llama.cpp for the CPU it is built on, without AMX (it dies on the Xeons of this kind) and without the parts the peer
+# does not use; tandem/bench/llama_peer.py falls back to a portable AVX2 build when this one fails its smoke test
+LLAMA_CPP_CMAKE ?= -DGGML_NATIVE=ON
 
 .PHONY: setup demo test test-fast lint typecheck bench draft device-check device-wheels clean llama-cpp bench-quant memory-check
 
@@ -43,13 +44,14 @@ bench: setup
 	$(VENV)/bin/tandem bench throughput
 
 # llama.cpp as a peer (benchmarks, and the parity tests that compare greedy tokens on the same GGUF file, which skip
-# without it): llama-cpp-python built from source, ~6 minutes on 2 cores
+# naming why without it): llama-cpp-python built from source, ~6 minutes on 2 cores, then smoke-tested (a multi-token
+# batch in a fresh process); a build that fails it is replaced by the next one (tandem/bench/llama_peer.py).
+# LLAMA_CPP_AMX=1 tries llama.cpp's AMX path first.
 llama-cpp: setup
-	CMAKE_ARGS="$(LLAMA_CPP_CMAKE)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
-		$(PIP) install --no-binary llama-cpp-python llama-cpp-python==$(LLAMA_CPP_VERSION)
+	$(PY) -m tandem.bench.llama_peer build --version $(LLAMA_CPP_VERSION) --native-cmake="$(LLAMA_CPP_CMAKE)"
 
 $(LLAMA_STAMP): $(STAMP)
-	$(PY) -c "import llama_cpp" 2>/dev/null || $(MAKE) llama-cpp || echo "llama.cpp peer not built: its parity tests will skip"
+	$(PY) -m tandem.bench.llama_peer status || $(MAKE) llama-cpp || echo "llama.cpp peer not usable here: its parity tests will skip"
 	touch $(LLAMA_STAMP)
 
 # tandem and llama.cpp on the same real-shaped random-weight models (written once under $$TANDEM_HOME/test-models)

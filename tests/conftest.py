@@ -24,6 +24,15 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("TANDEM_NUM_THREADS", "1")
 
 
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    """The machine and the llama.cpp build the parity tests compare against (or why they skip)."""
+    from tandem.bench.llama_peer import peer_status
+    from tandem.cpu_features import cpu_features
+
+    cpu = cpu_features()
+    return [f"cpu: {cpu.model} ({cpu.isa_summary()})", peer_status().describe()]
+
+
 @pytest.fixture(autouse=True)
 def _seeded_global_rngs() -> Iterator[None]:
     """Every test starts from the same global random state (torch, numpy, random), whatever ran before it: a test

@@ -58,8 +58,15 @@ def peak_rss_mb() -> float:
 
 
 def machine_line() -> str:
+    """The CPU model, its deciding ISA flags, the cores used and the kernel path of each weight format: figures
+    differ between an AMD EPYC and an Intel Xeon with AMX, and tables must say which measured them."""
+    from tandem.cpu_features import cpu_features
+    from tandem.layers.linear import kernel_paths
+
+    cpu = cpu_features()
+    paths = ", ".join(f"{fmt} {path}" for fmt, path in kernel_paths().items())
     cpus = len(os.sched_getaffinity(0))
-    return f"{platform.processor() or platform.machine()}, {cpus} cores, Python {platform.python_version()}"
+    return f"{cpu.model} ({cpu.isa_summary()}), {cpus} cores; kernels: {paths}; Python {platform.python_version()}"
 
 
 @dataclass

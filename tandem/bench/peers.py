@@ -54,12 +54,19 @@ def hf_generate(
     return res
 
 
-def llama_cpp_available() -> bool:
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
-        return False
-    return True
+def llama_cpp_available(announce: bool = True) -> bool:
+    """Whether the llama.cpp peer is installed and passed its smoke test here (`llama_peer.peer_status`); when it
+    did not and `announce`, says why (benchmarks then leave it out)."""
+    from tandem.bench.llama_peer import peer_status
+
+    status = peer_status()
+    if announce and not _ANNOUNCED:
+        _ANNOUNCED.append(status.describe())
+        print(status.describe() if status.usable else f"{status.describe()}; left out")
+    return status.usable
+
+
+_ANNOUNCED: list[str] = []  # the peer's line is printed once per process
 
 
 def write_bf16_gguf(src: Path, dst: Path) -> Path:

@@ -144,7 +144,6 @@ def llama_cpp_run(prompts: list[list[int]], out_len: int, fixed: bool, threads: 
     from tandem.paths import tandem_home
 
     if not llama_cpp_available():
-        print("llama.cpp: llama-cpp-python is not installed; skipped (pip install llama-cpp-python)")
         return None
     dst = tandem_home() / "models" / "SmolLM2-135M-Instruct.bf16.gguf"
     dst.parent.mkdir(parents=True, exist_ok=True)

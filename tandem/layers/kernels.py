@@ -28,7 +28,7 @@ _lock = threading.Lock()
 _state: dict[str, object] = {}
 
 
-def _cpu_signature() -> str:
+def cpu_signature() -> str:
     """The CPU's model and feature flags: the build uses -march=native, so a cache shared across machines must not mix."""
     try:
         with open("/proc/cpuinfo") as f:
@@ -42,7 +42,7 @@ def build_key() -> str:
     h = hashlib.sha256()
     for source in SOURCES:
         h.update(source.read_bytes())
-    for part in (torch.__version__.encode(), _cpu_signature().encode(), " ".join(_CFLAGS).encode()):
+    for part in (torch.__version__.encode(), cpu_signature().encode(), " ".join(_CFLAGS).encode()):
         h.update(part)
     return h.hexdigest()[:16]
 

@@ -236,6 +236,17 @@ def quant_isa() -> int:
     return min(wanted, best) if wanted else best
 
 
+def kernel_paths() -> dict[str, str]:
+    """The CPU path each weight format takes here (what `make_linear` picks for a CPU weight with the kernels on):
+    for benchmarks' machine lines and the dispatch test."""
+    if _bf16_gemm_available():
+        bf16 = "tandem avx512-bf16 gemm"
+    else:
+        bf16 = "onednn" if _onednn_ok(torch.bfloat16) else "torch"
+    quant = {2: "avx512-vnni", 1: "avx2"}.get(quant_isa(), "dequantized to bf16")
+    return {"bf16": bf16, "quantized": quant}
+
+
 def _tensor_bytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 

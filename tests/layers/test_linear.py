@@ -25,6 +25,8 @@ def test_bf16_rows_are_batch_invariant(kernels: bool) -> None:
     g = torch.Generator().manual_seed(0)
     w, x = torch.randn(96, 64, generator=g).bfloat16(), torch.randn(40, 64, generator=g).bfloat16()
     f = make_linear(w, use_kernels=kernels)
+    if kernels and f.kind != "bf16-gemm":
+        pytest.skip("tandem's bf16 GEMM needs avx512_bf16, which this CPU lacks (the oneDNN case runs)")
     full = f(x)
     torch.testing.assert_close(full.float(), x.float() @ w.float().T, atol=0.05, rtol=1e-2)
     for m in ROWS:

@@ -9,12 +9,12 @@ and dequantized runs of the file. So:
   * over llama.cpp's sequences (teacher forcing, tandem's prefill path) the logits agree within that noise, and the
     argmax agrees wherever llama.cpp's top two are further apart than NEAR_TIE.
 
-Needs llama-cpp-python (`make llama-cpp` builds it from source); skipped without it.
+Needs a llama.cpp peer that runs here (`make llama-cpp` builds one and smoke-tests it, tandem/bench/llama_peer.py);
+skipped, naming why, without one. Every failure message names the build compared against.
 """
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -22,11 +22,19 @@ import pytest
 
 from tandem.config import ConfigError
 
-pytestmark = [
-    pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
-                       reason="llama-cpp-python is not installed (make llama-cpp builds it)"),
-    pytest.mark.demo,
-]
+pytestmark = pytest.mark.demo
+
+
+@pytest.fixture(scope="module", autouse=True)
+def peer() -> str:
+    """The llama.cpp build these tests compare against (its line: version, build, ISA paths); a skip naming why
+    when none runs here."""
+    from tandem.bench.llama_peer import peer_status
+
+    status = peer_status()
+    if not status.usable:
+        pytest.skip(status.describe())
+    return status.describe()
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n", "Once upon a time, there was a little"]
 NEW_TOKENS = 32
@@ -71,8 +79,9 @@ def tandem_runs(path: Path, tokenizer: Path, prompts: list[list[int]], forced: l
         llm.shutdown()
 
 
-def assert_matches_llama_cpp(path: Path, tokenizer: Path) -> int:
-    """Both checks of the module doc; returns the number of greedy tokens that matched."""
+def assert_matches_llama_cpp(path: Path, tokenizer: Path, peer: str) -> int:
+    """Both checks of the module doc against the build `peer` describes; returns the number of greedy tokens that
+    matched."""
     from tandem.bench.peers import llama_cpp_greedy
     from tandem.tokenizer import Tokenizer
 
@@ -87,25 +96,25 @@ def assert_matches_llama_cpp(path: Path, tokenizer: Path) -> int:
         if first < len(tokens):
             gap = float(logits[first][tokens[first]] - logits[first][mine[first]])
             assert gap < NEAR_TIE, f"{path.name}: token {first} differs ({mine[first]} vs llama.cpp {tokens[first]}), " \
-                                   f"llama.cpp's logits {gap:.3f} apart"
+                                   f"llama.cpp's logits {gap:.3f} apart ({peer})"
         ours_tf = tf[len(p) - 1 :]  # rows predicting llama.cpp's tokens
         diff = np.abs((ours_tf - ours_tf.mean(1, keepdims=True)) - (logits - logits.mean(1, keepdims=True)))
-        assert diff.mean() < MEAN_LOGIT_DIFF, f"{path.name}: mean logit difference {diff.mean():.3f}"
+        assert diff.mean() < MEAN_LOGIT_DIFF, f"{path.name}: mean logit difference {diff.mean():.3f} ({peer})"
         top2 = np.sort(logits, axis=1)[:, -2:]
         clear = top2[:, 1] - top2[:, 0] > NEAR_TIE
-        assert np.array_equal(ours_tf.argmax(1)[clear], np.asarray(tokens)[clear]), f"{path.name}: argmax differs"
+        assert np.array_equal(ours_tf.argmax(1)[clear], np.asarray(tokens)[clear]), f"{path.name}: argmax differs ({peer})"
     return matched
 
 
-def test_demo_q4_1_file_matches_llama_cpp(demo_tokenizer: Path) -> None:
+def test_demo_q4_1_file_matches_llama_cpp(demo_tokenizer: Path, peer: str) -> None:
     """The demo model's own SmolLM2-135M-Instruct.Q4_1.gguf (Q4_1 layers, Q8_0 tied embedding)."""
-    matched = assert_matches_llama_cpp(_demo_gguf(), demo_tokenizer)
+    matched = assert_matches_llama_cpp(_demo_gguf(), demo_tokenizer, peer)
     assert matched >= len(PROMPTS) * NEW_TOKENS // 2
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("file_type", ["Q8_0", "Q4_0", "Q4_K_M"])
-def test_llama_cpp_quantized_demo_matches_llama_cpp(file_type: str, demo_tokenizer: Path) -> None:
+def test_llama_cpp_quantized_demo_matches_llama_cpp(file_type: str, demo_tokenizer: Path, peer: str) -> None:
     """The demo model quantized by llama.cpp itself: Q8_0, Q4_0, and Q4_K_M (Q4_K / Q6_K where rows are multiples of
     256, its Q5_0 / Q8_0 fallbacks elsewhere)."""
     from tandem.bench.peers import llama_cpp_quantize, write_bf16_gguf
@@ -115,4 +124,4 @@ def test_llama_cpp_quantized_demo_matches_llama_cpp(file_type: str, demo_tokeniz
     folder.mkdir(parents=True, exist_ok=True)
     bf16 = write_bf16_gguf(_demo_gguf(), folder / "SmolLM2-135M-Instruct.bf16.gguf")
     path = llama_cpp_quantize(bf16, folder / f"SmolLM2-135M-Instruct.{file_type}.gguf", file_type)
-    assert assert_matches_llama_cpp(path, demo_tokenizer) >= len(PROMPTS) * NEW_TOKENS // 2
+    assert assert_matches_llama_cpp(path, demo_tokenizer, peer) >= len(PROMPTS) * NEW_TOKENS // 2
