@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 from tandem.params import SamplingParams
 
@@ -55,6 +56,9 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # hashes of the full blocks of token_ids, in order
     draft_token_ids: list[int] = field(default_factory=list)
+    # scheduling ahead: trailing tokens of token_ids not known yet, i.e. the placeholders of plans in flight and the
+    # drafts they verify (optimistically taken as accepted); 0 in the synchronous step
+    num_tentative: int = 0
     hold_sampling: bool = False  # e.g. its grammar is still compiling: prefill all but the last token, sample nothing
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
@@ -82,11 +86,48 @@ class Request:
         return self.token_ids[len(self.prompt_token_ids) :]
 
     @property
+    def confirmed_tokens(self) -> ConfirmedTokens:
+        """Prompt and outputs known for sure, as a live view (see `ConfirmedTokens`)."""
+        return ConfirmedTokens(self)
+
+    @property
+    def confirmed_output_ids(self) -> list[int]:
+        """The outputs known for sure: without the tentative tail of plans still in flight."""
+        return self.token_ids[len(self.prompt_token_ids) : len(self.token_ids) - self.num_tentative]
+
+    @property
     def is_finished(self) -> bool:
         return self.status.finished
 
     def append_tokens(self, tokens: list[int]) -> None:
         self.token_ids.extend(tokens)
+
+
+class ConfirmedTokens(Sequence[int]):
+    """A live, read-only view of a request's known tokens: `token_ids` without its tentative tail (scheduling
+    ahead). Proposers learn from it, so they never take in a draft that may still be rejected."""
+
+    __slots__ = ("_req",)
+
+    def __init__(self, req: Request) -> None:
+        self._req = req
+
+    def __len__(self) -> int:
+        return len(self._req.token_ids) - self._req.num_tentative
+
+    @overload
+    def __getitem__(self, i: int) -> int: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[int]: ...
+
+    def __getitem__(self, i: int | slice) -> int | list[int]:
+        n = len(self)
+        if isinstance(i, slice):
+            return self._req.token_ids[slice(*i.indices(n))]
+        if not -n <= i < n:
+            raise IndexError(i)
+        return self._req.token_ids[i % n]
 
 
 @dataclass

@@ -1,11 +1,20 @@
 """`tandem bench simulated`: the CPU side at accelerator scale, on this machine.
 
-The engine runs as it would beside a GPU, but its runner is `SimulatedRunner`: each forward takes `--step-ms` of
-wall time and no host CPU, its logits come from a table. The vocabulary is a real large one (o200k by default,
-from ../shared/data), turned into a Hugging Face tokenizer once and cached under $TANDEM_HOME. With 256 guided
-requests over distinct schemas (and optionally suffix drafting) the report says how long, per step, the device
-would wait for the host: wall time per step minus the forward and minus sampling (device work on a real GPU), also
-as a share of the device's step time.
+The engine runs as it would beside a GPU, but its runner is `SimulatedRunner`: each forward takes a step's time and no
+host CPU: `--step-ms` of wall time, or what `--device-model NAME` computes for the step's tokens (a named model on a
+named accelerator, runner/device_model.py). Its logits come from
+  * `--logits table` (the default): a table of random rows over a real large vocabulary (o200k by default, from
+    ../shared/data), turned into a Hugging Face tokenizer once and cached under $TANDEM_HOME. Drafts are almost
+    never accepted: it measures what the CPU side costs, never what speculation gains;
+  * `--logits replay`: the demo model's own recorded greedy outputs (bench/replay.py, recorded once), in its own
+    vocabulary, so every draft is accepted as that model would accept it (guided requests replay outputs recorded
+    under their own schemas).
+Modes (`--modes`): text, guided (one distinct schema per request), ngram, suffix, guided+suffix, guided+ngram, and
+the draft model on this machine's cores (`--drafts`: the demo model's own Q4_1 file by default, `distilled` for
+`make draft`'s): draft (tandem's way: scheduled ahead, drafting past the outcome in flight), draft-sequential (the
+original design: draft, then verify), draft-groups (alternating groups). The report says how long, per step, the
+device would wait for the host (wall time minus the forwards and sampling, device work on a real GPU), also as a
+share of the device's step time, and each mode's speed-up over the same run's text mode at that concurrency.
 Not a user-facing mode: it sizes the CPU side for a real device.
 """
 
@@ -15,12 +24,14 @@ import argparse
 import gc
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from tandem.bench.common import drive, machine_line, print_table, shared_data_dir
+from tandem.bench.replay import GUIDED_WORKLOAD, TEXT_WORKLOADS, Recording, load_or_record
 from tandem.bench.schemas import describe, distinct_schemas
 from tandem.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from tandem.cpu_budget import plan_cpu_budget
@@ -29,22 +40,37 @@ from tandem.engine.speculation import make_speculation
 from tandem.layers.kernels import load_cpu_kernels
 from tandem.params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from tandem.paths import tandem_home
-from tandem.runner.simulated import SimulatedRunner
+from tandem.runner.device_model import DEVICE_MODELS, DeviceModel, device_model
+from tandem.runner.simulated import LogitsSource, ReplayLogits, SimulatedRunner
 from tandem.spec_decode.config import SpeculativeConfig, build_proposer
 from tandem.structured.backend import TIKTOKEN_PATTERNS, TIKTOKEN_SPECIALS
 from tandem.structured.manager import StructuredOutputConfig
 from tandem.tokenizer import Tokenizer
 
+MODES = ("text", "guided", "ngram", "suffix", "guided+suffix", "guided+ngram", "draft", "draft-sequential",
+         "draft-groups")
+
 
 def add_parser(bsub: Any) -> None:
     p = bsub.add_parser("simulated", help="the CPU side beside a simulated accelerator (large vocabulary, many requests)")
     p.add_argument("--step-ms", type=float, default=20.0, help="wall time of one simulated forward")
+    p.add_argument("--device-model", default=None, choices=sorted(DEVICE_MODELS),
+                   help="time each forward as this model on this accelerator would take (instead of --step-ms)")
+    p.add_argument("--logits", default="table", choices=["table", "replay"],
+                   help="random rows over --vocab, or the demo model's recorded outputs replayed (real acceptance)")
+    p.add_argument("--workload", default="mixed", choices=TEXT_WORKLOADS,
+                   help="--logits replay: the prompts of the text modes (guided modes: one schema each)")
     p.add_argument("--concurrency", default="64,256")
     p.add_argument("--requests", type=int, default=0, help="requests per run (default: 2x the concurrency)")
     p.add_argument("--output-len", type=int, default=48)
-    p.add_argument("--vocab", default="o200k_base", help="a tiktoken vocabulary in ../shared/data/tokenizers/tiktoken")
+    p.add_argument("--vocab", default="o200k_base", help="--logits table: a tiktoken vocabulary in ../shared/data")
     p.add_argument("--backend", default="auto", choices=["auto", "xgrammar", "llguidance"])
-    p.add_argument("--modes", default="text,guided,guided+suffix", help="comma-separated: text, guided, guided+suffix")
+    p.add_argument("--modes", default="text,guided,guided+suffix", help=f"comma-separated, of: {', '.join(MODES)}")
+    p.add_argument("--spec-k", type=int, default=4, help="drafts per step (the most, with adaptive K)")
+    p.add_argument("--fixed-k", action="store_true", help="n-gram / suffix: K fixed at --spec-k (no adaptive K)")
+    p.add_argument("--drafts", default="q4_1", help="draft models of the draft modes: q4_1 (the demo model's own "
+                                                    "file), distilled (make draft), or a path; comma-separated")
+    p.add_argument("--draft-threads", type=int, default=None, help="torch threads of the draft worker")
     p.add_argument("--always-mask", action="store_true",
                    help="fill every guided row's mask (no unmasked greedy rows): the comparison for that optimisation")
     p.add_argument("--cumulative-outputs", action="store_true",
@@ -95,20 +121,74 @@ def tiktoken_tokenizer(name: str) -> Tokenizer:
 
 def simulated_engine(tok: Tokenizer, step_s: float, max_num_seqs: int, backend: str,
                      speculative: SpeculativeConfig | None, unmasked_greedy: bool = True,
-                     rows_by_token: bool = False, unmasked_min_fill_ms: float = 0.1) -> LLMEngine:
-    vocab = -(-len(tok.hf) // 64) * 64  # a padded lm_head, as real models have
+                     rows_by_token: bool = False, unmasked_min_fill_ms: float = 0.1, *,
+                     timing: DeviceModel | None = None, logits: LogitsSource | None = None,
+                     async_scheduling: bool | None = None) -> LLMEngine:
+    """An engine over a `SimulatedRunner` of `tok`'s vocabulary (padded to 64, as real lm_heads are)."""
+    vocab = -(-len(tok.hf) // 64) * 64
     model = ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "vocab_size": vocab, "hidden_size": 4096,
                                  "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
                                  "num_key_value_heads": 8, "max_position_embeddings": 4096,
                                  "eos_token_id": tok.eos_token_ids[0]})
-    sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=8192, max_model_len=2048)
+    sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=8192, max_model_len=4096)
     config = EngineConfig(model="simulated", model_config=model, cache=CacheConfig(), scheduler=sched)
-    runner = SimulatedRunner(vocab, num_blocks=max_num_seqs * 40, step_s=step_s, rows_by_token=rows_by_token)
-    budget = plan_cpu_budget(device="cuda")  # the host beside an accelerator: the forward needs no cores
+    runner = SimulatedRunner(vocab, num_blocks=max_num_seqs * 80, step_s=step_s, rows_by_token=rows_by_token,
+                             device_model=timing, logits=logits)
+    draft = speculative is not None and speculative.method == "draft_model"
+    budget = plan_cpu_budget(device="cuda", draft_on_cpu=draft)  # beside an accelerator: the forward needs no cores
     structured = StructuredOutputConfig(backend=backend, num_threads=max(2, budget.grammar_threads),
                                         unmasked_greedy=unmasked_greedy, unmasked_min_fill_ms=unmasked_min_fill_ms)
-    spec = make_speculation(speculative, build_proposer(speculative, vocab, tok) if speculative else None, 2048)
-    return LLMEngine(config, runner, tok, speculation=spec, structured_config=structured, cpu_budget=budget)
+    spec = make_speculation(speculative, build_proposer(speculative, vocab, tok) if speculative else None, 4096)
+    return LLMEngine(config, runner, tok, speculation=spec, structured_config=structured, cpu_budget=budget,
+                     async_scheduling=async_scheduling)
+
+
+@dataclass(frozen=True)
+class Mode:
+    """One row's configuration: grammar or not, what drafts, and how the steps are scheduled."""
+
+    name: str
+    guided: bool
+    speculative: SpeculativeConfig | None
+    async_scheduling: bool | None = None  # None: the engine's default beside an accelerator (ahead)
+
+
+def parse_mode(name: str, args: argparse.Namespace, draft: str | None = None) -> Mode:
+    """`name` (one of MODES) as a configuration; `draft`: the draft model's path for the draft modes."""
+    if name not in MODES:
+        raise ValueError(f"unknown mode {name!r}; known: {', '.join(MODES)}")
+    guided = name.startswith("guided")
+    method = name.split("+")[-1]
+    if method in ("ngram", "suffix"):
+        return Mode(name, guided, SpeculativeConfig(method=method, num_speculative_tokens=args.spec_k,
+                                                    adaptive=not args.fixed_k))
+    if method.startswith("draft"):
+        sequential = method == "draft-sequential"
+        spec = SpeculativeConfig(method="draft_model", model=draft, num_speculative_tokens=args.spec_k, adaptive=False,
+                                 lookahead=not sequential, draft_threads=args.draft_threads,
+                                 alternate_groups=method == "draft-groups")
+        return Mode(name, guided, spec, async_scheduling=False if sequential else None)
+    return Mode(name, guided, None)
+
+
+def draft_paths(spec: str) -> dict[str, str]:
+    """--drafts as {label: checkpoint path}: q4_1 (the demo model's GGUF), distilled (make draft's), or a path."""
+    from tandem.bench.spec import default_draft
+    from tandem.models.demo import find_demo_gguf
+
+    out: dict[str, str] = {}
+    for item in [s.strip() for s in spec.split(",") if s.strip()]:
+        if item == "q4_1":
+            out[item] = str(find_demo_gguf())
+        elif item == "distilled":
+            found = default_draft()
+            if found is None:
+                print("the distilled draft is missing (run `make draft`); its rows are skipped")
+                continue
+            out[item] = found
+        else:
+            out[Path(item).name] = item
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -116,75 +196,141 @@ def run(args: argparse.Namespace) -> int:
     # time) and subtracted exactly from the host's demand, and it leaves the other cores to the CPU side
     torch.set_num_threads(1)
     load_cpu_kernels()  # the simulated device samples greedy rows with the fused kernel, as a CPU-side engine does
-    tok = tiktoken_tokenizer(args.vocab)
+    tok = _tokenizer(args)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    drafts = draft_paths(args.drafts) if any(m.startswith("draft") for m in modes) else {}
     rows: list[dict[str, Any]] = []
     for level in [int(x) for x in args.concurrency.split(",")]:
         n = args.requests or 2 * level
-        for mode in args.modes.split(","):
-            rows.append(_run_mode(tok, mode, level, n, args))
-            print_table(rows[-1:])
+        for name in modes:
+            labels = drafts if name.startswith("draft") else {"": None}
+            for label, path in labels.items():
+                row = _run_mode(tok, parse_mode(name, args, path), level, n, args)
+                if label:
+                    row["mode"] = f"{name}[{label}]"
+                rows.append(row)
+                _relate(rows)
+                print_table(rows[-1:])
+    timing = args.device_model or f"a {args.step_ms:g} ms step"
     print()
-    print_table(rows, title=f"tandem bench simulated: a {args.step_ms:g} ms device step, {args.vocab} "
+    print_table(rows, title=f"tandem bench simulated: {timing}, {args.logits} logits "
                             f"({machine_line()}); device_wait = host time the device would idle per step")
     if args.json:
-        args.json.write_text(json.dumps({"machine": machine_line(), "rows": rows}, indent=2))
+        args.json.write_text(json.dumps({"machine": machine_line(), "device": timing, "logits": args.logits,
+                                         "rows": rows}, indent=2))
     return 0
 
 
-def _run_mode(tok: Tokenizer, mode: str, level: int, n: int, args: argparse.Namespace) -> dict[str, Any]:
-    spec = SpeculativeConfig(method="suffix", num_speculative_tokens=4, adaptive=False) if "suffix" in mode else None
-    engine = simulated_engine(tok, args.step_ms / 1e3, level, args.backend, spec, unmasked_greedy=not args.always_mask)
-    schemas = distinct_schemas(n, seed=level)
-    prompts = [tok.encode(describe(s)) for s in schemas]
-    guided = mode.startswith("guided")
+def _tokenizer(args: argparse.Namespace) -> Tokenizer:
+    if args.logits == "table":
+        return tiktoken_tokenizer(args.vocab)
+    from tandem.models.demo import demo_model_path
+
+    return Tokenizer.from_path(demo_model_path())  # replay runs in the recorded model's vocabulary
+
+
+def _relate(rows: list[dict[str, Any]]) -> None:
+    """Each row's speed-up over the text row of its concurrency (when the run has one)."""
+    base = {r["concurrency"]: r["tok/s"] for r in rows if r["mode"] == "text"}
+    for r in rows:
+        b = base.get(r["concurrency"])
+        r["speedup"] = round(r["tok/s"] / b, 3) if b else None
+
+
+def _workload(tok: Tokenizer, mode: Mode, n: int, args: argparse.Namespace) -> tuple[Recording | None, list[list[int]],
+                                                                                   list[SamplingParams]]:
+    """The requests of one run: (the recording replayed, or None; prompts; their sampling parameters)."""
     kind = RequestOutputKind.CUMULATIVE if args.cumulative_outputs else RequestOutputKind.FINAL_ONLY  # as LLM.generate
-    params = [SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=not guided, output_kind=kind,
-                             structured_outputs=StructuredOutputsParams(json=s, backend=args.backend) if guided else None)
-              for s in schemas]
-    if guided:
+    if args.logits == "table":
+        schemas = distinct_schemas(n, seed=n // 2)
+        prompts = [tok.encode(describe(s)) for s in schemas]
+        return None, prompts, [SamplingParams(
+            temperature=0.0, max_tokens=args.output_len, ignore_eos=not mode.guided, output_kind=kind,
+            structured_outputs=StructuredOutputsParams(json=s, backend=args.backend) if mode.guided else None)
+            for s in schemas]
+    rec = load_or_record(GUIDED_WORKLOAD if mode.guided else args.workload, n, args.output_len)
+    params = [SamplingParams(
+        temperature=0.0, max_tokens=max(1, len(out)), output_kind=kind,
+        structured_outputs=StructuredOutputsParams(json=s, backend=args.backend) if mode.guided and s else None)
+        for out, s in zip(rec.outputs, rec.schemas)]
+    return rec, rec.prompts, params
+
+
+def _run_mode(tok: Tokenizer, mode: Mode, level: int, n: int, args: argparse.Namespace) -> dict[str, Any]:
+    rec, prompts, params = _workload(tok, mode, n, args)
+    logits = ReplayLogits(-(-len(tok.hf) // 64) * 64, tok.eos_token_ids[0]) if rec is not None else None
+    timing = device_model(args.device_model) if args.device_model else None
+    engine = simulated_engine(tok, args.step_ms / 1e3, level, args.backend, mode.speculative,
+                              unmasked_greedy=not args.always_mask, timing=timing, logits=logits,
+                              async_scheduling=mode.async_scheduling)
+    if isinstance(logits, ReplayLogits) and rec is not None:
+        for i in range(len(rec)):
+            logits.expect(f"{mode.name}-{i}", rec.sequence(i))
+            if i < 2:
+                logits.expect(f"warmup-{i}", rec.sequence(i))
+    if mode.guided:
         engine.warm_up_grammars()
     if not args.no_gc_freeze:
         freeze_startup_heap()  # as the engine core does: full GC passes skip the tokenizer tables (50-190 ms each)
     drive(engine, prompts[:2], params[:2], 2, "warmup")
-    before = engine.get_stats()
+    before, (device0, late0) = engine.get_stats(), _device_s(engine)
     t0, cpu0 = time.perf_counter(), time.process_time()
     with GcPauses() as pauses:
-        res = drive(engine, prompts, params, level, mode)
+        res = drive(engine, prompts, params, level, mode.name)
     wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-    after = engine.get_stats()
+    after, (device, late) = engine.get_stats(), _device_s(engine)
     engine.shutdown()
-    row = _row(mode, level, n, res.output_tokens, (wall, cpu), before, after, args.step_ms / 1e3)
+    row = _row(mode.name, level, n, res.output_tokens, (wall, cpu, device - device0, late - late0), before, after)
     row["gc_ms/step"] = round(1e3 * pauses.seconds / max(1, row["steps"]), 2)
     return row
 
 
-def _row(mode: str, level: int, n: int, tokens: int, times: tuple[float, float], before: dict[str, Any],
-         after: dict[str, Any], step_s: float) -> dict[str, Any]:
-    """One run's row. host_cpu_ms/step: this process's CPU time per step (every thread), sampling excluded (device
-    work on a real accelerator; on one thread here, so its CPU time is its wall time): the CPU side's demand; cores_for_step: how many cores that demand needs to fit in
-    one device step, i.e. the host to size for no waiting."""
+def _device_s(engine: LLMEngine) -> tuple[float, float]:
+    """The simulated forwards' time so far (each as long as its step's time), and how much later than that their
+    replayed logits were built (the simulator's own cost: its builder thread waits for the GIL)."""
+    return float(getattr(engine.runner, "device_s", 0.0)), float(getattr(engine.runner, "late_s", 0.0))
+
+
+def _row(mode: str, level: int, n: int, tokens: int, times: tuple[float, float, float, float], before: dict[str, Any],
+         after: dict[str, Any]) -> dict[str, Any]:
+    """One run's row. tok/s: on the simulated accelerator's clock (its forwards, sampling included as on a real
+    one, and the time it waited for the host); wall_tok/s: on this machine's, where sampling runs on the host.
+    host_cpu_ms/step: this process's CPU time per step (every thread), sampling excluded (device work on a real
+    accelerator; on one thread here, so its CPU time is its wall time): the CPU side's demand; cores_for_step: how
+    many cores that demand needs to fit in one device step, i.e. the host to size for no waiting. accept: drafts
+    accepted / drafted; scheduled_ahead_share: steps scheduled while the previous ran."""
     def d(key: str) -> float:
         return float(after.get(key, 0.0)) - float(before.get(key, 0.0))
 
-    wall, cpu = times
+    wall, cpu, forwards, late = times
     steps = max(1.0, d("num_steps"))
-    # forwards + sampling: device work on a real accelerator (the late rows' sampling overlaps a forward: not added)
-    device = steps * step_s + d("sample_s")
-    wait = max(0.0, wall - device)
+    step_s = forwards / steps  # the device's mean step
+    # forwards + sampling: device work on a real accelerator (the late rows' sampling overlaps a forward: not
+    # added); the simulator's lateness in building replayed logits is its own, not the host's
+    wait = max(0.0, wall - forwards - d("sample_s") - late)
     # late rows' sampling ran during a forward: device work, but not on the device's timeline between forwards
     host_cpu = max(0.0, cpu - d("sample_s") - d("late_sample_s")) / steps  # sampling runs on one thread (see `run`)
+    drafted = d("spec_num_drafted")
+    device_clock = forwards + wait  # the accelerator's timeline: its forwards (sampling on it) and its idle time
     return {
         "mode": mode, "concurrency": level, "requests": n, "tokens": tokens, "steps": int(steps),
-        "tok/s": round(tokens / wall, 1), "step_ms": round(1e3 * wall / steps, 2),
+        "tok/s": round(tokens / device_clock, 1) if device_clock else None, "speedup": None,
+        "wall_tok/s": round(tokens / wall, 1), "step_ms": round(1e3 * wall / steps, 2),
+        "device_step_ms": round(1e3 * step_s, 2),
         "device_wait_ms/step": round(1e3 * wait / steps, 2),
-        "device_wait_%_of_step": round(100 * wait / steps / step_s, 1),  # of the device's forward time
-        "draft_ms/step": round(1e3 * d("draft_s") / steps, 2),
+        "device_wait_%_of_step": round(100 * wait / steps / step_s, 1) if step_s else None,
+        "sim_late_ms/step": round(1e3 * late / steps, 2),
+        "accept": round(d("spec_num_accepted") / drafted, 3) if drafted else None,
+        "tokens/step": round(tokens / steps, 2),
+        "scheduled_ahead_share": round(d("steps_scheduled_ahead") / steps, 3),
+        "optimistic_misses/step": round(d("spec_optimistic_misses") / steps, 2),
+        "draft_ms/step": round(1e3 * (d("draft_s") or d("spec_draft_wait_s")) / steps, 2),  # (sync or redrafts)
         "grammar_exposed_ms/step": round(1e3 * d("grammar_exposed_s") / steps, 2),
         "mask_fill_ms/step": round(1e3 * d("grammar_mask_fill_s") / steps, 2),
         "sample_ms/step": round(1e3 * d("sample_s") / steps, 2),
         "late_sample_ms/step": round(1e3 * d("late_sample_s") / steps, 2),
         "host_cpu_ms/step": round(1e3 * host_cpu, 2),
-        "cores_for_step": round(host_cpu / step_s, 2),
+        "cores_for_step": round(host_cpu / step_s, 2) if step_s else None,
         "slack_fills/step": round(d("guided_slack_fills") / steps, 1),
         "unmasked_rows/step": round(d("guided_unmasked_rows") / steps, 1),
         "rejected/step": round(d("guided_unmasked_rejected") / steps, 2),

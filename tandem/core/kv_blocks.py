@@ -145,7 +145,8 @@ class BlockManager:
             return
         bs = self.block_size
         start = self._num_committed.get(req.request_id, 0)
-        num_full = req.num_computed_tokens // bs  # blocks full of computed tokens
+        # blocks full of computed tokens that are known: never the drafts of a plan in flight (scheduling ahead)
+        num_full = min(req.num_computed_tokens, len(req.token_ids) - req.num_tentative) // bs
         hashes = req.block_hashes
         for i in range(start, num_full):
             key = (hashes[i - 1] if i else ROOT_HASH, tuple(req.token_ids[i * bs : (i + 1) * bs]))

@@ -9,11 +9,15 @@ recomputed from scratch later, usually mostly from the prefix cache).
 Step protocol with the engine: set `req.draft_token_ids` -> `schedule()` -> run the plan -> `update(plan, tokens)`
 -> `finish(...)` the requests that hit a stop condition.
 
-Scheduling ahead (the engine's asynchronous mode, no drafts): `schedule(protected)` -> `reserve(plan)` accounts
-the plan before it runs, appending a PLACEHOLDER token for each request that will sample; the next plan is
-scheduled while this one runs and feeds those placeholders; `resolve(plan, tokens, next_plan)` writes the sampled
-tokens over them (in the requests and in the next plan's inputs) before the next plan is launched. A request whose
-token needs more work than the launch can wait for is `withdraw`n from the next plan and resolved later.
+Scheduling ahead (the engine's asynchronous mode): `schedule(protected)` -> `reserve(plan)` accounts the plan
+before it runs, appending to each request that will sample its drafts (taken as accepted) and a PLACEHOLDER token
+(`req.num_tentative` counts that tail); the next plan is scheduled while this one runs and feeds those
+placeholders; `resolve(plan, tokens, next_plan)` writes the sampled tokens over them (in the requests and in the next
+plan's inputs) before the next plan is launched. With drafts, `settle(plan, tokens, next_plan, keep)` does this
+instead: a request whose drafts were all accepted keeps its row of the next plan (its drafts too when `keep` says
+they still hold), any other has that row moved back to where its accepted tokens end, without drafts, and the KV
+slots of its rejected drafts released. A request whose token needs more work than the launch can wait for is
+`withdraw`n from the next plan and resolved later.
 """
 
 from __future__ import annotations
@@ -114,25 +118,28 @@ class Scheduler:
         return req
 
     # ---------------------------------------------------------------------------------------------- schedule
-    def schedule(self, protected: frozenset[str] = frozenset()) -> StepPlan:
+    def schedule(self, protected: frozenset[str] = frozenset(), parked: frozenset[str] = frozenset()) -> StepPlan:
         """Build the next step's plan: running requests (preempting on block shortage), then admissions.
 
         Changes: blocks allocated for every scheduled position, preempted requests moved to the front of the
         waiting queue, admitted ones moved to running, and `req.draft_token_ids` cut to the drafts scheduled.
         `protected` requests (in a plan still running) are never preempted: when only they could give blocks, the
-        request that needs them waits for a later step instead.
+        request that needs them waits for a later step instead. `parked` running requests sit this plan out.
         """
         plan = StepPlan(step_id=self._next_step_id)
         self._next_step_id += 1
-        budget = self._schedule_running(plan, self.config.max_num_batched_tokens, protected)
+        budget = self._schedule_running(plan, self.config.max_num_batched_tokens, protected, parked)
         self._schedule_waiting(plan, budget)
         return plan
 
-    def _schedule_running(self, plan: StepPlan, budget: int, protected: frozenset[str]) -> int:
+    def _schedule_running(self, plan: StepPlan, budget: int, protected: frozenset[str], parked: frozenset[str]) -> int:
         """Schedule running requests in admission order; returns the budget left."""
         i = 0
         while i < len(self._running) and budget > 0:
             req = self._running[i]
+            if req.request_id in parked:
+                i += 1
+                continue
             num_new = min(req.num_tokens - req.num_computed_tokens - req.hold_sampling, budget)
             if num_new <= 0:  # nothing to compute until the engine appends a token (or lifts the hold)
                 i += 1
@@ -263,27 +270,32 @@ class Scheduler:
 
     # ----------------------------------------------------------------------------------- scheduling ahead
     def reserve(self, plan: StepPlan) -> None:
-        """Account `plan` before it runs (no drafts): its positions count as computed, and each request that will
-        sample gets a PLACEHOLDER token, the input of its next step."""
+        """Account `plan` before it runs: its positions count as computed, and each request that will sample gets
+        its drafts (as if accepted) and a PLACEHOLDER token, the input of its next step: its tentative tail."""
         for sr in plan.requests:
-            if sr.num_draft_tokens:
-                raise ValueError(f"request {sr.request_id!r}: a plan scheduled ahead cannot carry drafts")
             req = self._requests[sr.request_id]
             req.num_computed_tokens += sr.num_tokens
             if sr.needs_logits:
-                req.append_tokens([PLACEHOLDER])
+                k = sr.num_draft_tokens
+                if k:
+                    req.token_ids.extend(sr.input_ids[sr.num_tokens - k :])
+                    req.draft_token_ids = []
+                req.token_ids.append(PLACEHOLDER)
+                req.num_tentative += k + 1
 
     @staticmethod
     def feed(tokens: Mapping[str, Sequence[int]], next_plan: StepPlan) -> None:
-        """The tokens the running plan sampled go into `next_plan`'s inputs, over their placeholders: all that must
-        happen before `next_plan` is launched (~0.2 us a row); `resolve` updates the requests after the launch.
-        A request's placeholder is the last of its tokens, so it is the last input of its row or not in the row."""
+        """The tokens the running plan sampled (no drafts) go into `next_plan`'s inputs, over their placeholders:
+        all that must happen before `next_plan` is launched (~0.2 us a row); `resolve` updates the requests after
+        the launch. A request's placeholder is the last of its known tokens, so it is the last input of its row
+        before the row's drafts, or not in the row."""
         for sr in next_plan.requests:
             ids = sr.input_ids
-            if ids and ids[-1] == PLACEHOLDER:
+            at = len(ids) - 1 - sr.num_draft_tokens
+            if at >= 0 and ids[at] == PLACEHOLDER:
                 toks = tokens.get(sr.request_id)
                 if toks:
-                    ids[-1] = toks[0]
+                    ids[at] = toks[0]
 
     def resolve(self, plan: StepPlan, tokens: Mapping[str, Sequence[int]], next_plan: StepPlan | None,
                 commit: bool = True) -> None:
@@ -305,8 +317,99 @@ class Scheduler:
             ids = req.token_ids
             if toks and position < len(ids) and ids[position] == PLACEHOLDER:
                 ids[position] = toks[0]
+                req.num_tentative -= 1
             if commit:
                 self.block_manager.commit(req)
+
+    def settle(self, plan: StepPlan, tokens: Mapping[str, Sequence[int]], next_plan: StepPlan,
+               keep: Collection[str]) -> list[str]:
+        """Scheduling ahead with drafts, before `next_plan` is launched: the outcome of `plan` (accepted drafts and
+        one sampled token per request; none for a request withdrawn or failed meanwhile) goes into the requests and
+        into `next_plan`'s rows. A request whose drafts were all accepted keeps its row, fed the sampled token, and
+        keeps that row's drafts if it is in `keep` (they assumed this outcome); any other has its row moved back to
+        where its accepted tokens end, without drafts, and the blocks that held only its rejected drafts released.
+        Returns the requests whose rows of `next_plan` lost their drafts or moved."""
+        rows = {sr.request_id: sr for sr in next_plan.requests}
+        changed: list[str] = []
+        for sr in plan.requests:
+            toks = tokens.get(sr.request_id)
+            req = self._requests.get(sr.request_id)
+            if not toks or not sr.needs_logits or req is None or req.status is not RequestStatus.RUNNING:
+                continue
+            nxt = rows.get(sr.request_id)
+            k = sr.num_draft_tokens
+            if len(toks) == k + 1:  # every draft accepted: the row of next_plan stands where it was scheduled
+                req.token_ids[sr.start_pos + sr.num_tokens] = toks[-1]
+                req.num_tentative -= k + 1
+                if nxt is not None:
+                    nxt.input_ids[0] = toks[-1]
+                    if nxt.num_draft_tokens and sr.request_id not in keep:
+                        self._drop_drafts(req, nxt)
+                        changed.append(sr.request_id)
+            else:
+                self._move_back(req, sr, toks, nxt)
+                if nxt is not None:
+                    changed.append(sr.request_id)
+        return changed
+
+    def _drop_drafts(self, req: Request, row: ScheduledRequest) -> None:
+        """`row` (reserved, not launched) without its drafts: the request's tentative tail becomes its placeholder."""
+        k = row.num_draft_tokens
+        del req.token_ids[len(req.token_ids) - 1 - k : len(req.token_ids) - 1]
+        req.num_tentative -= k
+        req.num_computed_tokens -= k
+        del row.input_ids[len(row.input_ids) - k :]
+        row.num_draft_tokens = 0
+        self._release_tail(req, row)
+
+    def _move_back(self, req: Request, sr: ScheduledRequest, toks: Sequence[int], nxt: ScheduledRequest | None) -> None:
+        """A draft of `sr` was rejected: the request's tokens end with `toks` (accepted drafts, then the sampled
+        one), and its row of the next plan, if any, is that sampled token alone, at its real position."""
+        first = sr.start_pos + sr.num_tokens - sr.num_draft_tokens  # the position of its first draft
+        del req.token_ids[first:]
+        req.token_ids.extend(toks)
+        req.num_tentative = 0
+        req.num_computed_tokens = first + len(toks) - 1  # the sampled token has no KV yet
+        if nxt is not None:
+            nxt.start_pos, nxt.input_ids, nxt.num_draft_tokens = req.num_computed_tokens, [toks[-1]], 0
+            req.num_computed_tokens += 1
+            req.token_ids.append(PLACEHOLDER)
+            req.num_tentative = 1
+        self._release_tail(req, nxt)
+
+    def _release_tail(self, req: Request, row: ScheduledRequest | None) -> None:
+        """Free the blocks past the request's tokens, and keep `row`'s block table to the blocks it still holds."""
+        self.block_manager.truncate(req, len(req.token_ids))
+        if row is not None and len(row.block_table) > len(req.block_ids):
+            del row.block_table[len(req.block_ids) :]
+
+    def add_drafts(self, next_plan: StepPlan, drafts: Mapping[str, Sequence[int]]) -> int:
+        """Drafts for rows of `next_plan` (reserved, not launched, without drafts): as many of each as fit the
+        step's token budget, the model length and the blocks the request holds or can get from the free ones
+        (never by preempting). Returns the drafts added."""
+        room = self.config.max_num_batched_tokens - next_plan.num_tokens
+        bm, added = self.block_manager, 0
+        for sr in next_plan.requests:
+            want = drafts.get(sr.request_id)
+            req = self._requests.get(sr.request_id)
+            if not want or req is None or sr.num_draft_tokens or not sr.needs_logits or sr.num_tokens != 1:
+                continue
+            first = sr.start_pos + 1  # the position of the first draft
+            n = min(len(want), room, self.config.max_model_len - first)
+            if n > 0 and not bm.ensure_slots(req, first + n):
+                n = min(n, len(req.block_ids) * bm.block_size - first)  # the free blocks ran short: what fits
+            if n <= 0:
+                continue
+            sr.block_table[len(sr.block_table) :] = req.block_ids[len(sr.block_table) :]
+            new = [int(t) for t in want[:n]]
+            req.token_ids[len(req.token_ids) - 1 : len(req.token_ids) - 1] = new  # before the placeholder
+            req.num_tentative += n
+            req.num_computed_tokens += n
+            sr.input_ids.extend(new)
+            sr.num_draft_tokens = n
+            room -= n
+            added += n
+        return added
 
     def commit(self, plan: StepPlan) -> None:
         """Offer the blocks of `plan`'s running requests that became full to the prefix cache (see `resolve`)."""
@@ -328,7 +431,8 @@ class Scheduler:
                 kept.append(sr)
                 continue
             if sr.needs_logits and req.token_ids and req.token_ids[-1] == PLACEHOLDER:
-                req.token_ids.pop()  # the token this plan was going to sample
+                del req.token_ids[len(req.token_ids) - 1 - sr.num_draft_tokens :]  # its drafts, the token to sample
+                req.num_tentative -= 1 + sr.num_draft_tokens
             req.num_computed_tokens = sr.start_pos
         plan.requests = kept
 
@@ -348,7 +452,8 @@ class Scheduler:
 
 
 def _drop_placeholders(req: Request) -> None:
-    """Forget tokens a running plan was going to sample (the request leaves, or starts over)."""
-    while req.token_ids and req.token_ids[-1] == PLACEHOLDER:
-        req.token_ids.pop()
+    """Forget the tentative tail of plans in flight (the request leaves, or starts over)."""
+    if req.num_tentative:
+        del req.token_ids[len(req.token_ids) - req.num_tentative :]
+        req.num_tentative = 0
     req.num_computed_tokens = min(req.num_computed_tokens, len(req.token_ids))

@@ -57,6 +57,15 @@ class _InFlight:
     filled_at: float = 0.0
     fill: PendingMasks | None = None
 
+    @property
+    def has_drafts(self) -> bool:
+        return any(sr.num_draft_tokens for sr in self.plan.requests)
+
+    def drafts(self) -> dict[str, list[int]]:
+        """The drafts each request of the plan verifies."""
+        return {sr.request_id: sr.input_ids[sr.num_tokens - sr.num_draft_tokens :]
+                for sr in self.plan.requests if sr.num_draft_tokens}
+
 
 @dataclass(frozen=True)
 class _Masks:
@@ -74,6 +83,16 @@ _NO_MASKS = _Masks(StepMasks(None, None), StagedMasks(None, None))
 # runs each: the device waited 0.60-0.68 ms a step at 0.8, 0.40-0.66 at 0.85, 0.58-0.71 at 0.9 (alike; without slack
 # fills 0.83-1.26): docs/bench/simulated_slack_share.txt
 SLACK_SHARE = 0.85
+# Scheduling ahead, drafting for the next plan (a cheap proposer asked request by request, a draft model's late
+# proposal waited for) stops at this share of the forward after its launch: scheduling, the wait for the grammar
+# fills and the rest of the host's step must still fit before the forward ends
+DRAFT_SHARE = 0.6
+# Scheduling ahead with a cheap proposer, rows whose drafts were dropped (their assumed outcome did not happen) are
+# drafted again between sampling and the launch, REDRAFT_CHUNK requests at a time while this share of the shortest
+# recent forward has not been spent: at batch 1 that is every miss, at 256 requests the first few dozen
+REDRAFT_SHARE = 0.02
+REDRAFT_CHUNK = 8
+IDLE_GAP_S = 1.0  # a longer gap between two forwards is an engine without work, not a device waiting for the host
 UNMASKED_CANDIDATES = 16  # top logits tried, in order, for an unmasked greedy row whose argmax the grammar rejected
 TIED_LIMIT = 64  # tokens tied at the 16th value walked before giving up (filling the mask)
 
@@ -146,6 +165,7 @@ class LLMEngine:
         self._inflight: _InFlight | None = None  # scheduling ahead: the plan whose forward runs
         self._rows_memo: tuple[StepPlan | None, dict[str, int]] = (None, {})  # see _plain_rows
         self._forward_s: deque[float] = deque(maxlen=4)  # the last forwards' device time (see _slack_deadline)
+        self._forward_end = 0.0  # the synchronous step: when the previous forward ended
         # grammar masks filled while the forward runs, unless the forward runs on these same cores: a fill beside it
         # preempts a thread of its OpenMP team and the whole team waits at the next barrier (measured: docs/benchmarks.md)
         self.overlap_masks = not runner.forward_uses_host_cores
@@ -262,10 +282,10 @@ class LLMEngine:
 
     @property
     def async_scheduling(self) -> bool:
-        """Steps are scheduled ahead (the next plan while a forward runs); needs no drafts."""
+        """Steps are scheduled ahead (the next plan while a forward runs, drafts proposed past its outcome)."""
         if self._async_setting is not None:
-            return self._async_setting and not self.speculation.active
-        return not self.runner.forward_uses_host_cores and not self.speculation.active
+            return self._async_setting
+        return not self.runner.forward_uses_host_cores
 
     # -------------------------------------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
@@ -282,6 +302,7 @@ class LLMEngine:
             return self._idle()
         handle, masks = self._launch(plan)  # this step's grammar masks: while the forward runs, or before it
         timer.mark("launched")
+        self._idle_since(self._forward_end, timer.at("launched"))
         self.speculation.start_lookahead(self._verifying(plan))  # CPU work while the forward runs: next drafts
         timer.mark("overlapped")
         logits = self.runner.collect(handle)  # [R, V]
@@ -293,7 +314,14 @@ class LLMEngine:
             tokens.update(self._resample(self._rows_of(plan, logits, unsettled), unsettled))
         outputs = self._advance(plan, tokens)
         self._record_step(plan, timer, handle, masks)
+        self._forward_end = handle.finished_at
         return outputs + self._drain_errors()
+
+    def _idle_since(self, forward_end: float, launched_at: float) -> None:
+        """The device sat idle from the previous forward's end to this launch (0 when it had no previous one, or
+        when requests arrived after a pause: an idle engine is not a waiting device)."""
+        if forward_end and 0.0 < launched_at - forward_end < IDLE_GAP_S:
+            self.stats.device_idle_s += launched_at - forward_end
 
     def _step_ahead(self) -> list[RequestOutput]:
         """One step with the next plan scheduled while this one runs: right after sampling, the tokens go into the
@@ -305,7 +333,11 @@ class LLMEngine:
         cur = self._inflight or self._launch_ahead(self._schedule_ahead(frozenset()), fill_now=True)
         if cur is None:
             return self._idle()
-        nxt = self._schedule_ahead(frozenset(sr.request_id for sr in cur.plan.requests))
+        # drafts for nxt, past cur's outcome (those that assumed another outcome are dropped once it is known);
+        # with alternating groups the requests in cur sit nxt out
+        parked = self.speculation.draft_ahead(self.scheduler.running, self._max_drafts,
+                                              self._slack_deadline(cur, DRAFT_SHARE))
+        nxt = self._schedule_ahead(frozenset(sr.request_id for sr in cur.plan.requests), parked)
         timer.mark("scheduled")
         self._join_fill(cur)
         with gc_deferred():  # the device waits from here to the launch
@@ -317,39 +349,85 @@ class LLMEngine:
             timer.mark("sampled")
             unsettled = self._check_unmasked(cur.plan, logits, cur.masks.filled, tokens)
             held = self._rows_of(cur.plan, logits, unsettled) if unsettled else None  # [n, V]: copied before the launch
-            self.scheduler.withdraw(nxt, unsettled)  # their tokens come during the next forward: they sit it out
-            self.scheduler.feed(tokens, nxt)
+            # their tokens come during the next forward (or never: the request failed): they sit it out
+            self.scheduler.withdraw(nxt, [rid for rid, toks in tokens.items() if not toks])
+            speculative = self.speculation.active
+            if speculative:
+                self._settle_ahead(cur.plan, tokens, nxt)
+            else:
+                self.scheduler.feed(tokens, nxt)
             self._inflight = self._launch_ahead(nxt, fill_now=False)
             timer.mark("launched")
-        self.scheduler.resolve(cur.plan, tokens, None, commit=False)  # the requests' own token lists
-        accepted = self._accept_ahead(tokens)  # the matchers are where the next step starts: its fill may begin
+        self._idle_since(cur.handle.finished_at, timer.at("launched"))
+        if not speculative:
+            self.scheduler.resolve(cur.plan, tokens, None, commit=False)  # the requests' own token lists
+        drafts = cur.drafts()
+        accepted = self._accept_ahead(tokens, drafts)  # the matchers are where the next step starts: its fill may begin
         if self._inflight is not None:  # llguidance's threads fill beside the work below (nxt lacks the unsettled)
             self._inflight.fill = self.guidance.start_fill(nxt, self.step_sampler.mask_buffer, self._slack_deadline(),
                                                            self._inflight.handle.future)
+            # a concurrent drafter starts on the plan after nxt: past nxt's outcome, or the requests nxt left out
+            self.speculation.lookahead_ahead(self._sampling(nxt), [self._seqs[r].req for r in parked if r in self._seqs])
         self.scheduler.commit(cur.plan)  # the prefix cache learns the new full blocks while nxt runs
         if held is not None:
             self._resolve_late(cur.plan, held, unsettled, tokens)
-            accepted.update(self._accept_ahead({rid: tokens[rid] for rid in unsettled}))
-        outputs = self._advance_ahead(cur.plan, tokens, accepted)
+            accepted.update(self._accept_ahead({rid: tokens[rid] for rid in unsettled}, drafts))
+        outputs = self._advance_ahead(cur.plan, tokens, accepted, drafts)
         timer.mark("overlapped")
         self.stats.record_ahead(timer, len(cur.plan.preempted_ids))
+        self.stats.steps_ahead_with_drafts += cur.has_drafts
+        self._observe_ahead(cur)
         if self._inflight is not None and not any(sr.request_id in self._seqs for sr in nxt.requests):
             self._drop_inflight()  # every request of it has ended: nothing to collect
         return outputs + self._drain_errors()
 
-    def _schedule_ahead(self, running: frozenset[str]) -> StepPlan:
-        """The next plan, accounted before it runs; `running` (the plan in flight) is never preempted for it."""
-        plan = self.scheduler.schedule(running)
+    def _settle_ahead(self, plan: StepPlan, tokens: Mapping[str, list[int]], nxt: StepPlan) -> None:
+        """Before nxt's launch, with drafts: `plan`'s outcome into the requests and into nxt (rows whose drafts
+        assumed another outcome lose them, rows after a rejected draft move back), then drafts again, from the
+        real outcome, for as many of those rows as a small share of a forward's time allows (cheap proposers)."""
+        changed = self.scheduler.settle(plan, tokens, nxt, self.speculation.still_valid(tokens))
+        self.speculation.missed(len(changed))
+        if not self.speculation.drafts_cheaply or not self._forward_s:
+            return
+        # those that lost their drafts first, then the other rows without any (their proposal past the outcome in
+        # flight had nothing: the real outcome may match)
+        lost = set(changed)
+        bare = changed + [sr.request_id for sr in nxt.requests
+                          if sr.num_tokens == 1 and sr.needs_logits and not sr.num_draft_tokens and sr.request_id not in lost]
+        budget, t0 = REDRAFT_SHARE * min(self._forward_s), time.perf_counter()
+        drafts: dict[str, list[int]] = {}
+        for i in range(0, len(bare), REDRAFT_CHUNK):
+            if time.perf_counter() - t0 >= budget:
+                break
+            reqs = [self._seqs[rid].req for rid in bare[i : i + REDRAFT_CHUNK] if rid in self._seqs]
+            drafts.update(self.speculation.redraft(reqs, self._max_drafts))
+        if drafts:
+            self.scheduler.add_drafts(nxt, drafts)
+
+    def _sampling(self, plan: StepPlan) -> list[Request]:
+        """The live requests of `plan` that sample in it."""
+        return [self._seqs[sr.request_id].req for sr in plan.requests if sr.needs_logits and sr.request_id in self._seqs]
+
+    def _observe_ahead(self, flight: _InFlight) -> None:
+        """Adaptive K learns the step's cost: the forward's tokens and device time (drafting ran beside it)."""
+        self.speculation.observe_step(flight.plan.num_tokens, flight.handle.finished_at - flight.launched_at, 0.0)
+
+    def _schedule_ahead(self, running: frozenset[str], parked: frozenset[str] = frozenset()) -> StepPlan:
+        """The next plan, accounted before it runs; `running` (the plan in flight) is never preempted for it,
+        `parked` requests sit it out."""
+        plan = self.scheduler.schedule(running, parked)
         self.scheduler.reserve(plan)
         return plan
 
-    def _slack_deadline(self) -> float | None:
-        """When the forward in flight is expected to end, less the margin (`SLACK_SHARE`): by the shortest of the
-        last few forwards (device time: launch to the device's end, whenever it was collected); None before one,
-        and when the forward runs on the host's own cores (fills beside it would slow it)."""
-        if self._inflight is None or not self._forward_s or self.runner.forward_uses_host_cores:
+    def _slack_deadline(self, flight: _InFlight | None = None, share: float = SLACK_SHARE) -> float | None:
+        """When the forward of `flight` (default: the one in flight) is expected to end, less a margin (`share`
+        of it from the launch: `SLACK_SHARE` for mask fills): by the shortest of the last few forwards (device
+        time: launch to the device's end, whenever it was collected); None before one, and when the forward runs
+        on the host's own cores (work beside it would slow it)."""
+        flight = flight or self._inflight
+        if flight is None or not self._forward_s or self.runner.forward_uses_host_cores:
             return None
-        return self._inflight.launched_at + SLACK_SHARE * max(0.0, min(self._forward_s))
+        return flight.launched_at + share * max(0.0, min(self._forward_s))
 
     def _launch_ahead(self, plan: StepPlan, fill_now: bool) -> _InFlight | None:
         if plan.is_empty():
@@ -392,23 +470,25 @@ class LLMEngine:
         masks = self.guidance.fill(plan, self.step_sampler.mask_buffer)
         return _Masks(masks, self.step_sampler.stage(masks))
 
-    def _accept_ahead(self, new_tokens: Mapping[str, list[int]]) -> dict[str, tuple[bool, str | None]]:
+    def _accept_ahead(self, new_tokens: Mapping[str, list[int]],
+                      drafts: Mapping[str, list[int]]) -> dict[str, tuple[bool, str | None]]:
         """Scheduling ahead: feed each live guided sequence's tokens to its grammar before the stop checks, so that
-        the next step's fill can start. {request: (terminated, error)} for those fed. Tokens a stop check then
-        drops were taken too: that sequence has ended, its matcher is not used again."""
+        the next step's fill can start (`drafts`: what each verified). {request: (terminated, error)} for those
+        fed. Tokens a stop check then drops were taken too: that sequence has ended, its matcher is not used again."""
         accepted: dict[str, tuple[bool, str | None]] = {}
         for rid, toks in new_tokens.items():
             seq = self._seqs.get(rid)
             if not toks or seq is None or seq.req.is_finished or self.guidance.failure(rid) is not None:
                 continue  # (no tokens: an unsettled row, sampled with its mask later)
-            accepted[rid] = self.guidance.accept(seq.req, toks, len(seq.req.draft_token_ids))
+            accepted[rid] = self.guidance.accept(seq.req, toks, len(drafts.get(rid, ())))
         return accepted
 
     def _advance_ahead(self, plan: StepPlan, new_tokens: dict[str, list[int]],
-                       accepted: Mapping[str, tuple[bool, str | None]]) -> list[RequestOutput]:
-        """`_advance` for a plan already accounted by `reserve` / `resolve`: settle each sequence (`accepted`: the
-        grammar outcomes of `_accept_ahead`), finish what ended (dropping tokens it did not keep); outputs of
-        touched groups."""
+                       accepted: Mapping[str, tuple[bool, str | None]],
+                       drafts: Mapping[str, list[int]]) -> list[RequestOutput]:
+        """`_advance` for a plan already accounted by `reserve` / `resolve` (or `settle`): settle each sequence
+        (`accepted`: the grammar outcomes of `_accept_ahead`; `drafts`: what each verified), finish what ended
+        (dropping tokens it did not keep); outputs of touched groups."""
         finished: dict[str, tuple[RequestStatus, int]] = {}  # -> (final status, tokens to drop)
         touched: dict[str, RequestGroup] = {}
         now = time.monotonic()
@@ -416,7 +496,7 @@ class LLMEngine:
             seq = self._seqs.get(rid)
             if seq is None or seq.req.is_finished:
                 continue
-            kept, status = self._settle(seq, toks, accepted.get(rid))
+            kept, status = self._settle(seq, toks, accepted.get(rid), drafts.get(rid, []))
             if status is not None:
                 finished[rid] = (status, len(toks) - len(kept) if toks and status else 0)
             if seq.group.metrics.first_token_time is None:
@@ -615,11 +695,11 @@ class LLMEngine:
         end = min(sr.start_pos + sr.num_tokens - sr.num_draft_tokens, len(seq.group.prompt_token_ids))
         return max(0, end - sr.start_pos)
 
-    def _settle(self, seq: SequenceState, toks: list[int],
-                accepted: tuple[bool, str | None] | None = None) -> tuple[list[int], RequestStatus | None]:
+    def _settle(self, seq: SequenceState, toks: list[int], accepted: tuple[bool, str | None] | None = None,
+                drafts: Sequence[int] | None = None) -> tuple[list[int], RequestStatus | None]:
         """One sequence's emitted tokens: the ones it keeps, and its final status if it ended. `accepted`: the
         grammar has taken `toks` already, with this outcome (it had not failed before); else the kept tokens are
-        fed to it here.
+        fed to it here. `drafts`: what it verified (default: its `draft_token_ids`, the synchronous step's).
 
         Per-request work that fails (its grammar, detokenizing) ends this sequence alone with an error, as does a
         row where no token is allowed (after the drafts accepted before it, which it keeps)."""
@@ -635,11 +715,12 @@ class LLMEngine:
             seq.group.error = f"{type(e).__name__}: {e}"
             return toks, RequestStatus.FINISHED_ERROR
         kept = toks[: decision.num_tokens_kept]
-        self._learn_drafts(seq, toks)
+        drafts = seq.req.draft_token_ids if drafts is None else drafts
+        self._learn_drafts(seq, drafts, toks)
         if seq.logprobs is not None and len(kept) < len(toks):
             del seq.logprobs[len(seq.logprobs) - (len(toks) - len(kept)) :]
         if accepted is None:
-            accepted = self.guidance.accept(seq.req, kept, len(seq.req.draft_token_ids))
+            accepted = self.guidance.accept(seq.req, kept, len(drafts))
         terminated, grammar_error = accepted
         status = self._final_status(seq, decision, terminated, grammar_error or no_token)
         if status is not None and status is not RequestStatus.FINISHED_ERROR:
@@ -651,11 +732,10 @@ class LLMEngine:
                 return kept, RequestStatus.FINISHED_ERROR
         return kept, status
 
-    def _learn_drafts(self, seq: SequenceState, emitted: list[int]) -> None:
+    def _learn_drafts(self, seq: SequenceState, drafts: Sequence[int], emitted: list[int]) -> None:
         """Let speculation learn how the proposer's drafts fared (grammar-forced drafts are not the proposer's)."""
         if self.guidance.drafts_were_forced(seq.request_id):
             return
-        drafts = seq.req.draft_token_ids
         seq.group.metrics.num_draft_tokens += len(drafts)
         seq.group.metrics.num_accepted_tokens += self.speculation.observe(seq.req, drafts, emitted)
 
@@ -741,6 +821,7 @@ class LLMEngine:
             "prefix_cache_queries": bm.stats.queries,
             "prefix_cache_hits": bm.stats.hits,
             **self.stats.__dict__,
+            "device_idle_ms_per_step": round(1e3 * self.stats.device_idle_s / max(1, self.stats.num_steps), 3),
             **self.speculation.stats_dict(),
             **self.guidance.stats_dict(),
             **self.runner.stats_dict(),

@@ -52,7 +52,7 @@ class RequestGroup:
             CompletionOutput(
                 index=s.index,
                 text=s.stop.text if s.req.is_finished else s.stop.visible_text(),
-                token_ids=s.req.output_token_ids,
+                token_ids=s.req.confirmed_output_ids,
                 cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,
                 logprobs=s.logprobs,
                 finish_reason=s.req.status.finish_reason,

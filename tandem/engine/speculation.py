@@ -12,6 +12,14 @@ Per step, for every running request in steady decode:
      the request drafts nothing this step and a fresh proposal starts at once for the next one, so the device
      waits at most once per step for drafting (for a look-ahead still running), never twice.
 
+Scheduling ahead (`draft_ahead`, `lookahead_ahead`), the next plan is scheduled while the previous one still
+verifies its drafts, so its drafts are proposed past that plan's outcome, taken as every draft accepted plus the
+proposer's own guess of the token after them: a proposal's first tokens stand for that outcome and the rest are
+the drafts. The engine keeps them when the outcome is the one they assumed (`draft_ahead` returns it per request)
+and drops them otherwise. Cheap proposers (n-gram, suffix) propose there and then, from the request's confirmed
+tokens only, so they never learn a draft that is rejected later; a proposer that drafts concurrently (the draft
+model) was started right after the previous launch (`lookahead_ahead`) and is waited for until a deadline.
+
 `NoSpeculation` is the same interface doing nothing: the engine's step never asks whether speculation is on.
 """
 
@@ -21,17 +29,21 @@ import contextlib
 import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from concurrent import futures
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.request import Request
 from tandem.spec_decode.adaptive import AdaptiveK
+from tandem.spec_decode.ahead_policy import AheadChoice, AheadPolicy
 from tandem.spec_decode.config import SpeculativeConfig
 from tandem.spec_decode.proposer import DraftRequest, Drafts, Proposer
 
 logger = logging.getLogger("tandem")
+PROPOSE_CHUNK = 16  # a cheap proposer is asked this many requests at a time, the deadline checked between chunks
+CATCH_UP_TOKENS = 4  # a proposal that feeds a request more new tokens than this is not timed (ahead policy)
 MaxDrafts = Callable[[Request], int]  # drafts a request may take this step (max_tokens / max_model_len room)
 
 
@@ -50,6 +62,11 @@ class SpecStats:
     lookahead_hits: int = 0
     lookahead_misses: int = 0
     draft_errors: int = 0  # requests whose drafting failed (they went on without drafts)
+    ahead_drafted: int = 0  # scheduling ahead: requests given drafts past the outcome of the plan in flight
+    optimistic_misses: int = 0  # ... whose drafts were dropped: that outcome was not the one they assumed
+    redrafted: int = 0  # ... that were drafted again from the real outcome, before the launch
+    ahead_late: int = 0  # ... left without drafts: the concurrent drafter had not answered by the deadline
+    parked: int = 0  # alternating groups: request-steps that sat a plan out while they were drafted
 
     @property
     def acceptance_rate(self) -> float:
@@ -63,7 +80,9 @@ class SpecStats:
     def as_dict(self) -> dict[str, Any]:
         per_pos = [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
         return {
+            "spec_num_drafts": self.num_verify_rows,  # vLLM's num_drafts: request-steps that verified drafts
             "spec_num_drafted": self.num_drafted,
+            "spec_accepted_per_position": list(self.accepted_per_position),
             "spec_num_accepted": self.num_accepted,
             "spec_acceptance_rate": round(self.acceptance_rate, 4),
             "spec_mean_accepted_length": round(self.mean_accepted_length, 3),
@@ -73,6 +92,11 @@ class SpecStats:
             "spec_lookahead_hits": self.lookahead_hits,
             "spec_lookahead_misses": self.lookahead_misses,
             "spec_draft_errors": self.draft_errors,
+            "spec_ahead_drafted": self.ahead_drafted,
+            "spec_optimistic_misses": self.optimistic_misses,
+            "spec_redrafted": self.redrafted,
+            "spec_ahead_late": self.ahead_late,
+            "spec_parked": self.parked,
         }
 
 
@@ -88,6 +112,37 @@ class Speculation(ABC):
     @abstractmethod
     def start_lookahead(self, scheduled: Sequence[Request]) -> None:
         """While the device verifies: start drafting the next step of the requests verifying drafts now."""
+
+    @abstractmethod
+    def draft_ahead(self, running: Sequence[Request], allowed: MaxDrafts, deadline: float | None) -> frozenset[str]:
+        """Scheduling ahead: set `draft_token_ids` of the running requests in steady decode for the plan after the
+        one in flight; a request of that plan is drafted past its outcome (see the module doc), and `still_valid`
+        later says whether that outcome came. Returns the requests to leave out of the next plan (alternating
+        groups: those in flight, drafted once their outcome is known). `deadline` (perf_counter): how long to
+        wait for a concurrent drafter whose proposal was not sized to the step (None: until it answers)."""
+
+    @abstractmethod
+    def still_valid(self, tokens: Mapping[str, Sequence[int]]) -> list[str]:
+        """The requests whose drafts of the last `draft_ahead` assumed the outcome `tokens` now gives them."""
+
+    @abstractmethod
+    def lookahead_ahead(self, launched: Sequence[Request], parked: Sequence[Request]) -> None:
+        """Scheduling ahead, right after a launch: start a concurrent drafter on the requests the next plan will
+        verify: those of the launched plan (past their tentative tails) or, with alternating groups, the `parked`
+        ones (from their real outcome). The next `draft_ahead` picks the proposals up."""
+
+    @abstractmethod
+    def redraft(self, requests: Sequence[Request], allowed: MaxDrafts) -> dict[str, list[int]]:
+        """Scheduling ahead, after an optimistic miss: drafts from the request's confirmed tokens, now (a cheap
+        proposer only; {} otherwise)."""
+
+    @property
+    def drafts_cheaply(self) -> bool:
+        """Drafting is cheap enough to run between a forward's end and the next launch (not a draft model)."""
+        return False
+
+    def missed(self, num: int) -> None:  # noqa: B027 - counted only where something drafts
+        """`num` requests' drafts made ahead were dropped: the outcome they assumed did not happen."""
 
     @abstractmethod
     def observe(self, req: Request, drafts: Sequence[int], emitted: Sequence[int]) -> int:
@@ -119,6 +174,18 @@ class NoSpeculation(Speculation):
 
     def start_lookahead(self, scheduled: Sequence[Request]) -> None:
         pass
+
+    def draft_ahead(self, running: Sequence[Request], allowed: MaxDrafts, deadline: float | None) -> frozenset[str]:
+        return frozenset()
+
+    def still_valid(self, tokens: Mapping[str, Sequence[int]]) -> list[str]:
+        return []
+
+    def lookahead_ahead(self, launched: Sequence[Request], parked: Sequence[Request]) -> None:
+        pass
+
+    def redraft(self, requests: Sequence[Request], allowed: MaxDrafts) -> dict[str, list[int]]:
+        return {}
 
     def observe(self, req: Request, drafts: Sequence[int], emitted: Sequence[int]) -> int:
         return 0
@@ -158,6 +225,18 @@ class SpeculativeDecoder(Speculation):
         self.lookahead = config.lookahead and proposer.drafts_concurrently
         self._guess: dict[str, int] = {}  # request -> the proposer's guess of the token after its drafts
         self._ahead: dict[str, _Ahead] = {}
+        # scheduling ahead with a concurrent drafter: K and alternating groups per batch size, by measurement
+        self.policy = AheadPolicy(self.k_max, config.alternate_groups) if proposer.drafts_concurrently else None
+        self._choice = AheadChoice(self.k_max, False, 0.0)
+        self._expected: dict[str, list[int]] = {}  # request -> the outcome its drafts of the next plan assume
+        self._drafted: dict[str, int] = {}  # request -> the context length of its last proposal
+        self._drafter_free_at = 0.0  # when the concurrent drafter's last proposal ended
+        self._chosen_at, self._chosen_for = 0.0, 0  # when the ahead policy last chose, and for how many requests
+        self._emitted = 0  # tokens emitted since
+        self._step = 0  # draft_ahead calls
+        self._asked: dict[str, int] = {}  # request -> the step a cheap proposer was last asked for it
+        self._empty: dict[str, int] = {}  # request -> its consecutive empty proposals
+        self._past_drafts: dict[str, tuple[list[int], int]] = {}  # request -> (its drafts, the guess after them)
 
     # ------------------------------------------------------------------------------------------------ drafting
     def draft(self, running: Sequence[Request], allowed: MaxDrafts) -> None:
@@ -256,12 +335,211 @@ class SpeculativeDecoder(Speculation):
             self._propose_ahead(batch, assumed)
         self.stats.lookahead_s += time.perf_counter() - t0
 
-    def _propose_ahead(self, batch: list[DraftRequest], assumed: dict[str, list[int]]) -> None:
-        """Start one proposal for `batch` (each request's tokens + `assumed[rid]`) and remember it per request."""
+    def _propose_ahead(self, batch: list[DraftRequest], assumed: dict[str, list[int]], timed: int = 0) -> None:
+        """Start one proposal for `batch` (each request's tokens + `assumed[rid]`) and remember it per request;
+        `timed` (its draft steps): the ahead policy learns how long the drafter took."""
+        started = time.perf_counter()
+        # a proposal that catches the drafter up on many tokens (a request's first, or the first after a pause)
+        # is not its speed
+        behind = max(len(dr.token_ids) - self._drafted.get(dr.request_id, 0) for dr in batch)
         future = self.proposer.propose_async(batch)
         for dr in batch:
             a = assumed[dr.request_id]
             self._ahead[dr.request_id] = _Ahead(len(dr.token_ids) - len(a), a, future)
+            self._drafted[dr.request_id] = len(dr.token_ids)
+        if timed and self.policy is not None:
+            future.add_done_callback(lambda _: self._drafter_answered(started, len(batch), timed, behind))
+
+    def _drafter_answered(self, submitted: float, batch: int, steps: int, behind: int) -> None:
+        """(The drafting thread, a proposal done.) The drafter ran it from when it was submitted or the previous
+        one ended, whichever came later: that is its time, unless it had many tokens to catch up on."""
+        now = time.perf_counter()
+        started, self._drafter_free_at = max(submitted, self._drafter_free_at), now
+        if self.policy is not None and behind <= CATCH_UP_TOKENS:
+            self.policy.observe_proposal(batch, steps, now - started)
+
+    # -------------------------------------------------------------------------------------- scheduling ahead
+    @property
+    def drafts_cheaply(self) -> bool:
+        return not self.proposer.drafts_concurrently
+
+    def draft_ahead(self, running: Sequence[Request], allowed: MaxDrafts, deadline: float | None) -> frozenset[str]:
+        t0 = time.perf_counter()
+        decoding = [r for r in running if r.num_computed_tokens == r.num_tokens - 1 and not r.is_finished]
+        self._expected = {}
+        parked = self._parked(decoding)
+        ks: dict[str, int] = {}
+        fresh: list[DraftRequest] = []
+        self._step += 1
+        for req in decoding:
+            req.draft_token_ids = []
+            if req.request_id in parked:
+                continue
+            k = ks[req.request_id] = min(self._ahead_k(req.request_id, len(decoding)), allowed(req))
+            if k > 0 and not self.proposer.drafts_concurrently and self._due(req.request_id):
+                # propose now, past the confirmed tokens and the tentative drafts (a guess first, then k drafts)
+                tail = req.token_ids[len(req.token_ids) - req.num_tentative : len(req.token_ids) - 1]
+                fresh.append(DraftRequest(req.request_id, req.confirmed_tokens, req.num_prompt_tokens,
+                                          k + (1 if req.num_tentative else 0), tail))
+        if fresh:
+            self._propose_now(fresh, deadline)
+        # a proposal sized to the step: wait for it (the policy counted the wait), but not for a probe's
+        sized = self.policy is not None and self._choice.k > 0 and not self._choice.probe
+        for req in decoding:
+            if ks.get(req.request_id, 0) > 0:
+                self._take_ahead(req, ks[req.request_id], None if sized else deadline)
+        self.stats.ahead_drafted += len(self._expected)
+        self.stats.parked += len(parked)
+        self.stats.lookahead_s += time.perf_counter() - t0  # during the forward in flight
+        return parked
+
+    def _due(self, rid: str) -> bool:
+        """A request whose last proposals came back empty is asked again less often (every 2nd, 4th, ... up to
+        every 16th step): most of a large batch of chat requests has nothing for a suffix tree or an n-gram to
+        match most of the time, and asking each of them every step was most of the host's work per step."""
+        empty = self._empty.get(rid, 0)
+        return empty < 2 or self._step % (1 << min(4, empty - 1)) == 0
+
+    def _propose_now(self, batch: list[DraftRequest], deadline: float | None) -> None:
+        """A cheap proposer's drafts for `batch`, in chunks while `deadline` has not passed: those asked longest
+        ago go first, the rest wait for a later step (the host's other work of the step must fit the forward)."""
+        batch.sort(key=lambda dr: self._asked.get(dr.request_id, 0))
+        for i in range(0, len(batch), PROPOSE_CHUNK):
+            if deadline is not None and i and time.perf_counter() >= deadline:
+                break
+            chunk = batch[i : i + PROPOSE_CHUNK]
+            future: Future[dict[str, Drafts]] = Future()
+            future.set_result(self._propose(chunk))
+            for dr in chunk:
+                self._ahead[dr.request_id] = _Ahead(len(dr.token_ids), list(dr.assumed), future)
+                self._asked[dr.request_id] = self._step
+                got = future.result().get(dr.request_id)
+                self._empty[dr.request_id] = 0 if got is not None and got.token_ids else self._empty.get(dr.request_id, 0) + 1
+
+    def _parked(self, decoding: Sequence[Request]) -> frozenset[str]:
+        """Alternating groups (a concurrent drafter, when the policy prefers them): the requests in flight sit
+        out the next plan while they are drafted; when every decoding request is in flight, every other one does
+        (the groups form)."""
+        if self.policy is None:
+            return frozenset()
+        now = time.perf_counter()
+        if self._chosen_at:  # the step since the last choice: its period and the tokens it emitted
+            self.policy.observe_period(self._chosen_for, self._choice, now - self._chosen_at, self._emitted)
+        self._choice, self._chosen_for, self._chosen_at = self.policy.choose(len(decoding)), len(decoding), now
+        self._emitted = 0
+        if not self._choice.alternate:
+            return frozenset()
+        in_flight = [r.request_id for r in decoding if r.num_tentative]
+        return frozenset(in_flight if len(in_flight) < len(decoding) else in_flight[::2])
+
+    def _ahead_k(self, rid: str, batch: int) -> int:
+        return self._choice.k if self.policy is not None else self._choose_k(rid, batch)
+
+    def _take_ahead(self, req: Request, k: int, deadline: float | None) -> None:
+        """Drafts for `req` from its proposal made ahead, when that one still fits what is known and tentative."""
+        ahead = self._ahead.pop(req.request_id, None)
+        if ahead is None:
+            return
+        if not ahead.future.done():
+            wait = None if deadline is None else max(0.0, deadline - time.perf_counter())
+            try:
+                ahead.future.result(timeout=wait)
+            except futures.TimeoutError:
+                self.stats.ahead_late += 1
+                self._ahead[req.request_id] = ahead  # may still serve a later step
+                return
+        past = self._past(req, ahead)
+        if past is None:
+            return
+        guess, rest = past
+        drafts = rest[:k]
+        if not drafts:
+            return
+        req.draft_token_ids = drafts
+        if len(rest) > len(drafts):  # the proposal's guess of the token after these drafts
+            self._past_drafts[req.request_id] = ([*drafts], rest[len(drafts)])
+        if guess is not None:
+            tail = req.token_ids[len(req.token_ids) - req.num_tentative : len(req.token_ids) - 1]
+            self._expected[req.request_id] = [*tail, guess]
+
+    @staticmethod
+    def _past(req: Request, ahead: _Ahead) -> tuple[int | None, list[int]] | None:
+        """What a proposal made ahead offers past the request's known and tentative tokens (its placeholder
+        excluded): (the guess of the token its plan in flight samples, or None when none is in flight; the tokens
+        after it), or None when the proposal's context and the request's tokens part.
+
+        The proposal's context may end past those tokens by one guessed token (proposed from drafts and the guess
+        of the previous step), or short of them (its first tokens must then be the ones since)."""
+        tokens = req.token_ids
+        known = len(tokens) - (1 if req.num_tentative else 0)  # up to the placeholder
+        context = list(tokens[ahead.base : known])  # what the request holds past the proposal's base
+        assumed = ahead.assumed
+        drafts = ahead.future.result().get(req.request_id)
+        proposal = drafts.token_ids if drafts is not None else []
+        in_flight = req.num_tentative > 0
+        if len(assumed) > len(context):  # the proposal assumed the placeholder's token too
+            if not in_flight or len(assumed) != len(context) + 1 or assumed[: len(context)] != context:
+                return None
+            return assumed[-1], proposal
+        if context[: len(assumed)] != assumed:
+            return None
+        seen = context[len(assumed) :]
+        if proposal[: len(seen)] != seen:
+            return None
+        rest = proposal[len(seen) :]
+        if not in_flight:
+            return None, rest
+        return (rest[0], rest[1:]) if rest else None
+
+    def still_valid(self, tokens: Mapping[str, Sequence[int]]) -> list[str]:
+        keep = []
+        for rid, want in self._expected.items():
+            got = tokens.get(rid)
+            if got is not None and list(got) == want:
+                keep.append(rid)
+            if self.policy is not None and got is not None and len(got) == len(want):  # every draft accepted
+                self.policy.observe_outcome(0, 0, got[-1] == want[-1])
+        return keep
+
+    def lookahead_ahead(self, launched: Sequence[Request], parked: Sequence[Request]) -> None:
+        if not (self.lookahead and self.proposer.drafts_concurrently) or self._choice.k <= 0:
+            return
+        t0 = time.perf_counter()
+        targets = parked if self._choice.alternate else launched
+        batch, assumed = [], {}
+        n = self._choice.k + (0 if self._choice.alternate else 1)  # optimistic: the guess first
+        for req in targets:
+            if req.is_finished or req.num_tokens + n + 1 >= self.max_model_len:
+                continue
+            pending = self._ahead.get(req.request_id)
+            if pending is not None and not pending.future.done():
+                continue  # one proposal at a time: a queue behind a slow one would only grow
+            tentative = req.num_tentative
+            context = req.token_ids[: len(req.token_ids) - 1] if tentative else list(req.token_ids)
+            drafts, guess = self._past_drafts.pop(req.request_id, ([], -1))
+            if tentative > 1 and drafts == context[len(context) - (tentative - 1) :]:
+                context.append(guess)  # the proposal that gave its drafts guessed the token after them
+            base = len(req.token_ids) - tentative
+            batch.append(DraftRequest(req.request_id, context, req.num_prompt_tokens, n))
+            assumed[req.request_id] = context[base:]
+        if batch:
+            self._propose_ahead(batch, assumed, timed=n)
+        self.stats.lookahead_s += time.perf_counter() - t0
+
+    def redraft(self, requests: Sequence[Request], allowed: MaxDrafts) -> dict[str, list[int]]:
+        if self.proposer.drafts_concurrently or not requests:
+            return {}
+        t0 = time.perf_counter()
+        batch = [DraftRequest(r.request_id, r.confirmed_tokens, r.num_prompt_tokens,
+                              min(self._choose_k(r.request_id, len(requests)), allowed(r))) for r in requests]
+        proposals = self._propose([dr for dr in batch if dr.max_drafts > 0])
+        out = {rid: d.token_ids for rid, d in proposals.items() if d.token_ids}
+        self.stats.redrafted += len(out)
+        self.stats.draft_wait_s += time.perf_counter() - t0
+        return out
+
+    def missed(self, num: int) -> None:
+        self.stats.optimistic_misses += num
 
     # ------------------------------------------------------------------------------------------------ learning
     def observe(self, req: Request, drafts: Sequence[int], emitted: Sequence[int]) -> int:
@@ -272,6 +550,9 @@ class SpeculativeDecoder(Speculation):
             accepted += 1
         if self.adaptive is not None:
             self.adaptive.observe_emitted(len(emitted))
+        self._emitted += len(emitted)
+        if self.policy is not None and k:
+            self.policy.observe_outcome(k, accepted, None)
         if k:
             s = self.stats
             s.num_drafted += k
@@ -289,10 +570,17 @@ class SpeculativeDecoder(Speculation):
 
     def observe_step(self, num_tokens: int, seconds: float, draft_seconds: float) -> None:
         self.stats.num_steps += 1
+        if self.policy is not None:
+            self.policy.observe_forward(seconds)
         if self.adaptive is not None:
             self.adaptive.observe_step(num_tokens, seconds, draft_seconds)
 
     def release(self, request_id: str) -> None:
+        self._drafted.pop(request_id, None)
+        self._asked.pop(request_id, None)
+        self._empty.pop(request_id, None)
+        self._past_drafts.pop(request_id, None)
+        self._expected.pop(request_id, None)
         self.proposer.release(request_id)
         if self.adaptive is not None:
             self.adaptive.release(request_id)

@@ -21,9 +21,10 @@ from tandem.sampling.rejection import DraftRows, rejection_sample
 from tandem.sampling.sampler import RowLogprobs, Sampler, SamplingRow, prompt_logprobs
 from tandem.tokenizer import Tokenizer
 
-PlainRow = tuple[SequenceState | None, int]  # (sequence, or None when it ended meanwhile; logits row)
+# (sequence, or None when it ended meanwhile; logits row; the number of its tokens before the sampled one)
+PlainRow = tuple[SequenceState | None, int, int]
 _UNUSED = SamplingRow(SamplingParams(temperature=0.0), [], [], None)  # the row of a sequence that ended meanwhile
-VerifyRows = tuple[SequenceState, int, list[int]]  # (sequence, first logits row, drafts)
+VerifyRows = tuple[SequenceState, int, list[int], int]  # (sequence, first logits row, drafts, tokens before them)
 
 
 @dataclass
@@ -111,7 +112,7 @@ class StepSampler:
             n = sr.num_logits_rows
             if seq is None or seq.req.is_finished:  # ended while its plan ran (scheduling ahead): sampled, unused
                 if sr.needs_logits:
-                    plain.append((None, offset + n - 1))
+                    plain.append((None, offset + n - 1, 0))
                 offset += n
                 continue
             if sr.all_logits:
@@ -119,15 +120,15 @@ class StepSampler:
             if sr.needs_logits:
                 k = sr.num_draft_tokens
                 if k:
-                    verify.append((seq, offset + n - 1 - k, sr.input_ids[-k:]))
+                    verify.append((seq, offset + n - 1 - k, sr.input_ids[-k:], sr.start_pos + n - k))
                 else:
-                    plain.append((seq, offset + n - 1))
+                    plain.append((seq, offset + n - 1, sr.start_pos + n))
             offset += n
         return plain, verify
 
     def _sample_plain(self, plain: list[PlainRow], logits: torch.Tensor, bitmask: torch.Tensor | None) -> dict[str, list[int]]:
-        rows = [_row(seq, ()) if seq is not None else _UNUSED for seq, _ in plain]
-        picked = [r for _, r in plain]
+        rows = [_row(seq, known, ()) if seq is not None else _UNUSED for seq, _, known in plain]
+        picked = [r for _, r, _ in plain]
         if picked == list(range(logits.shape[0])):  # every row, in order (plain decode): no copy
             x = logits
         else:
@@ -135,7 +136,7 @@ class StepSampler:
         out = self.sampler.sample(x, rows, bitmask)
         tokens: dict[str, list[int]] = {}
         dead = set(out.dead_rows)
-        for i, ((seq, _), tok, lp) in enumerate(zip(plain, out.token_ids, out.logprobs)):
+        for i, ((seq, _, _), tok, lp) in enumerate(zip(plain, out.token_ids, out.logprobs)):
             if seq is None:
                 continue
             if i in dead:
@@ -150,12 +151,12 @@ class StepSampler:
                       seqs: Mapping[str, SequenceState], request_ids: Sequence[str]) -> dict[str, list[int]]:
         """Sample again the rows of `request_ids` (in that order; `rows`: request id -> its row of `logits`), each
         with its row of `mask` [n, W] int32 (rows first sampled without one). Dead rows are added to `failures`."""
-        plain: list[PlainRow] = [(seqs.get(rid), rows[rid]) for rid in request_ids]
+        plain: list[PlainRow] = [(seq, rows[rid], _known(seq)) for rid in request_ids for seq in [seqs.get(rid)]]
         return self._sample_plain(plain, logits, torch.from_numpy(mask).to(logits.device))
 
     def _no_token(self, seq: SequenceState, num_accepted: int) -> None:
         """Record why `seq` got no token after its first `num_accepted` new ones: the constraints that were in force."""
-        p, done = seq.req.params, len(seq.req.output_token_ids) + num_accepted
+        p, done = seq.req.params, len(seq.req.confirmed_output_ids) + num_accepted
         causes = ["the grammar"] if p.structured_outputs is not None else []
         if done < p.min_tokens:
             causes.append(f"min_tokens={p.min_tokens} (EOS and stop_token_ids are banned before {p.min_tokens} "
@@ -169,13 +170,13 @@ class StepSampler:
 
     def _verify(self, verify: list[VerifyRows], logits: torch.Tensor, bitmask: torch.Tensor | None) -> dict[str, list[int]]:
         """Rejection-sample every speculative request's drafts in one call (row j sees drafts[:j] as its history)."""
-        row_idx = [first + j for _, first, d in verify for j in range(len(d) + 1)]
-        rows = [_row(seq, d[:j]) for seq, _, d in verify for j in range(len(d) + 1)]
+        row_idx = [first + j for _, first, d, _ in verify for j in range(len(d) + 1)]
+        rows = [_row(seq, known, d[:j]) for seq, _, d, known in verify for j in range(len(d) + 1)]
         target = logits.index_select(0, torch.tensor(row_idx, device=logits.device))  # [sum(k + 1), V]
-        emitted = rejection_sample(self.sampler, target, rows, [DraftRows(d, None) for _, _, d in verify], bitmask)
+        emitted = rejection_sample(self.sampler, target, rows, [DraftRows(d, None) for _, _, d, _ in verify], bitmask)
         tokens: dict[str, list[int]] = {}
         pos = 0
-        for (seq, _, drafts), (toks, dead) in zip(verify, emitted):
+        for (seq, _, drafts, _), (toks, dead) in zip(verify, emitted):
             tokens[seq.request_id] = toks
             if dead:
                 self._no_token(seq, len(toks))
@@ -229,10 +230,17 @@ def plain_rows(plan: StepPlan) -> dict[str, int]:
     return rows
 
 
-def _row(seq: SequenceState, drafts: Sequence[int]) -> SamplingRow:
+def _row(seq: SequenceState, known: int, drafts: Sequence[int]) -> SamplingRow:
+    """The sampling row of `seq` after its first `known` tokens and `drafts`: its output history is those alone,
+    not the tentative tail of plans scheduled ahead (placeholders, drafts not verified yet)."""
     req = seq.req
-    out = req.output_token_ids
+    out = req.token_ids[req.num_prompt_tokens : known]
     return SamplingRow(req.params, req.prompt_token_ids, out + list(drafts) if drafts else out, seq.generator)
+
+
+def _known(seq: SequenceState | None) -> int:
+    """`seq`'s confirmed tokens (a row sampled again: its placeholder is the first tentative token)."""
+    return 0 if seq is None else len(seq.req.token_ids) - seq.req.num_tentative
 
 
 def _on(mask: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:

@@ -40,6 +40,10 @@ class EngineStats:
     # their sampling: device work that overlaps the next forward (a benchmark must not count it as the device's time
     # on the critical path, as it does sample_s)
     late_sample_s: float = 0.0
+    steps_scheduled_ahead: int = 0  # steps whose plan was scheduled while the previous forward ran
+    steps_ahead_with_drafts: int = 0  # ... that verified drafts
+    # from one forward's end (as the runner reports it) to the next launch: the device had nothing to do
+    device_idle_s: float = 0.0
 
     def record(self, timer: StepTimer, num_preempted: int) -> None:
         """Add one step whose timer marked 'drafted', 'launched', 'overlapped', 'collected' and 'sampled'."""
@@ -54,6 +58,7 @@ class EngineStats:
         """Add one step scheduled ahead, whose timer marked 'scheduled', 'collected', 'sampled', 'launched' and
         'overlapped' (the next plan was scheduled, and this one advanced, while a forward ran)."""
         self.num_steps += 1
+        self.steps_scheduled_ahead += 1
         self.num_preemptions += num_preempted
         self.forward_s += timer.span("scheduled", "collected")
         self.cpu_overlap_s += timer.span("start", "scheduled") + timer.span("launched", "overlapped")

@@ -1,13 +1,21 @@
 """A runner that stands in for an accelerator, to size the CPU side at the batch sizes a GPU serves (benchmarks).
 
-Its forward uses no CPU: `launch` returns at once and the step's logits are ready `step_s` seconds later, as a
-device's kernels would be: `collect` sleeps until then (releasing the GIL) and reports that instant as the finish.
-No thread completes the forward, so a busy host (a GIL held elsewhere) cannot make the device look late: whatever
-the device waits is the host's lateness in calling `collect`, or in launching. The logits come from a cheap source: a fixed table of random rows
-[table_rows, V] (bf16), row `last input token % table_rows` for each logits row, so a sampled token depends on the
-previous one and guided requests walk through their grammars the way a model would, with no model (a contiguous
-slice of the table when the rows fit, so the "device" copies nothing on the host). Sampling still
-runs on the host (on a real accelerator it runs on the device): benchmarks count it as device time.
+Its forward uses no CPU of the host's own work: `launch` returns at once and the step's logits are ready a step's
+time later, as a device's kernels would be: `collect` sleeps until then (releasing the GIL) and reports that instant
+as the finish. No thread completes the forward, so a busy host (a GIL held elsewhere) cannot make the device look
+late: whatever the device waits is the host's lateness in calling `collect`, or in launching.
+
+A step's time is fixed (`step_s`) or comes from a `DeviceModel` (runner/device_model.py: a named model on a named
+accelerator, as a function of the tokens and KV positions in the step). The logits come from a `LogitsSource`:
+  * `TableLogits`: a fixed table of random rows [table_rows, V] (bf16), row `last input token % table_rows` for
+    each logits row, so a sampled token depends on the previous one and guided requests walk through their grammars
+    the way a model would, with no model (a contiguous slice of the table when the rows fit: the "device" copies
+    nothing on the host). Drafts are almost never accepted against it.
+  * `ReplayLogits`: each request's recorded greedy continuation by a real model (`expect(request_id, tokens)`): the
+    row at position p puts its maximum on that recording's token p + 1, so a greedy request emits exactly what the
+    recorded model emitted and every draft is accepted or rejected as that model would. Its rows are written on a
+    thread of their own during the forward (the GIL released), as a device would compute them.
+Sampling still runs on the host (on a real accelerator it runs on the device): benchmarks count it as device time.
 Not for serving: nothing it produces means anything.
 """
 
@@ -15,66 +23,192 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import Future
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
 from tandem.core.plan import StepPlan
 from tandem.runner.base import ForwardHandle, Runner
+from tandem.runner.device_model import DeviceModel
 
 _SPIN_S = 0.0005  # the end of a wait for the forward is spun, as CUDA's default synchronisation does
+RowKey = tuple[str, int, int]  # (request id, position of the row's input token, that token)
+REPLAY_MARGIN = 40.0  # the recorded token's logit above the noise (std 3): the row's argmax by far
 
 
-class SimulatedRunner(Runner):
-    """A device whose forward takes `step_s` of wall time and no host CPU."""
+class LogitsSource(ABC):
+    """Where a simulated forward's logits come from."""
 
-    def __init__(self, vocab_size: int, num_blocks: int, step_s: float, table_rows: int = 512, seed: int = 0,
-                 rows_by_token: bool = False) -> None:
+    # the rows are built on the runner's own thread during the forward (a real tensor per step); else at collect
+    builds_in_background = False
+
+    @abstractmethod
+    def rows(self, keys: Sequence[RowKey]) -> torch.Tensor:
+        """Logits [len(keys), V] bf16, one row per (request, position, input token) in plan order."""
+
+    def prepare(self, keys: Sequence[RowKey]) -> Callable[[], torch.Tensor]:
+        """At launch: the Python part of `rows`, returning the torch-only rest (run by the runner's thread, which
+        then needs the GIL only briefly: it must not wait for the host's Python work to be built in time)."""
+        return lambda: self.rows(keys)
+
+
+class TableLogits(LogitsSource):
+    """Random rows picked by the row's input token (see the module doc)."""
+
+    def __init__(self, vocab_size: int, table_rows: int = 512, seed: int = 0, rows_by_token: bool = False) -> None:
         """rows_by_token: each row is table[last token % table_rows], so a request's logits depend on its own
         tokens alone, whatever else is in the batch (a copy per step; for tests comparing two runs). Otherwise
         a contiguous slice of the table when the rows fit (no copy; for benchmarks)."""
+        g = torch.Generator().manual_seed(seed)
+        self.table = (torch.randn(table_rows, vocab_size, generator=g) * 3.0).to(torch.bfloat16)  # [K, V]
+        self.rows_by_token = rows_by_token
+
+    def rows(self, keys: Sequence[RowKey]) -> torch.Tensor:
+        last = [k[2] for k in keys]
+        k, r = self.table.shape[0], len(last)
+        if 2 * r <= k and not self.rows_by_token:  # a view: row i is table[start + i], start moved by the tokens just fed
+            start = hash(tuple(last)) % (k - r)
+            return self.table[start : start + r]  # [R, V] bf16
+        return self.table.index_select(0, torch.tensor([t % k for t in last], dtype=torch.long))
+
+
+class ReplayLogits(LogitsSource):
+    """Rows that make a greedy request emit its recorded continuation (see the module doc). A request without a
+    recording, or past its end, gets `end_token` as its maximum (e.g. EOS)."""
+
+    builds_in_background = True
+
+    def __init__(self, vocab_size: int, end_token: int, noise_rows: int = 64, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.noise = (torch.randn(noise_rows, vocab_size, generator=g) * 3.0).to(torch.bfloat16)  # [K, V]
+        self.end_token = end_token
+        self._margin = torch.tensor(REPLAY_MARGIN, dtype=torch.bfloat16)
+        self._expected: dict[str, Sequence[int]] = {}
+        self._lock = threading.Lock()
+
+    def expect(self, request_id: str, tokens: Sequence[int]) -> None:
+        """`tokens`: the request's prompt followed by the recorded model's output."""
+        with self._lock:
+            self._expected[request_id] = tokens
+
+    def forget(self, request_id: str) -> None:
+        with self._lock:
+            self._expected.pop(request_id, None)
+
+    def target(self, key: RowKey) -> int:
+        """The token the recorded model put after the row's position."""
+        tokens = self._expected.get(key[0])
+        p = key[1] + 1
+        return int(tokens[p]) if tokens is not None and p < len(tokens) else self.end_token
+
+    def rows(self, keys: Sequence[RowKey]) -> torch.Tensor:
+        return self.prepare(keys)()
+
+    def prepare(self, keys: Sequence[RowKey]) -> Callable[[], torch.Tensor]:
+        end, expected, targets = self.end_token, self._expected, []
+        with self._lock:
+            for rid, pos, _ in keys:  # `target` inlined: the launch's critical path
+                tokens = expected.get(rid)
+                targets.append(int(tokens[pos + 1]) if tokens is not None and pos + 1 < len(tokens) else end)
+        index = torch.tensor(targets, dtype=torch.long)  # [R]
+        return lambda: self._build(index)
+
+    def _build(self, index: torch.Tensor) -> torch.Tensor:
+        out = self.noise.index_select(0, index % self.noise.shape[0])  # [R, V]
+        # index_put_, not scatter_: bf16 scatter_ over rows this wide took 30 ms for 256 rows (index_put_ 0.01 ms)
+        out.index_put_((torch.arange(index.shape[0]), index), self._margin)
+        return out
+
+
+class SimulatedRunner(Runner):
+    """A device whose forward takes a step's time (fixed or modelled) and no host CPU."""
+
+    def __init__(self, vocab_size: int, num_blocks: int, step_s: float = 0.0, table_rows: int = 512, seed: int = 0,
+                 rows_by_token: bool = False, device_model: DeviceModel | None = None,
+                 logits: LogitsSource | None = None) -> None:
         self.device = torch.device("cpu")
         self.num_blocks = num_blocks
         self.kv_cache_bytes = 0
         self.step_s = step_s
+        self.device_model = device_model
         self.vocab_size = vocab_size
-        g = torch.Generator().manual_seed(seed)
-        self._table = (torch.randn(table_rows, vocab_size, generator=g) * 3.0).to(torch.bfloat16)  # [K, V]
+        self.logits = logits or TableLogits(vocab_size, table_rows, seed, rows_by_token)
         self._lock = threading.Lock()
+        self._builder = ThreadPoolExecutor(1, thread_name_prefix="simulated-device") if self.logits.builds_in_background else None
         self.num_forwards = 0
-        self.rows_by_token = rows_by_token
+        self.device_s = 0.0  # the forwards' modelled time, summed
+        self.late_s = 0.0  # how much later than modelled the logits were built, summed
 
     @property
     def forward_uses_host_cores(self) -> bool:
         return False  # the simulated device sleeps
 
+    def forward_s(self, plan: StepPlan) -> float:
+        """This plan's forward time: the device model's, else the fixed step."""
+        return self.device_model.plan_s(plan) if self.device_model is not None else self.step_s
+
     def launch(self, plan: StepPlan) -> ForwardHandle:
-        """The forward 'runs' from now for step_s; its logits rows are looked up when it is collected."""
-        last = [r.input_ids[len(r.input_ids) - r.num_logits_rows + j] for r in plan.requests for j in range(r.num_logits_rows)]
+        """The forward 'runs' from now for its step time; its logits rows are built meanwhile (or at collect)."""
+        keys = _row_keys(plan)
+        seconds = self.forward_s(plan)
         with self._lock:
             self.num_forwards += 1
-        return _SimulatedHandle(Future(), plan.num_logits_rows, ready_at=time.perf_counter() + self.step_s, last=last)
+            self.device_s += seconds
+        built = self._builder.submit(_timed, self.logits.prepare(keys)) if self._builder is not None else None
+        return _SimulatedHandle(Future(), plan.num_logits_rows, ready_at=time.perf_counter() + seconds, keys=keys,
+                                built=built)
 
     def collect(self, handle: ForwardHandle) -> torch.Tensor:
         """Sleep until the forward is done (at once if it is already), then its logits [R, V] bf16."""
         assert isinstance(handle, _SimulatedHandle), "a handle of another runner"
         if not handle.future.done():
-            time.sleep(max(0.0, handle.ready_at - _SPIN_S - time.perf_counter()))
-            while time.perf_counter() < handle.ready_at:  # sleep wakes ~0.2 ms late here; a device sync spins
-                pass
-            handle.future.set_result((self._logits(handle.last), handle.ready_at))
+            _sleep_until(handle.ready_at)
+            if handle.built is not None:
+                logits, built_at = handle.built.result()
+                done = max(handle.ready_at, built_at)  # rows not built in time: a late device
+                # (the builder thread waits for the GIL behind the host's Python work: the simulator's own cost,
+                # which a real device does not have; benchmarks subtract it)
+                self.late_s += done - handle.ready_at
+            else:
+                logits, done = self.logits.rows(handle.keys), handle.ready_at
+            handle.future.set_result((logits, done))
         return super().collect(handle)
 
-    def _logits(self, last: list[int]) -> torch.Tensor:
-        k, r = self._table.shape[0], len(last)
-        if 2 * r <= k and not self.rows_by_token:  # a view: row i is table[start + i], start moved by the tokens just fed
-            start = hash(tuple(last)) % (k - r)
-            return self._table[start : start + r]  # [R, V] bf16
-        return self._table.index_select(0, torch.tensor([t % k for t in last], dtype=torch.long))
+    def shutdown(self) -> None:
+        if self._builder is not None:
+            self._builder.shutdown(wait=True)
+
+
+def _row_keys(plan: StepPlan) -> list[RowKey]:
+    """(request, position, input token) of each logits row, in plan order (the launch's critical path: a row of
+    one logits row, the usual one, is taken without a loop)."""
+    keys: list[RowKey] = []
+    for r in plan.requests:
+        n = r.num_logits_rows
+        if n == 1:
+            keys.append((r.request_id, r.start_pos + r.num_tokens - 1, r.input_ids[-1]))
+        elif n:
+            keys.extend((r.request_id, r.start_pos + j, r.input_ids[j]) for j in range(r.num_tokens - n, r.num_tokens))
+    return keys
+
+
+def _timed(build: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, float]:
+    """`build()` and the instant it was done."""
+    out = build()
+    return out, time.perf_counter()
+
+
+def _sleep_until(t: float, clock: Callable[[], float] = time.perf_counter) -> None:
+    time.sleep(max(0.0, t - _SPIN_S - clock()))
+    while clock() < t:  # sleep wakes ~0.2 ms late here; a device sync spins
+        pass
 
 
 @dataclass
 class _SimulatedHandle(ForwardHandle):
     ready_at: float = 0.0  # perf_counter() when the simulated forward is done
-    last: list[int] = field(default_factory=list)  # the input token of each logits row
+    keys: list[RowKey] = field(default_factory=list)  # (request, position, input token) of each logits row
+    built: Future[tuple[torch.Tensor, float]] | None = None

@@ -29,6 +29,11 @@ _KNOWN_STATS: dict[str, tuple[str, str]] = {
     "kv_num_blocks": ("tandem_kv_cache_num_blocks", "KV cache size in blocks"),
     "prefix_cache_queries": ("tandem_prefix_cache_queries", "Prompt blocks looked up in the prefix cache (cumulative)"),
     "prefix_cache_hits": ("tandem_prefix_cache_hits", "Prompt blocks found in the prefix cache (cumulative)"),
+    "steps_scheduled_ahead": ("tandem_steps_scheduled_ahead", "Steps scheduled while the previous forward ran (cumulative)"),
+    "spec_optimistic_misses": ("tandem_spec_optimistic_misses",
+                               "Drafts made past a forward's outcome that it did not match (cumulative)"),
+    "device_idle_ms_per_step": ("tandem_device_idle_ms_per_step",
+                                "Mean time from a forward's end to the next launch (ms)"),
 }
 
 
@@ -67,11 +72,36 @@ class EngineStatsCollector(Collector):
             g = GaugeMetricFamily("tandem_engine_core_resident_memory_bytes", "Resident memory of the engine-core process")
             g.add_metric([], float(rss))
             yield g
+        yield from spec_decode_metrics(stats)
         for key, value in _flatten(stats):
             name, doc = _KNOWN_STATS.get(key, (f"tandem_engine_{_metric_suffix(key)}", f"engine stat {key!r}"))
             g = GaugeMetricFamily(name, doc)
             g.add_metric([], value)
             yield g
+
+
+# engine stats key -> (vLLM's speculative-decoding counter, help): the names vLLM's dashboards read
+_SPEC_COUNTERS = {
+    "spec_num_drafts": ("vllm:spec_decode_num_drafts", "Request-steps that verified drafts"),
+    "spec_num_drafted": ("vllm:spec_decode_num_draft_tokens", "Draft tokens verified"),
+    "spec_num_accepted": ("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted"),
+}
+
+
+def spec_decode_metrics(stats: Mapping[str, Any]) -> Iterator[CounterMetricFamily]:
+    """vLLM's speculative-decoding counters (present when speculation is configured), per-position included."""
+    for key, (name, doc) in _SPEC_COUNTERS.items():
+        if key in stats:
+            c = CounterMetricFamily(name, doc)
+            c.add_metric([], float(stats[key]))
+            yield c
+    per_pos = stats.get("spec_accepted_per_position")
+    if isinstance(per_pos, list):
+        c = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens by position",
+                                labels=["position"])
+        for i, n in enumerate(per_pos):
+            c.add_metric([str(i)], float(n))
+        yield c
 
 
 def _flatten(stats: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, float]]:

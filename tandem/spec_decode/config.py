@@ -29,6 +29,10 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     adaptive: bool = True
     lookahead: bool = True  # draft step t+1 optimistically while the device verifies step t (draft_model)
+    # scheduling ahead with a draft model: split the running requests into two groups, the draft worker drafting one
+    # while the device verifies the other (True), or every request every step, drafted past the outcome in flight
+    # (False); None: whichever measured the better goodput at this batch size
+    alternate_groups: bool | None = None
     suffix_max_depth: int = 64
     suffix_max_cached_requests: int = 1000
     extra: Mapping[str, Any] = field(default_factory=dict)

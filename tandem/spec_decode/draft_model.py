@@ -260,7 +260,9 @@ class DraftModelCore:
             ],
         )
         logits = self.runner.execute(plan)  # [num_requests, V] float32, one row per request (its last input)
-        next_tokens: list[int] = logits[:, : self.vocab_limit].argmax(dim=-1).tolist()
+        # on the tensor thread: a torch op on this one would start a second OpenMP team, whose threads then spin
+        # beside the forward's (measured: decode steps of 4 requests 2.3x slower)
+        next_tokens: list[int] = self.runner.on_tensor_thread(_argmax_ids, logits, self.vocab_limit)
         for seq, tokens in feeds:
             seq.append_tokens(tokens)
             seq.num_computed_tokens = seq.num_tokens
@@ -535,7 +537,8 @@ class DraftModelProposer(Proposer):
         results = {r.request_id: Drafts([]) for r in batch}
         if not self.enabled or self._closed:
             return _done(results)
-        snapshot = [DraftRequest(r.request_id, list(r.token_ids), r.num_prompt_tokens, r.max_drafts) for r in batch]
+        snapshot = [DraftRequest(r.request_id, [*r.token_ids, *r.assumed], r.num_prompt_tokens, r.max_drafts)
+                    for r in batch]  # (the draft's KV follows any context: it rolls back to the common prefix)
         self._inflight = self._executor.submit(self._sync_and_run, snapshot, results)
         return self._inflight
 
@@ -633,6 +636,11 @@ class DraftModelProposer(Proposer):
         fut, self._inflight = self._inflight, None
         if fut is not None:
             fut.result()  # never raises: _run turns every draft failure into empty drafts
+
+
+def _argmax_ids(logits: torch.Tensor, limit: int) -> list[int]:
+    """Each row's argmax among the first `limit` ids (logits [R, V])."""
+    return logits[:, :limit].argmax(dim=-1).tolist()
 
 
 def check_vocabulary(

@@ -106,9 +106,10 @@ class NgramProposer(Proposer):
             if buf is None:
                 buf = self._buffers[req.request_id] = TokenBuffer(2 * len(req.token_ids))
             buf.sync(req.token_ids)
-            drafts = find_ngram_continuation(
-                buf.tokens, self.prompt_lookup_min, self.prompt_lookup_max, req.max_drafts
-            )
+            tokens = buf.tokens
+            if req.assumed:  # searched past, never kept in the buffer
+                tokens = np.concatenate([tokens, np.asarray(req.assumed, dtype=np.int32)])
+            drafts = find_ngram_continuation(tokens, self.prompt_lookup_min, self.prompt_lookup_max, req.max_drafts)
             out[req.request_id] = Drafts(drafts.tolist())
         return out
 

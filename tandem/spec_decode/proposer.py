@@ -24,11 +24,14 @@ class DraftRequest:
     token_ids: Sequence[int]
     num_prompt_tokens: int
     max_drafts: int  # K for this request this step; 0 = do not draft
+    # tokens taken to follow `token_ids` that are not known yet (the drafts of a step still verifying, then a
+    # guess): draft the positions after them, but learn only `token_ids` (they may still be rejected)
+    assumed: Sequence[int] = ()
 
 
 @dataclass
 class Drafts:
-    """A proposal for the positions right after `token_ids`: at most max_drafts tokens, possibly none.
+    """A proposal for the positions right after `token_ids` (+ `assumed`): at most max_drafts tokens, possibly none.
 
     Drafts are deterministic guesses (the proposal distribution is one-hot), which keeps verification lossless with
     the rule in sampling/rejection.py.

@@ -312,7 +312,7 @@ class SuffixProposer(Proposer):
                 out[req.request_id] = Drafts([])
                 continue
             self._sync_tree(state)
-            out[req.request_id] = Drafts(self._draft(state, req.max_drafts).token_ids)
+            out[req.request_id] = Drafts(self._draft(state, req.max_drafts, req.assumed).token_ids)
         return out
 
     def on_verified(self, request_id: str, accepted: Sequence[int], num_drafted: int) -> None:
@@ -373,15 +373,16 @@ class SuffixProposer(Proposer):
     def _max_tokens(self, match_length: int, max_drafts: int) -> int:
         return min(max_drafts, int(self.max_spec_factor * match_length + 1e-9))
 
-    def _draft(self, state: _RequestState, max_drafts: int) -> Draft:
-        """The better (higher expected accepted count) of the drafts from the request's tree and the global tree.
+    def _draft(self, state: _RequestState, max_drafts: int, assumed: Sequence[int] = ()) -> Draft:
+        """The better (higher expected accepted count) of the drafts from the request's tree and the global tree,
+        continuing the request's tokens (and `assumed` after them: matched, never inserted).
 
         For each tree two match lengths are tried: the longest match m, and (when shorter) the longest one leaving
         depth for max_drafts more tokens, min(m, D - max_drafts), since a bounded-depth path stops at depth D.
         """
         depth = self.max_tree_depth
         best = Draft()
-        own = state.tree.growing_match(0)
+        own = state.tree.growing_match(0) if not assumed else {}
         if own:
             longest = max(own)
             for m in sorted({longest, min(longest, depth - max_drafts)}, reverse=True):
@@ -389,13 +390,22 @@ class SuffixProposer(Proposer):
                     node = own.get(m)
                     if node is not None:
                         best = self._better(best, state.tree, Cursor(node=node), m, max_drafts)
+        context: Sequence[int] = state.tree.sequence(0)
+        if assumed:
+            context = [*context[max(0, len(context) - depth) :], *(int(t) for t in assumed)]
+            best = self._walked(best, state.tree, context, max_drafts)  # (the request's own tree, by walking)
         if self.global_tree.num_sequences:
-            context = state.tree.sequence(0)
-            longest = self.global_tree.longest_match(context, depth)
-            for m in sorted({longest, min(longest, depth - max_drafts)}, reverse=True):
-                cursor = self.global_tree.walk(context[len(context) - m :]) if m >= 1 else None
-                if cursor is not None:
-                    best = self._better(best, self.global_tree, cursor, m, max_drafts)
+            best = self._walked(best, self.global_tree, context, max_drafts)
+        return best
+
+    def _walked(self, best: Draft, tree: SuffixTree, context: Sequence[int], max_drafts: int) -> Draft:
+        """`best`, or the draft from `tree` at the longest match of `context`'s tail, when that one is better."""
+        depth = self.max_tree_depth
+        longest = tree.longest_match(context, depth)
+        for m in sorted({longest, min(longest, depth - max_drafts)}, reverse=True):
+            cursor = tree.walk(context[len(context) - m :]) if m >= 1 else None
+            if cursor is not None:
+                best = self._better(best, tree, cursor, m, max_drafts)
         return best
 
     def _better(

@@ -676,3 +676,94 @@ def test_randomized_stress(seed: int, prefix_caching: bool) -> None:
         else:
             assert req.output_token_ids == expected, rid
             assert req.status in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED)
+
+
+# ------------------------------------------------------------------------------ scheduling ahead with drafts
+def _ahead_pair(drafts_cur: list[int], drafts_nxt: list[int], block_size: int = 4):  # type: ignore[no-untyped-def]
+    """One request in steady decode: `cur` verifies `drafts_cur` (reserved), `nxt` is scheduled past it with
+    `drafts_nxt` (reserved, not launched)."""
+    bm = BlockManager(32, block_size, enable_prefix_caching=True)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64), bm)
+    req = Request("a", [1, 2, 3, 4, 5, 6, 7], SamplingParams(max_tokens=32))
+    sched.add(req)
+    sched.reserve(pre := sched.schedule())  # the prefill, sampled 9
+    sched.settle(pre, {"a": [9]}, StepPlan(99), [])
+    req.draft_token_ids = list(drafts_cur)
+    cur = sched.schedule()
+    sched.reserve(cur)
+    req.draft_token_ids = list(drafts_nxt)
+    nxt = sched.schedule(frozenset({"a"}))
+    sched.reserve(nxt)
+    return sched, bm, req, cur, nxt
+
+
+def test_reserve_takes_drafts_as_accepted_and_counts_the_tentative_tail() -> None:
+    from tandem.core.scheduler import PLACEHOLDER
+
+    _, _, req, cur, nxt = _ahead_pair([20, 21], [30, 31, 32])
+    assert cur.requests[0].input_ids == [9, 20, 21] and cur.requests[0].start_pos == 7
+    assert nxt.requests[0].input_ids == [PLACEHOLDER, 30, 31, 32] and nxt.requests[0].start_pos == 10
+    assert req.token_ids == [1, 2, 3, 4, 5, 6, 7, 9, 20, 21, PLACEHOLDER, 30, 31, 32, PLACEHOLDER]
+    assert req.num_tentative == 2 + 1 + 3 + 1 and req.num_computed_tokens == 14
+    assert req.confirmed_output_ids == [9] and list(req.confirmed_tokens) == [1, 2, 3, 4, 5, 6, 7, 9]
+
+
+def test_settle_keeps_the_next_row_when_every_draft_was_accepted_as_assumed() -> None:
+    from tandem.core.scheduler import PLACEHOLDER
+
+    sched, _, req, cur, nxt = _ahead_pair([20, 21], [30, 31])
+    assert sched.settle(cur, {"a": [20, 21, 22]}, nxt, ["a"]) == []
+    assert nxt.requests[0].input_ids == [22, 30, 31] and nxt.requests[0].start_pos == 10
+    assert req.token_ids[-4:] == [22, 30, 31, PLACEHOLDER] and req.num_tentative == 3
+    assert req.confirmed_output_ids == [9, 20, 21, 22]
+
+
+def test_settle_drops_drafts_that_assumed_another_bonus_token() -> None:
+    from tandem.core.scheduler import PLACEHOLDER
+
+    sched, bm, req, cur, nxt = _ahead_pair([20, 21], [30, 31, 32, 33, 34, 35])
+    free = bm.num_free_blocks
+    assert sched.settle(cur, {"a": [20, 21, 23]}, nxt, []) == ["a"]
+    row = nxt.requests[0]
+    assert (row.input_ids, row.start_pos, row.num_draft_tokens) == ([23], 10, 0)
+    assert req.token_ids[7:] == [9, 20, 21, 23, PLACEHOLDER] and req.num_tentative == 1
+    assert req.num_computed_tokens == 11 and bm.num_free_blocks > free  # the drafts' blocks came back
+    assert len(row.block_table) == len(req.block_ids)
+
+
+def test_settle_moves_the_next_row_back_after_a_rejected_draft() -> None:
+    from tandem.core.scheduler import PLACEHOLDER
+
+    sched, _, req, cur, nxt = _ahead_pair([20, 21, 22], [30, 31])
+    assert sched.settle(cur, {"a": [20, 25]}, nxt, ["a"]) == ["a"]  # draft 21 rejected, 25 sampled instead
+    row = nxt.requests[0]
+    assert (row.input_ids, row.start_pos, row.num_draft_tokens) == ([25], 9, 0)
+    assert req.token_ids[7:] == [9, 20, 25, PLACEHOLDER] and req.num_tentative == 1 and req.num_computed_tokens == 10
+    # the next plan's outcome resolves as a plain row; nothing tentative is left
+    sched.settle(nxt, {"a": [26]}, StepPlan(7), [])
+    assert req.token_ids[7:] == [9, 20, 25, 26] and req.num_tentative == 0 and req.num_computed_tokens == 10
+
+
+def test_add_drafts_after_a_miss_and_withdraw_undo_the_reservation() -> None:
+    from tandem.core.scheduler import PLACEHOLDER
+
+    sched, _, req, cur, nxt = _ahead_pair([20], [30])
+    sched.settle(cur, {"a": [21]}, nxt, [])  # rejected at once: the row moved back to 21 alone
+    assert sched.add_drafts(nxt, {"a": [40, 41, 42]}) == 3
+    row = nxt.requests[0]
+    assert (row.input_ids, row.num_draft_tokens) == ([21, 40, 41, 42], 3)
+    assert req.token_ids[7:] == [9, 21, 40, 41, 42, PLACEHOLDER] and req.num_tentative == 4
+    assert len(row.block_table) * 4 >= row.start_pos + row.num_tokens  # blocks for every position it writes
+    sched.withdraw(nxt, ["a"])
+    assert nxt.requests == [] and req.token_ids[7:] == [9, 21] and req.num_tentative == 0
+    assert req.num_computed_tokens == 8
+
+
+def test_commit_never_hashes_a_tentative_draft() -> None:
+    """Blocks full of reserved drafts are not offered to the prefix cache until the drafts are known."""
+    sched, bm, req, cur, nxt = _ahead_pair([20, 21, 22, 23, 24, 25], [], block_size=4)
+    sched.commit(cur)
+    assert len(req.block_hashes) == 2  # positions 0..7 (prompt + 9): two full blocks; the drafts' ones wait
+    sched.settle(cur, {"a": [20, 21, 22, 23, 24, 25, 26]}, nxt, [])
+    sched.commit(cur)
+    assert len(req.block_hashes) == 3  # now positions 8..11 hold known tokens

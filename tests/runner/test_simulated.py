@@ -1,10 +1,12 @@
-"""The simulated accelerator (benchmarks): its forward ends `step_s` after launch whatever the host does, and in
-`rows_by_token` mode a row's logits depend on its own input token alone."""
+"""The simulated accelerator (benchmarks): its forward ends `step_s` (or its device model's time) after launch
+whatever the host does; in `rows_by_token` mode a row's logits depend on its own input token alone, and replayed
+logits make a greedy request emit its recording."""
 
 from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 
 from tandem.core.plan import ScheduledRequest, StepPlan
@@ -38,3 +40,35 @@ def test_rows_by_token_follow_the_input_token_not_the_batch() -> None:
     batch = runner.collect(runner.launch(_plan([3, 7, 7 + 16])))
     assert torch.equal(batch[1], alone[0]) and torch.equal(batch[2], alone[0])  # token % table_rows picks the row
     assert not torch.equal(batch[0], alone[0])
+
+
+def test_replayed_logits_put_the_recorded_token_on_top() -> None:
+    """Each row's argmax is the recording's token after the row's position; an unknown request or a position past
+    the recording gets the end token."""
+    from tandem.runner.simulated import ReplayLogits
+
+    replay = ReplayLogits(vocab_size=300, end_token=2)
+    replay.expect("r0", [5, 6, 7, 100, 101, 102])  # prompt [5, 6, 7], then the recorded output
+    runner = SimulatedRunner(vocab_size=300, num_blocks=4, step_s=0.005, logits=replay)
+    plan = StepPlan(step_id=0, requests=[
+        ScheduledRequest("r0", [7, 100, 55], start_pos=2, block_table=[0], num_draft_tokens=2),  # verify: 3 rows
+        ScheduledRequest("r0x", [9], start_pos=4, block_table=[1]),  # unknown: the end token
+        ScheduledRequest("r0", [102], start_pos=5, block_table=[0]),  # past the recording
+    ])
+    logits = runner.collect(runner.launch(plan))
+    assert logits.shape == (5, 300)
+    assert logits.argmax(dim=-1).tolist() == [100, 101, 102, 2, 2]
+    runner.shutdown()
+
+
+def test_a_device_model_times_each_forward_by_its_plan() -> None:
+    from tandem.runner.device_model import device_model
+
+    model = device_model("llama2-7b-rtx4090")
+    runner = SimulatedRunner(vocab_size=32, num_blocks=4, device_model=model)
+    plan = _plan([1, 2])
+    t0 = time.perf_counter()
+    handle = runner.launch(plan)
+    runner.collect(handle)
+    assert handle.finished_at - t0 == pytest.approx(model.plan_s(plan), abs=3e-3)
+    assert runner.device_s == pytest.approx(model.plan_s(plan))

@@ -1,0 +1,208 @@
+"""Speculation scheduled ahead: the next plan is scheduled while the previous one verifies its drafts, with drafts
+proposed past that outcome (every draft accepted plus the proposer's guess); rows whose assumption failed are
+moved back or lose their drafts before the launch. Outputs must be exactly the target's (greedy: token for token
+against the engine without drafts; sampled: the law of the tokens, chi-square), with n-gram, suffix and draft-model
+proposers, guided requests, stop strings, tiny KV caches that preempt, aborts mid-flight; every KV block comes
+back."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tandem.engine.engine import LLMEngine
+from tandem.params import SamplingParams, StructuredOutputsParams
+from tandem.request import RequestOutput
+
+from .test_engine import run_all
+from .test_speculative import (
+    GREEDY,
+    _chi2,
+    _chi2_threshold,
+    _exact_pair_probs,
+    _pair_counts,
+    _story_prompts,
+    cycle_method,  # noqa: F401 - fixture
+    tiny_vocab_dir,  # noqa: F401 - fixture
+)
+
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 4, "adaptive": False}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False}
+
+
+def _tokens(outs: dict[str, RequestOutput]) -> dict[str, list[list[int]]]:
+    return {rid: [list(c.token_ids) for c in o.outputs] for rid, o in outs.items()}
+
+
+def _texts(outs: dict[str, RequestOutput]) -> dict[str, list[tuple[str, str | None, object]]]:
+    return {rid: [(c.text, c.finish_reason, c.stop_reason) for c in o.outputs] for rid, o in outs.items()}
+
+
+@pytest.mark.parametrize("config", [NGRAM, SUFFIX], ids=["ngram", "suffix"])
+@pytest.mark.parametrize("batch", [1, 7])
+def test_greedy_tokens_are_the_targets(stories_engine_factory, config: dict, batch: int) -> None:  # type: ignore[no-untyped-def,type-arg]
+    base = stories_engine_factory(async_scheduling=False)
+    ahead = stories_engine_factory(async_scheduling=True, speculative_config=config)
+    assert ahead.async_scheduling and ahead.speculation.active
+    prompts = _story_prompts(base, batch)
+    assert _tokens(run_all(ahead, prompts, GREEDY)) == _tokens(run_all(base, prompts, GREEDY))
+    stats = ahead.get_stats()
+    assert stats["steps_scheduled_ahead"] == stats["num_steps"] > 0
+    assert stats["steps_ahead_with_drafts"] > 0 and stats["spec_num_accepted"] > 0
+    assert stats["spec_ahead_drafted"] > 0  # drafted past an outcome still in flight
+    assert ahead.block_manager.num_free_blocks == ahead.runner.num_blocks
+
+
+def test_stop_strings_lengths_logprobs_and_penalties_match(stories_engine_factory) -> None:  # type: ignore[no-untyped-def]
+    """Greedy requests with stop strings, max_tokens, logprobs, a repetition penalty (its history must be the
+    confirmed tokens, never a tentative draft or placeholder), min_tokens and n = 2."""
+    kinds = [
+        SamplingParams(temperature=0.0, max_tokens=30, stop=["park", "."]),
+        SamplingParams(temperature=0.0, max_tokens=25, logprobs=2),
+        SamplingParams(temperature=0.0, max_tokens=40, repetition_penalty=1.3, frequency_penalty=0.2),
+        SamplingParams(temperature=0.0, max_tokens=3 + 1, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=20, min_tokens=12, n=2),
+    ]
+    base = stories_engine_factory(async_scheduling=False)
+    ahead = stories_engine_factory(async_scheduling=True, speculative_config=NGRAM)
+    prompts = _story_prompts(base, 10)
+    got, want = {}, {}
+    for engine, out in ((base, want), (ahead, got)):
+        for i, (rid, p) in enumerate(prompts.items()):
+            engine.add_request(rid, p, kinds[i % len(kinds)])
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    out[o.request_id] = o
+    assert _tokens(got) == _tokens(want) and _texts(got) == _texts(want)
+    for rid in prompts:
+        for a, b in zip(want[rid].outputs, got[rid].outputs, strict=True):
+            if a.logprobs is not None:
+                assert b.logprobs is not None and [list(d) for d in a.logprobs] == [list(d) for d in b.logprobs]
+    assert ahead.get_stats()["spec_num_accepted"] > 0
+
+
+def test_intermediate_outputs_hold_no_tentative_token(stories_engine_factory) -> None:  # type: ignore[no-untyped-def]
+    """Every cumulative output while running is a prefix of the final one: no placeholder, no unverified draft."""
+    ahead = stories_engine_factory(async_scheduling=True, speculative_config=SUFFIX)
+    prompts = _story_prompts(ahead, 4)
+    for rid, p in prompts.items():
+        ahead.add_request(rid, p, GREEDY)
+    seen: dict[str, list[list[int]]] = {rid: [] for rid in prompts}
+    while ahead.has_unfinished_requests():
+        for out in ahead.step():
+            seen[out.request_id].append(list(out.outputs[0].token_ids))
+    for rid, history in seen.items():
+        final = history[-1]
+        assert len(final) == GREEDY.max_tokens
+        assert all(final[: len(h)] == h for h in history), rid
+
+
+def test_preemption_and_prefix_cache_under_a_tiny_kv_cache(stories_engine_factory) -> None:  # type: ignore[no-untyped-def]
+    kv = {"num_kv_blocks": 14, "block_size": 8, "max_num_batched_tokens": 48}
+    base = stories_engine_factory(async_scheduling=False, **kv)
+    ahead = stories_engine_factory(async_scheduling=True, speculative_config=dict(NGRAM, num_speculative_tokens=5), **kv)
+    prompts = _story_prompts(base, 8)
+    assert _tokens(run_all(ahead, prompts, GREEDY)) == _tokens(run_all(base, prompts, GREEDY))
+    assert ahead.block_manager.stats.hits > 0
+    assert ahead.block_manager.num_free_blocks == 14  # every block came back, rolled-back drafts' included
+
+
+def test_guided_requests_with_drafts(stories_engine_factory) -> None:  # type: ignore[no-untyped-def]
+    """Grammar masks of verified rows are filled from the real outcome during the next forward; drafts the grammar
+    rejects are cut by those masks (lossless). Same tokens as the engine without drafts."""
+    regex = StructuredOutputsParams(regex=r"(Lily|Tom) (ran|sat|went)( and (ran|sat|went))*\\.")
+    schema = StructuredOutputsParams(json={"type": "object", "properties": {"name": {"type": "string"},
+                                                                              "age": {"type": "integer"}},
+                                           "required": ["name", "age"]})
+    kinds = [SamplingParams(temperature=0.0, max_tokens=30, structured_outputs=regex),
+             SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=schema), GREEDY]
+    base = stories_engine_factory(async_scheduling=False)
+    ahead = stories_engine_factory(async_scheduling=True, speculative_config=SUFFIX)
+    prompts = _story_prompts(base, 9)
+    got, want = {}, {}
+    for engine, out in ((base, want), (ahead, got)):
+        for i, (rid, p) in enumerate(prompts.items()):
+            engine.add_request(rid, p, kinds[i % len(kinds)])
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    out[o.request_id] = o
+    assert _tokens(got) == _tokens(want) and _texts(got) == _texts(want)
+    assert all(o.error is None for o in got.values())
+    assert ahead.block_manager.num_free_blocks == ahead.runner.num_blocks
+
+
+def test_aborts_mid_flight_return_every_block(stories_engine_factory) -> None:  # type: ignore[no-untyped-def]
+    ahead = stories_engine_factory(async_scheduling=True, speculative_config=SUFFIX)
+    prompts = _story_prompts(ahead, 6)
+    for rid, p in prompts.items():
+        ahead.add_request(rid, p, SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))
+    for step in range(12):
+        ahead.step()
+        if step in (3, 7):
+            ahead.abort_request(f"p{step % 6}")
+    while ahead.has_unfinished_requests():
+        ahead.step()
+    assert ahead.block_manager.num_free_blocks == ahead.runner.num_blocks
+
+
+def test_draft_model_in_process(stories_engine_factory, stories_dir: Path) -> None:  # type: ignore[no-untyped-def]
+    """The target as its own draft: drafts for the next plan come from the look-ahead started at each launch."""
+    base = stories_engine_factory(async_scheduling=False)
+    ahead = stories_engine_factory(async_scheduling=True, speculative_config={
+        "method": "draft_model", "model": str(stories_dir), "num_speculative_tokens": 3, "draft_dtype": "float32",
+        "draft_in_process": True, "adaptive": False})
+    prompts = _story_prompts(base, 3)
+    assert _tokens(run_all(ahead, prompts, GREEDY)) == _tokens(run_all(base, prompts, GREEDY))
+    stats = ahead.get_stats()
+    assert stats["spec_acceptance_rate"] > 0.95 and stats["steps_ahead_with_drafts"] > 0
+
+
+def test_llm_schedules_ahead_with_speculation(stories_dir: Path) -> None:
+    from tandem import LLM
+
+    llm = LLM(str(stories_dir), dtype="float32", progress=False, async_scheduling=True, speculative_config=SUFFIX)
+    try:
+        outs = llm.generate(["Once upon a time, there was a little girl named Lily. Once upon a time"],
+                            SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+        assert len(outs[0].outputs[0].token_ids) == 24
+        stats = llm.llm_engine.get_stats()
+        assert stats["steps_scheduled_ahead"] > 0 and stats["spec_num_drafted"] > 0
+    finally:
+        llm.shutdown()
+
+
+def test_sampled_distribution_is_preserved_scheduled_ahead(tiny_vocab_dir: Path, cycle_method: str) -> None:  # noqa: F811
+    """The joint law of two sampled tokens, the second from verifying a draft proposed past the first (kept when
+    the first came out as guessed, else dropped and drafted again): the target's (chi-square, 3,000 samples)."""
+    from tandem.engine.llm import build_engine
+
+    n = 3000
+    spec: LLMEngine = build_engine(str(tiny_vocab_dir), dtype="float32", progress=False, max_num_seqs=n,
+                                   num_kv_blocks=2 * n, block_size=4, max_num_batched_tokens=4 * n, async_scheduling=True,
+                                   speculative_config={"method": cycle_method, "num_speculative_tokens": 1,
+                                                       "adaptive": False})
+    probs = _exact_pair_probs(spec)
+    counts = _pair_counts(spec, n, seed=11)
+    stats = spec.get_stats()
+    assert stats["spec_num_drafted"] >= n // 2 and stats["spec_optimistic_misses"] > 0
+    stat, dof = _chi2(counts, probs, n)
+    assert stat < _chi2_threshold(dof), (stat, dof)
+
+
+@pytest.mark.parametrize("alternate", [True, False], ids=["alternating-groups", "optimistic"])
+def test_draft_model_overlap_ways_are_lossless(stories_engine_factory, stories_dir: Path, alternate: bool) -> None:  # type: ignore[no-untyped-def]
+    """Alternating groups (half the requests verified while the drafter drafts the other half from its real
+    outcome) and optimistic drafting past the outcome in flight: the same greedy tokens as no drafts."""
+    base = stories_engine_factory(async_scheduling=False)
+    ahead = stories_engine_factory(async_scheduling=True, speculative_config={
+        "method": "draft_model", "model": str(stories_dir), "num_speculative_tokens": 3, "draft_dtype": "float32",
+        "draft_in_process": True, "adaptive": False, "alternate_groups": alternate})
+    prompts = _story_prompts(base, 6)
+    assert _tokens(run_all(ahead, prompts, GREEDY)) == _tokens(run_all(base, prompts, GREEDY))
+    stats = ahead.get_stats()
+    assert stats["spec_num_accepted"] > 0
+    assert (stats["spec_parked"] > 0) == alternate  # the groups really took turns
+    assert ahead.block_manager.num_free_blocks == ahead.runner.num_blocks
