@@ -207,6 +207,7 @@ class _Ahead:
     base: int  # len(token_ids) when the proposal was started
     assumed: list[int]  # the tokens it assumed would follow (drafts + guess); [] for a proposal on the context then
     future: Future[dict[str, Drafts]]
+    catch_up: bool = False  # it feeds the drafter many tokens it had not seen (a new request, or after a pause)
 
 
 class SpeculativeDecoder(Speculation):
@@ -233,6 +234,7 @@ class SpeculativeDecoder(Speculation):
         self._drafter_free_at = 0.0  # when the concurrent drafter's last proposal ended
         self._chosen_at, self._chosen_for = 0.0, 0  # when the ahead policy last chose, and for how many requests
         self._emitted = 0  # tokens emitted since
+        self._waited_catch_up = False  # ... and whether a catch-up proposal was waited for meanwhile
         self._step = 0  # draft_ahead calls
         self._asked: dict[str, int] = {}  # request -> the step a cheap proposer was last asked for it
         self._empty: dict[str, int] = {}  # request -> its consecutive empty proposals
@@ -345,7 +347,8 @@ class SpeculativeDecoder(Speculation):
         future = self.proposer.propose_async(batch)
         for dr in batch:
             a = assumed[dr.request_id]
-            self._ahead[dr.request_id] = _Ahead(len(dr.token_ids) - len(a), a, future)
+            catch_up = len(dr.token_ids) - self._drafted.get(dr.request_id, 0) > CATCH_UP_TOKENS
+            self._ahead[dr.request_id] = _Ahead(len(dr.token_ids) - len(a), a, future, catch_up)
             self._drafted[dr.request_id] = len(dr.token_ids)
         if timed and self.policy is not None:
             future.add_done_callback(lambda _: self._drafter_answered(started, len(batch), timed, behind))
@@ -383,11 +386,14 @@ class SpeculativeDecoder(Speculation):
                                           k + (1 if req.num_tentative else 0), tail))
         if fresh:
             self._propose_now(fresh, deadline)
-        # a proposal sized to the step: wait for it (the policy counted the wait), but not for a probe's
-        sized = self.policy is not None and self._choice.k > 0 and not self._choice.probe
+        # a concurrent drafter's proposal sized to the step is waited for (the policy counted the wait); one still
+        # catching up on many tokens (as slow as the prompt is long) only when nobody else waits behind it or when
+        # the policy probes (its drafts must be verified for the acceptance to be measured at all)
+        sized = self.policy is not None and self._choice.k > 0
+        catch_up = None if sized and (self._choice.probe or len(decoding) == 1) else deadline
         for req in decoding:
             if ks.get(req.request_id, 0) > 0:
-                self._take_ahead(req, ks[req.request_id], None if sized else deadline)
+                self._take_ahead(req, ks[req.request_id], None if sized else deadline, catch_up)
         self.stats.ahead_drafted += len(self._expected)
         self.stats.parked += len(parked)
         self.stats.lookahead_s += time.perf_counter() - t0  # during the forward in flight
@@ -423,8 +429,11 @@ class SpeculativeDecoder(Speculation):
         if self.policy is None:
             return frozenset()
         now = time.perf_counter()
-        if self._chosen_at:  # the step since the last choice: its period and the tokens it emitted
+        # the step since the last choice: its period and the tokens it emitted (not when it waited for the drafter
+        # catching up on a new request's prompt: that is the request's arrival, not the choice's cost)
+        if self._chosen_at and not self._waited_catch_up:
             self.policy.observe_period(self._chosen_for, self._choice, now - self._chosen_at, self._emitted)
+        self._waited_catch_up = False
         self._choice, self._chosen_for, self._chosen_at = self.policy.choose(len(decoding)), len(decoding), now
         self._emitted = 0
         if not self._choice.alternate:
@@ -435,11 +444,15 @@ class SpeculativeDecoder(Speculation):
     def _ahead_k(self, rid: str, batch: int) -> int:
         return self._choice.k if self.policy is not None else self._choose_k(rid, batch)
 
-    def _take_ahead(self, req: Request, k: int, deadline: float | None) -> None:
-        """Drafts for `req` from its proposal made ahead, when that one still fits what is known and tentative."""
+    def _take_ahead(self, req: Request, k: int, deadline: float | None, catch_up_deadline: float | None) -> None:
+        """Drafts for `req` from its proposal made ahead, when that one still fits what is known and tentative;
+        waited for until `deadline` (`catch_up_deadline` for a proposal catching the drafter up)."""
         ahead = self._ahead.pop(req.request_id, None)
         if ahead is None:
             return
+        if ahead.catch_up:
+            deadline = catch_up_deadline
+            self._waited_catch_up |= not ahead.future.done()
         if not ahead.future.done():
             wait = None if deadline is None else max(0.0, deadline - time.perf_counter())
             try:

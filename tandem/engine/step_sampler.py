@@ -24,7 +24,8 @@ from tandem.tokenizer import Tokenizer
 # (sequence, or None when it ended meanwhile; logits row; the number of its tokens before the sampled one)
 PlainRow = tuple[SequenceState | None, int, int]
 _UNUSED = SamplingRow(SamplingParams(temperature=0.0), [], [], None)  # the row of a sequence that ended meanwhile
-VerifyRows = tuple[SequenceState, int, list[int], int]  # (sequence, first logits row, drafts, tokens before them)
+# (sequence, or None when it ended meanwhile; first logits row; drafts; tokens before them)
+VerifyRows = tuple[SequenceState | None, int, list[int], int]
 
 
 @dataclass
@@ -111,7 +112,10 @@ class StepSampler:
             seq = seqs.get(sr.request_id)
             n = sr.num_logits_rows
             if seq is None or seq.req.is_finished:  # ended while its plan ran (scheduling ahead): sampled, unused
-                if sr.needs_logits:
+                k = sr.num_draft_tokens  # (in the row order its bitmask rows were filled in)
+                if sr.needs_logits and k:
+                    verify.append((None, offset + n - 1 - k, sr.input_ids[-k:], 0))
+                elif sr.needs_logits:
                     plain.append((None, offset + n - 1, 0))
                 offset += n
                 continue
@@ -171,12 +175,16 @@ class StepSampler:
     def _verify(self, verify: list[VerifyRows], logits: torch.Tensor, bitmask: torch.Tensor | None) -> dict[str, list[int]]:
         """Rejection-sample every speculative request's drafts in one call (row j sees drafts[:j] as its history)."""
         row_idx = [first + j for _, first, d, _ in verify for j in range(len(d) + 1)]
-        rows = [_row(seq, known, d[:j]) for seq, _, d, known in verify for j in range(len(d) + 1)]
+        rows = [_row(seq, known, d[:j]) if seq is not None else _UNUSED
+                for seq, _, d, known in verify for j in range(len(d) + 1)]
         target = logits.index_select(0, torch.tensor(row_idx, device=logits.device))  # [sum(k + 1), V]
         emitted = rejection_sample(self.sampler, target, rows, [DraftRows(d, None) for _, _, d, _ in verify], bitmask)
         tokens: dict[str, list[int]] = {}
         pos = 0
         for (seq, _, drafts, _), (toks, dead) in zip(verify, emitted):
+            if seq is None:  # a sequence that ended meanwhile: verified, unused
+                pos += len(drafts) + 1
+                continue
             tokens[seq.request_id] = toks
             if dead:
                 self._no_token(seq, len(toks))

@@ -34,6 +34,8 @@ PRIOR_ACCEPTANCE = 0.7
 ALPHA = 0.1  # EWMA weight of a new observation
 WINDOW = 9  # the drafter's and the forward's times: medians of the last few (one slow start or stall is not theirs)
 MEASURED_STEPS = 4  # steps of a choice before its measured goodput replaces the model's
+FRESH_STEPS = 256  # ... and for how many steps after it ran
+HOPELESS = 0.5  # before any choice with drafts was measured, off wins only when the model gives drafting less
 PROBE_STEPS = 64  # steps at K = 0 before one step at K = 1 measures the drafter and the acceptance again
 
 
@@ -47,7 +49,7 @@ class AheadChoice:
     k: int  # drafts per request this step (0: speculation off)
     alternate: bool  # alternating groups instead of optimistic drafting
     goodput: float  # the model's tokens per second for the whole batch
-    probe: bool = False  # K = 1 only to measure again (its proposal is not waited for past the forward)
+    probe: bool = False  # K = 1 only to measure the drafter and the acceptance again
 
 
 @dataclass
@@ -66,7 +68,8 @@ class AheadPolicy:
     # (batch bucket, K, alternate) -> recent steps with that choice: (tokens emitted, wall seconds). The goodput
     # measured so includes what the model misses (the drafter and the engine sharing the host's cores, drafts
     # dropped after a miss), and once there is some it decides instead of the model
-    _steps: dict[tuple[int, int, bool], deque[tuple[int, float]]] = field(default_factory=dict)
+    _steps: dict[tuple[int, int, bool], deque[tuple[int, float, int]]] = field(default_factory=dict)
+    _clock: int = 0  # observed periods so far (measured goodput older than FRESH_STEPS of them is not used)
     _off_steps: int = 0  # consecutive choices of K = 0
     _probe_every: int = PROBE_STEPS  # doubles while probes keep finding speculation does not pay
 
@@ -76,15 +79,18 @@ class AheadPolicy:
             self._proposals.setdefault((_bucket(batch), steps), deque(maxlen=WINDOW)).append(seconds)
 
     def observe_period(self, batch: int, choice: AheadChoice, seconds: float, tokens: int) -> None:
-        """A step with `choice` for `batch` decoding requests took `seconds` of wall time and emitted `tokens`
-        (probes excluded)."""
-        if not choice.probe and batch > 0:
+        """A step with `choice` for `batch` decoding requests took `seconds` of wall time and emitted `tokens`."""
+        self._clock += 1
+        if batch > 0 and not choice.probe:  # (a probe's steps wait for a drafter catching up: not its speed)
             key = (_bucket(batch), choice.k, choice.alternate)
-            self._steps.setdefault(key, deque(maxlen=2 * WINDOW)).append((tokens, seconds))
+            self._steps.setdefault(key, deque(maxlen=2 * WINDOW)).append((tokens, seconds, self._clock))
 
     def _measured(self, batch: int, k: int, alternate: bool) -> float | None:
-        seen = self._steps.get((_bucket(batch), k, alternate))
-        if not seen or len(seen) < MEASURED_STEPS:
+        """The goodput measured with this choice lately (none when it ran too few steps, or too long ago: text
+        and acceptance change, and a stale figure would keep a choice from being tried again)."""
+        seen = [(n, dt) for n, dt, at in self._steps.get((_bucket(batch), k, alternate), ())
+                if self._clock - at <= FRESH_STEPS]
+        if len(seen) < MEASURED_STEPS:
             return None
         return sum(n for n, _ in seen) / max(1e-9, sum(dt for _, dt in seen))
 
@@ -139,17 +145,22 @@ class AheadPolicy:
 
     def _best(self, batch: int) -> AheadChoice:
         t = self.forward_s
-        if t <= 0 or self.proposal_s(batch, 2) is None:  # nothing measured yet: K = 1, not waited for
+        if t <= 0 or self.proposal_s(batch, 2) is None:  # nothing measured yet: K = 1
             return AheadChoice(1 if self.k_max else 0, bool(self.alternate) and batch >= 2, 0.0, probe=True)
         models = self._models(batch, t)
         ratios = [m / models[key] for key in models if key[0] and (m := self._measured(batch, *key)) is not None]
         calibration = statistics.median(ratios) if ratios else 1.0
-        best = AheadChoice(0, False, self._goodput(batch, 0, False, batch / t, 1.0))
+        off = self._goodput(batch, 0, False, batch / t, 1.0)
+        best = AheadChoice(0, False, 0.0)
         for (k, alternate), model in models.items():
             rate = self._goodput(batch, k, alternate, model, calibration)
             if rate > best.goodput:
                 best = AheadChoice(k, alternate, rate)
-        return best
+        # off needs a measured choice with drafts to lose to it (the model's acceptance and guesses start as
+        # priors), unless the model finds drafting hopeless
+        if best.goodput > off or (not ratios and best.goodput > HOPELESS * off):
+            return best
+        return AheadChoice(0, False, off)
 
     def _models(self, batch: int, t: float) -> dict[tuple[int, bool], float]:
         """The modelled goodput of each (K > 0, alternate) allowed (module doc)."""

@@ -206,3 +206,27 @@ def test_draft_model_overlap_ways_are_lossless(stories_engine_factory, stories_d
     assert stats["spec_num_accepted"] > 0
     assert (stats["spec_parked"] > 0) == alternate  # the groups really took turns
     assert ahead.block_manager.num_free_blocks == ahead.runner.num_blocks
+
+
+def test_a_request_that_ends_while_its_drafted_row_is_in_flight(stories_engine_factory, cycle_method: str) -> None:  # type: ignore[no-untyped-def]  # noqa: F811
+    """Requests stopped by a stop string while the next plan already holds their drafted row (a proposer that
+    always drafts), beside always-masked guided rows (so the step has bitmasks): that row is verified and thrown
+    away, in the rows its masks were filled for."""
+    regex = StructuredOutputsParams(regex=r"[a-zA-Z ,.]{60,90}")  # free text: guided rows to the end
+    guided = SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=regex, logprobs=1)  # always masked
+    stopped = SamplingParams(temperature=0.0, max_tokens=48, stop=[" play with", " happy"])
+    base = stories_engine_factory(async_scheduling=False)
+    ahead = stories_engine_factory(async_scheduling=True, speculative_config={
+        "method": cycle_method, "num_speculative_tokens": 2, "adaptive": False})
+    prompts = _story_prompts(base, 8)
+    got, want = {}, {}
+    for engine, out in ((base, want), (ahead, got)):
+        for i, (rid, p) in enumerate(prompts.items()):
+            engine.add_request(rid, p, guided if i % 4 == 0 else stopped)
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    out[o.request_id] = o
+    assert _tokens(got) == _tokens(want) and _texts(got) == _texts(want)
+    assert sum(o.outputs[0].stop_reason is not None for o in got.values()) >= 4
+    assert ahead.get_stats()["spec_num_drafted"] > 0
