@@ -2,11 +2,15 @@
 
 One projection of a real shape (default: SmolLM2-1.7B's gate/up, [16384, 2048]) at 1 ... 512 rows, best of several
 calls over enough copies of the weight that each call reads it from memory, not from the last-level cache. Columns:
-  bf16            tandem's AVX512-BF16 GEMM (csrc/cpu_ops.cpp: linear_bf16)
+  bf16-avx512     tandem's bf16 GEMM on AVX512-BF16 (csrc/cpu_ops.cpp: linear_bf16)
+  bf16-amx        the same GEMM on AMX tiles, same packed weight (CPUs with amx_bf16)
+  onednn          oneDNN's bf16 matmul on a pre-packed weight (torch.ops.mkldnn; AMX where the CPU has it)
+  F.linear        torch's bf16 F.linear
   torch-w8a16     torch._weight_int8pack_mm (int8 weights, per-channel scales, bf16 activations)
   torchao-*       torchao's Int8WeightOnly / Int8DynamicActivationInt8Weight configs on nn.Linear (when installed)
   Q8_0 ... I8     tandem's quantized kernels (csrc/quant_ops.cpp), int8 activation blocks, VNNI (or AVX2 with --isa avx2)
 Usage: python scripts/bench_quant_kernels.py [--n 16384 --k 2048] [--rows 1,4,8,32,128,512] [--isa avx512]
+                                            [--only bf16-avx512,bf16-amx,onednn,F.linear] [--gflops]
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import numpy as np
 import torch
 
 from tandem.bench.common import machine_line, print_table
-from tandem.layers.linear import QuantProjection, make_linear
+from tandem.layers.linear import Bf16GemmProjection, OneDnnProjection, QuantProjection
 from tandem.layers.quant import FORMATS, QuantizedTensor, quantize_int8
 from tandem.runner.tensor_thread import on_tensor_thread
 
@@ -74,18 +78,32 @@ def torchao_linears(w: torch.Tensor, count: int) -> dict[str, list[Callable[[tor
     return out
 
 
+def bf16_candidates(w: torch.Tensor) -> dict[str, list[Callable[[torch.Tensor], torch.Tensor]]]:
+    from tandem.layers.kernels import load_cpu_kernels
+
+    assert load_cpu_kernels(), "tandem's CPU kernels did not build here"
+    c = copies(w.numel() * 2)
+    gemm = torch.ops.tandem.linear_bf16
+    packs = [Bf16GemmProjection(w.clone(), None).packed for _ in range(c)]
+    out: dict[str, list[Callable[[torch.Tensor], torch.Tensor]]] = {
+        "bf16-avx512": [lambda x, p=p: gemm(x, p, None, 0) for p in packs]}
+    if torch.ops.tandem.has_amx_bf16():
+        out["bf16-amx"] = [lambda x, p=p: gemm(x, p, None, 1) for p in packs]
+    out["onednn"] = [OneDnnProjection(w.clone(), None) for _ in range(c)]
+    plain = [w.clone() for _ in range(c)]
+    out["F.linear"] = [lambda x, p=p: torch.nn.functional.linear(x, p) for p in plain]
+    return out
+
+
 def candidates(n: int, k: int, isa: int) -> dict[str, list[Callable[[torch.Tensor], torch.Tensor]]]:
     rng = np.random.default_rng(0)
     w = (torch.randn(n, k) * 0.02).bfloat16()
-    c = copies(n * k * 2)
-    out: dict[str, list[Callable[[torch.Tensor], torch.Tensor]]] = {
-        "bf16": [make_linear(w.clone(), use_kernels=True) for _ in range(c)]
-    }
+    out = bf16_candidates(w)
     q8 = quantize_int8(w)
     packs = [(q8.data.clone(), q8.scales.bfloat16()) for _ in range(copies(n * k))]  # type: ignore[union-attr]
     out["torch-w8a16"] = [lambda x, p=p: torch._weight_int8pack_mm(x, p[0], p[1]) for p in packs]
     with torch.no_grad():
-        out.update({name: [lambda x, m=m: m(x) for m in mods] for name, mods in torchao_linears(w, c).items()})
+        out.update({name: [lambda x, m=m: m(x) for m in mods] for name, mods in torchao_linears(w, copies(n * k * 2)).items()})
     for qtype in ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "I8"):
         weight = q8 if qtype == "I8" else random_quantized(qtype, n, k, rng)
         out[qtype] = [QuantProjection([weight], None, isa) for _ in range(copies(weight.nbytes))]
@@ -99,22 +117,31 @@ def main() -> None:
     ap.add_argument("--rows", default="1,4,8,32,128,512")
     ap.add_argument("--isa", default="avx512", choices=["avx512", "avx2"])
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    ap.add_argument("--only", default="", help="comma-separated columns (default: all)")
+    ap.add_argument("--gflops", action="store_true", help="GFLOP/s instead of ms per call")
     args = ap.parse_args()
+    only = {c for c in args.only.split(",") if c}
 
     def run() -> list[dict[str, object]]:
         torch.set_num_threads(args.threads)
-        fns = candidates(args.n, args.k, 2 if args.isa == "avx512" else 1)
+        if only and only <= {"bf16-avx512", "bf16-amx", "onednn", "F.linear"}:
+            fns = bf16_candidates((torch.randn(args.n, args.k) * 0.02).bfloat16())
+        else:
+            fns = candidates(args.n, args.k, 2 if args.isa == "avx512" else 1)
+        fns = {name: f for name, f in fns.items() if not only or name in only}
         rows = []
         for m in (int(r) for r in args.rows.split(",")):
             x = torch.randn(m, args.k).bfloat16()
             row: dict[str, object] = {"rows": m}
             with torch.no_grad():
                 for name, f in fns.items():
-                    row[name] = round(best_ms(f, x), 3)
+                    ms = best_ms(f, x)
+                    row[name] = round(2 * m * args.n * args.k / ms / 1e6) if args.gflops else round(ms, 3)
             rows.append(row)
         return rows
 
-    print(f"{machine_line()}; threads {args.threads}; [{args.n}, {args.k}] projection, ms per call (best)")
+    unit = "GFLOP/s (best call)" if args.gflops else "ms per call (best)"
+    print(f"{machine_line()}; threads {args.threads}; [{args.n}, {args.k}] projection, {unit}")
     print_table(on_tensor_thread(run))
 
 

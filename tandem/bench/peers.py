@@ -54,6 +54,22 @@ def hf_generate(
     return res
 
 
+def hf_prefill_s(model_dir: Path, prompts: Sequence[list[int]], dtype: torch.dtype) -> float:
+    """HF's fastest forward pass over one of `prompts` (each alone, the logits of its last token kept, as a
+    generation's prefill does), in seconds."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    best = float("inf")
+    with torch.inference_mode():
+        model(torch.tensor([prompts[0][:16]]))  # warm-up
+        for p in prompts:
+            t0 = time.perf_counter()
+            model(torch.tensor([p]), logits_to_keep=1)
+            best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def llama_cpp_available(announce: bool = True) -> bool:
     """Whether the llama.cpp peer is installed and passed its smoke test here (`llama_peer.peer_status`); when it
     did not and `announce`, says why (benchmarks then leave it out)."""

@@ -3,6 +3,8 @@
 Workloads: `fixed` (exactly input_len prompt tokens and output_len output tokens, EOS ignored) and `dynamic` (real
 chat prompts, real EOS, output capped at output_len). Concurrency levels: tandem keeps that many requests in flight
 (continuous batching); HF runs static batches of that size; llama.cpp runs only at concurrency 1.
+`--prefill-len N` adds a prefill row: one N-token prompt to its first token (tandem) against HF's forward pass over
+the same tokens, prompt tokens per second, best of three distinct prompts (no prefix cache hit).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ def add_parser(bsub: Any) -> None:
     p.add_argument("--workloads", default="fixed,dynamic")
     p.add_argument("--peers", default="hf,llama.cpp", help="comma-separated: hf, llama.cpp, or none")
     p.add_argument("--json", type=Path, default=None, help="write all figures here")
+    p.add_argument("--prefill-len", type=int, default=0, help="also time the prefill of one prompt this long")
     p.add_argument("--shape", default=None,
                    help="run random-weight models of this architecture shape instead (smollm2-135m, smollm2-360m, "
                         "smollm2-1.7b, llama3.2-1b, qwen2.5-0.5b, llama3.1-8b); written once under $TANDEM_HOME")
@@ -100,6 +103,10 @@ def run(args: argparse.Namespace) -> int:
                 row["vs_tandem"] = round(tres.tok_per_s / r.tok_per_s, 2) if r.tok_per_s else None
                 results.append(row)
             print_table([{"workload": workload, "concurrency": level, **r.row()} for r, _ in rows])
+    if args.prefill_len:
+        prefill = prefill_rows(engine, model_dir, tok, args.prefill_len, dtype, "hf" in peers)
+        print_table(prefill)
+        results.extend(prefill)
     results.append({"name": "peak_rss_mb", "value": round(peak_rss_mb(), 1)})
     print()
     print_table([r for r in results if "workload" in r], title="tandem bench throughput (vs_tandem = tandem tok/s / row tok/s)")
@@ -126,6 +133,26 @@ def run_shape_formats(args: argparse.Namespace) -> int:
     if args.json:
         args.json.write_text(json.dumps({"machine": machine_line(), "shape": args.shape, "results": rows}, indent=2))
     return 0
+
+
+def prefill_rows(engine: Any, model_dir: Path, tok: Any, length: int, dtype: torch.dtype, hf: bool) -> list[dict[str, Any]]:
+    """Prompt tokens per second of one `length`-token prefill: tandem's time to first token, HF's forward pass."""
+    prompts = fixed_prompts(tok, 4, length)
+    prompts = [[p[0] + i] + p[1:] for i, p in enumerate(prompts)]  # distinct from the first token: no cached prefix
+    once = SamplingParams(temperature=0.0, max_tokens=1)
+    tandem_s = min(min(drive(engine, [p], once, 1, f"prefill-{i}").ttft_s) for i, p in enumerate(prompts[1:]))
+    rows = [{"workload": "prefill", "name": "tandem", "prompt_tokens": length, "ms": round(tandem_s * 1e3, 1),
+             "prompt_tok/s": round(length / tandem_s, 1)}]
+    if hf:
+        from tandem.bench.peers import hf_prefill_s
+        from tandem.runner.tensor_thread import on_tensor_thread
+
+        hf_s = on_tensor_thread(hf_prefill_s, model_dir, prompts[1:], dtype)
+        rows.append({"workload": "prefill", "name": "hf-transformers", "prompt_tokens": length, "ms": round(hf_s * 1e3, 1),
+                     "prompt_tok/s": round(length / hf_s, 1)})
+    for r in rows:
+        r["vs_tandem"] = round(r["ms"] / rows[0]["ms"], 2) if r["ms"] else None  # type: ignore[operator]
+    return rows
 
 
 def hf_run(model_dir: Path, prompts: list[list[int]], out_len: int, level: int, dtype: torch.dtype, fixed: bool,

@@ -211,15 +211,16 @@ def paged_attention(
 
 def prefill_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, p: PrefillSeq, scale: float,
-    k_transposed: bool = False, window: int | None = None,
+    k_transposed: bool = False, window: int | None = None, math_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """One request's chunk: q [n, H, D] -> [n, H, D]. `k_transposed`: the cache's K blocks are [D, block_size]
-    (tandem's CPU kernels), not [block_size, D]. `window`: each query sees only the last `window` keys."""
+    (tandem's CPU kernels), not [block_size, D]. `window`: each query sees only the last `window` keys.
+    `math_dtype`: the dtype SDPA runs in (default float32 on the CPU, the cache's on an accelerator)."""
     n = q.shape[0]
     positions = torch.arange(p.start_pos, p.start_pos + n, device=q.device)
-    # the math runs in one dtype on every path (float32 on the CPU, the cache's on an accelerator) and reads K/V as
-    # the cache holds them, so a prefix-cache hit changes nothing
-    dt = torch.float32 if kv_cache.device.type == "cpu" else kv_cache.dtype
+    # the math runs in one dtype on every path and reads K/V as the cache holds them, so a prefix-cache hit changes
+    # nothing
+    dt = math_dtype or (torch.float32 if kv_cache.device.type == "cpu" else kv_cache.dtype)
     qh = q.transpose(0, 1).unsqueeze(0).to(dt)  # [1, H, n, D]
     if p.key_blocks is None:
         o = F.scaled_dot_product_attention(

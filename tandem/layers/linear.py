@@ -5,7 +5,8 @@ W (`rows(ids)`, float32): a tied embedding is looked up from the same storage th
 is held once. Kinds, on the CPU with tandem's kernels:
   * `QuantProjection`: quantized weights (GGUF blocks, int8) repacked losslessly for `csrc/quant_ops.cpp` (VNNI or
     AVX2 integer dot products over int8-quantized activations); one call runs a fused group of parts of mixed formats.
-  * `Bf16GemmProjection`: bf16 weights packed for tandem's AVX512-BF16 GEMM (`csrc/cpu_ops.cpp: linear_bf16`).
+  * `Bf16GemmProjection`: bf16 weights packed once for tandem's GEMM (`csrc/cpu_ops.cpp: linear_bf16`), which runs
+    on AVX512-BF16 or on AMX tiles over that same packing, as `gemm_plan.bf16_plan()` measured for this CPU.
   * `OneDnnProjection`: bf16 / float32 weights pre-packed for oneDNN (x86 `F.linear` on bf16 reaches a third of the
     memory bandwidth at batch 1; oneDNN with a packed weight all of it).
   * `DenseProjection`: `F.linear` (accelerators, anything else). Quantized weights on an accelerator, or without the
@@ -112,21 +113,25 @@ class OneDnnProjection(Projection):
 
 
 class Bf16GemmProjection(Projection):
-    """tandem's AVX512-BF16 GEMM over W packed [N / 16, K / 2, 16, 2]: 1.1-1.3x oneDNN at 32 rows and up to 2-3x at
-    1-5 rows, same for prefill; every row computed the same way at any batch size."""
+    """tandem's bf16 GEMM over W packed [N / 16, K / 2, 16, 2], the operand layout of both `vdpbf16ps` and an AMX B
+    tile. AVX512-BF16: 1.1-1.3x oneDNN at 32 rows and 2-3x at 1-5 rows (AMD EPYC); AMX tiles where the CPU has them
+    and `bf16_plan()` chose them. Either way every row is computed the same way at any batch size."""
 
     kind = "bf16-gemm"
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        from tandem.layers.gemm_plan import bf16_plan
+
         n, k = int(weight.shape[0]), int(weight.shape[1])
         self.out_features, self.in_features = n, k
         # [N, K] -> [N / 16, K / 2, 16, 2]: per 16 output columns, K in pairs (the vdpbf16ps operand layout)
         self.packed = weight.reshape(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
         self.bias = bias.contiguous() if bias is not None else None
+        self.amx_rows = bf16_plan().amx_rows  # linear_bf16: calls of at least this many rows on AMX (0: never)
         self._gemm = torch.ops.tandem.linear_bf16
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self._gemm(x.contiguous(), self.packed, self.bias)
+        return self._gemm(x.contiguous(), self.packed, self.bias, self.amx_rows)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         picked = self.packed[ids // 16, :, ids % 16, :]  # [R, K / 2, 2]
@@ -240,7 +245,10 @@ def kernel_paths() -> dict[str, str]:
     """The CPU path each weight format takes here (what `make_linear` picks for a CPU weight with the kernels on):
     for benchmarks' machine lines and the dispatch test."""
     if _bf16_gemm_available():
-        bf16 = "tandem avx512-bf16 gemm"
+        from tandem.layers.gemm_plan import bf16_plan
+
+        bf16 = {"amx": "tandem amx-bf16 tiles", "avx512-bf16": "tandem avx512-bf16 gemm"}.get(
+            bf16_plan().path, f"tandem {bf16_plan().path}")
     else:
         bf16 = "onednn" if _onednn_ok(torch.bfloat16) else "torch"
     quant = {2: "avx512-vnni", 1: "avx2"}.get(quant_isa(), "dequantized to bf16")

@@ -75,10 +75,11 @@ def test_random_logits_give_the_masked_tokens(gpt2: Tokenizer, speculative: bool
     assert stats["grammar_rows_filled"] < plain_stats["grammar_rows_filled"]
 
 
-@pytest.mark.parametrize("step_s", [0.003, 0.02], ids=["some-filled", "most-filled"])
+# 6 ms, not 3: on the Xeon of this kind, in the full suite, a 3 ms forward's slack once fitted no row at all
+@pytest.mark.parametrize("step_s", [0.006, 0.02], ids=["some-filled", "most-filled"])
 def test_rows_filled_in_the_forwards_slack_give_the_masked_tokens(gpt2: Tokenizer, step_s: float) -> None:
     """Scheduled ahead beside a device whose forward takes `step_s`, rows that could go unmasked are filled while it
-    runs (structured/slack_fill.py): with 3 ms some are and the others are checked after sampling, with 20 ms
+    runs (structured/slack_fill.py): with 6 ms some are and the others are checked after sampling, with 20 ms
     nearly all are; the tokens are the always masked engine's either way."""
     requests = _schema_requests(16, max_tokens=32)
     slack, stats = _run(simulated_engine(gpt2, step_s, 16, "llguidance", None, rows_by_token=True,

@@ -3,6 +3,8 @@ features are read right from /proc/cpuinfo (an AMD EPYC and an Intel Xeon with A
 
 from __future__ import annotations
 
+import torch
+
 from tandem.cpu_features import cpu_features
 from tandem.layers.kernels import load_cpu_kernels
 from tandem.layers.linear import kernel_paths
@@ -35,6 +37,10 @@ def test_dispatch_picks_a_path_this_cpu_supports() -> None:
     paths = kernel_paths()
     if paths["bf16"] == "tandem avx512-bf16 gemm":
         assert cpu.has("avx512f", "avx512_bf16")
+    elif paths["bf16"] == "tandem amx-bf16 tiles":
+        assert cpu.amx and cpu.has("avx512_bf16")
+    if cpu.amx and load_cpu_kernels():  # the build for an AMX CPU has the tiles, and Linux lets this process use them
+        assert torch.ops.tandem.has_amx_bf16()
     if paths["quantized"] == "avx512-vnni":
         assert cpu.has("avx512_vnni", "avx512bw")
     elif paths["quantized"] == "avx2":

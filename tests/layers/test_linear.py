@@ -41,3 +41,68 @@ def test_float32_rows_agree_within_rounding() -> None:
     torch.testing.assert_close(full, x @ w.T, atol=1e-5, rtol=1e-5)
     for m in ROWS:
         torch.testing.assert_close(f(x[:m].contiguous()), full[:m], atol=1e-5, rtol=1e-6)
+
+
+def _amx_or_skip() -> None:
+    from tandem.layers.kernels import load_cpu_kernels
+
+    if not (load_cpu_kernels() and torch.ops.tandem.has_amx_bf16()):
+        pytest.skip("the AMX path needs amx_tile / amx_bf16 (and a kernel build for them), which this CPU lacks")
+
+
+@pytest.mark.parametrize("n,k", [(96, 64), (48, 96), (16, 32), (64, 576)])
+def test_amx_bf16_matches_reference_and_is_batch_invariant(n: int, k: int) -> None:
+    """AMX tiles over the same packed weight: row tails (1-16 and 17-32 of a 32-row block), an odd count of 16-column
+    blocks, a bias; every row bitwise the same at any row count."""
+    _amx_or_skip()
+    g = torch.Generator().manual_seed(n + k)
+    w, x = torch.randn(n, k, generator=g).bfloat16(), torch.randn(70, k, generator=g).bfloat16()
+    bias = torch.randn(n, generator=g).bfloat16()
+    packed = make_linear(w, use_kernels=True).packed  # type: ignore[attr-defined]
+    full = torch.ops.tandem.linear_bf16(x, packed, bias, 1)
+    ref = x.float() @ w.float().T + bias.float()
+    torch.testing.assert_close(full.float(), ref, atol=0.05 * k**0.5, rtol=1e-2)
+    for m in (*ROWS, 31, 32, 48, 64, 65):
+        assert torch.equal(torch.ops.tandem.linear_bf16(x[:m].contiguous(), packed, bias, 1), full[:m]), m
+
+
+def test_amx_needs_whole_k_tiles_and_falls_back() -> None:
+    """K not a multiple of 32 (no whole A tile) runs on AVX512-BF16 whatever amx_rows says."""
+    _amx_or_skip()
+    g = torch.Generator().manual_seed(5)
+    w, x = torch.randn(32, 48, generator=g).bfloat16(), torch.randn(40, 48, generator=g).bfloat16()
+    packed = make_linear(w, use_kernels=True).packed  # type: ignore[attr-defined]
+    assert torch.equal(torch.ops.tandem.linear_bf16(x, packed, None, 1), torch.ops.tandem.linear_bf16(x, packed, None, 0))
+
+
+def test_bf16_plan_never_mixes_units_that_round_differently(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plan mixes AMX and AVX512-BF16 by row count only where they agree bitwise; otherwise one unit (amx_rows 0
+    or 1) serves every row count. The environment overrides the measurement."""
+    from tandem.layers import gemm_plan
+
+    _amx_or_skip()
+    plan = gemm_plan.calibrate(shape=(256, 256), rows=(1, 32))
+    assert set(plan.gflops) == {"avx512-bf16", "amx"} and all(v > 0 for d in plan.gflops.values() for v in d.values())
+    if not plan.same_rounding:
+        assert plan.amx_rows in (0, 1) and plan.path in ("amx", "avx512-bf16")
+    monkeypatch.setattr(gemm_plan, "_PLAN", {})
+    monkeypatch.setenv(gemm_plan.ENV, "avx512")
+    assert gemm_plan.bf16_plan().amx_rows == 0
+    monkeypatch.setattr(gemm_plan, "_PLAN", {})
+    monkeypatch.setenv(gemm_plan.ENV, "amx")
+    assert gemm_plan.bf16_plan().amx_rows == 1
+
+
+def test_bf16_plan_is_cached_per_cpu(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    from tandem.layers import gemm_plan
+
+    _amx_or_skip()
+    monkeypatch.setenv("TANDEM_HOME", str(tmp_path))
+    monkeypatch.delenv(gemm_plan.ENV, raising=False)
+    monkeypatch.setattr(gemm_plan, "CALIBRATION_SHAPE", (256, 256))
+    monkeypatch.setattr(gemm_plan, "_PLAN", {})
+    first = gemm_plan.bf16_plan()
+    assert gemm_plan._cache_file().exists() and gemm_plan._read_cached() == first
+    monkeypatch.setattr(gemm_plan, "calibrate", lambda *a, **k: pytest.fail("calibrated again"))
+    monkeypatch.setattr(gemm_plan, "_PLAN", {})
+    assert gemm_plan.bf16_plan() == first

@@ -134,6 +134,7 @@ def test_paged_attention_matches_dense_causal_attention(
             write_kv(cache_t, kv[0], kv[1], slots)
     cache_k = CpuKernelOps.from_standard_layout(cache_t).to(cache_dtype)  # the kernels' cache in the model dtype
     assert k.kv_cache_dtype == cache_dtype
+    k.prefill_dtype = torch.float32  # the exact check below; bf16 prefill math (AMX CPUs) is checked after it
     qkv = torch.randn(T, (H + 2 * KVH) * D, generator=g).to(cache_dtype)  # the projection's output, model dtype
     qk = qkv[:, : (H + KVH) * D].view(T, H + KVH, D)
     v = qkv[:, (H + KVH) * D :].view(T, KVH, D)
@@ -147,6 +148,10 @@ def test_paged_attention_matches_dense_causal_attention(
     assert torch.equal(k.attention(rq_bm, v, cache_bm, meta, H, D**-0.5, torch.float32, window), got)
     refs = _dense_reference(rq_k, CpuKernelOps.to_standard_layout(cache_k), plan, news, starts, H, D, window)
     torch.testing.assert_close(got, torch.cat(refs), atol=1e-5, rtol=1e-4)
+    if cache_dtype == torch.bfloat16:  # prefill attention in bf16 (the default over a bf16 cache on AMX CPUs)
+        k.prefill_dtype = torch.bfloat16
+        torch.testing.assert_close(k.attention(rq_k, v, cache_k, meta, H, D**-0.5, torch.float32, window), got,
+                                   atol=3e-2, rtol=2e-2)
     if cache_dtype == torch.float32:  # and the torch path (its own float32 cache) gives the same
         rq_t = t.rope_write_kv(qk, v, t.rope_tables(meta.positions), cache_t, meta, H)
         want = t.attention(rq_t, v, cache_t, meta, H, D**-0.5, torch.float32, window)

@@ -34,6 +34,11 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 namespace {
 
 using at::Tensor;
@@ -519,7 +524,181 @@ constexpr bool kHasBf16Gemm = false;
 
 bool has_bf16_gemm() { return kHasBf16Gemm; }
 
-Tensor linear_bf16(const Tensor& x, const Tensor& wp, const c10::optional<Tensor>& bias) {
+// ---- the same GEMM on AMX tiles (Sapphire Rapids and later), over the same packed weight ----
+// A B tile is 16 k-pairs x 16 columns x 2 = the packed weight's [K / 2, 16, 2] block read 16 k-pairs at a time (1 KiB,
+// contiguous), so AMX and AVX512-BF16 share one copy of W. Tiles: C 0-3 (2 x 2 blocks of 16 x 16 float32), A 4-5 (16
+// rows x 32 bf16 of x), B 6-7. Every output accumulates its k-pairs in ascending order from zero, then adds the bias
+// and rounds once, as gemm_tile does; whether the tile unit rounds the same way as vdpbf16ps is a property of the
+// CPU, checked at calibration (tandem/layers/gemm_plan.py) before the two are mixed by row count.
+// Needs K % 32 == 0 (whole A tiles); callers fall back to linear_bf16's AVX512 path otherwise.
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+constexpr bool kHasAmxBf16 = true;
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Linux hands out the 8 KiB tile state only to a process that asks (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA)
+bool amx_permitted() {
+  static const bool ok = [] {
+#if defined(__linux__)
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+#else
+    return false;
+#endif
+  }();
+  return ok;
+}
+
+// C tiles and A tiles of the two 16-row halves get rows0 / rows1 rows (0: that half is not used)
+inline void amx_configure(int rows0, int rows1) {
+  TileConfig cfg{};
+  cfg.palette_id = 1;
+  const int rows[2] = {rows0, rows1};
+  for (int a = 0; a < 2; ++a) {
+    if (rows[a] == 0) continue;
+    for (int b = 0; b < 2; ++b) {
+      cfg.rows[a * 2 + b] = static_cast<uint8_t>(rows[a]);
+      cfg.colsb[a * 2 + b] = 64;
+    }
+    cfg.rows[4 + a] = static_cast<uint8_t>(rows[a]);
+    cfg.colsb[4 + a] = 64;
+  }
+  for (int b = 0; b < 2; ++b) {
+    cfg.rows[6 + b] = 16;
+    cfg.colsb[6 + b] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// B tiles prefetched this many k-tiles ahead: the weight streams from memory once per call at few rows, and tile
+// loads alone left the 49,152 x 576 output projection at 17 GFLOP/s at 1 row, 340 at 32 (22-24 and 470-510 with it)
+constexpr int64_t kAmxPrefetch = 2;
+
+// c [32, 32] float32 (+)= x[rows, k-tiles t0..t1) @ W[cb0 * 16 .. (cb0 + NBT) * 16)^T for MA halves of 16 rows;
+// `resume`: c holds the sums of the k-tiles before t0 (reloaded exactly, so the order of additions is unchanged)
+template <int MA, int NBT>
+inline void amx_block(const uint16_t* x, int64_t K, const uint16_t* wp, int64_t cb0, int64_t t0, int64_t t1, bool resume,
+                      float* c) {
+  const int64_t K2 = K / 2, xs = K * 2;
+  if (resume) {
+    _tile_loadd(0, c, 128);
+    if constexpr (NBT > 1) _tile_loadd(1, c + 16, 128);
+    if constexpr (MA > 1) {
+      _tile_loadd(2, c + 16 * 32, 128);
+      if constexpr (NBT > 1) _tile_loadd(3, c + 16 * 32 + 16, 128);
+    }
+  } else {
+    _tile_zero(0);
+    if constexpr (NBT > 1) _tile_zero(1);
+    if constexpr (MA > 1) {
+      _tile_zero(2);
+      if constexpr (NBT > 1) _tile_zero(3);
+    }
+  }
+  const uint16_t* w0 = wp + cb0 * K2 * 32;
+  const uint16_t* w1 = w0 + K2 * 32;
+  for (int64_t t = t0; t < t1; ++t) {
+    if constexpr (kAmxPrefetch > 0) {
+      if (t + kAmxPrefetch < t1) {
+        for (int l = 0; l < 16; ++l) {
+          _mm_prefetch(reinterpret_cast<const char*>(w0 + (t + kAmxPrefetch) * 512 + l * 32), _MM_HINT_T0);
+          if constexpr (NBT > 1) _mm_prefetch(reinterpret_cast<const char*>(w1 + (t + kAmxPrefetch) * 512 + l * 32), _MM_HINT_T0);
+        }
+      }
+    }
+    _tile_loadd(4, x + t * 32, xs);
+    _tile_loadd(6, w0 + t * 512, 64);
+    if constexpr (NBT > 1) _tile_loadd(7, w1 + t * 512, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NBT > 1) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (MA > 1) {
+      _tile_loadd(5, x + 16 * K + t * 32, xs);
+      _tile_dpbf16ps(2, 5, 6);
+      if constexpr (NBT > 1) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, c, 128);
+  if constexpr (NBT > 1) _tile_stored(1, c + 16, 128);
+  if constexpr (MA > 1) {
+    _tile_stored(2, c + 16 * 32, 128);
+    if constexpr (NBT > 1) _tile_stored(3, c + 16 * 32 + 16, 128);
+  }
+}
+
+inline void amx_write(const float* c, int rows, int nbt, const uint16_t* bias, int64_t cb0, uint16_t* y, int64_t N) {
+  for (int j = 0; j < nbt; ++j) {
+    __m512 bv = _mm512_setzero_ps();
+    if (bias != nullptr) {
+      const __m256i bb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias + (cb0 + j) * 16));
+      bv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bb), 16));
+    }
+    for (int r = 0; r < rows; ++r) {
+      const __m256bh out = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(c + r * 32 + j * 16), bv));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * N + (cb0 + j) * 16), (__m256i)out);
+    }
+  }
+}
+
+// Column blocks [cb_begin, cb_end) of all M rows. Blocking, so that the operand each tile multiply reloads sits in L1
+// and the other in L2: columns in chunks whose weight (~256 KiB) stays in L2 while every 32-row block of x passes over
+// it; K in spans of kAmxKTiles tiles, so the 32 rows x span of x (16 KiB) stay in L1 while the chunk's column pairs
+// take turns, each pair's partial sums parked in `parked` between spans (more than 32 rows only).
+constexpr int64_t kAmxKTiles = 8;
+
+void amx_columns(const uint16_t* x, int64_t M, int64_t K, const uint16_t* wp, int64_t cb_begin, int64_t cb_end,
+                 const uint16_t* bias, uint16_t* y, int64_t N) {
+  const int64_t chunk = std::max<int64_t>(2, (int64_t{256} * 1024 / (K * 32)) & ~int64_t{1});  // column blocks
+  const int64_t KT = K / 32;
+  std::vector<float> parked_buf(static_cast<size_t>((chunk / 2) * 32 * 32 + 16));
+  float* parked = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(parked_buf.data()) + 63) & ~uintptr_t{63});
+  int configured = -1;
+  for (int64_t n0 = cb_begin; n0 < cb_end; n0 += chunk) {
+    const int64_t n1 = std::min(cb_end, n0 + chunk);
+    for (int64_t m0 = 0; m0 < M; m0 += 32) {
+      const int rows0 = static_cast<int>(std::min<int64_t>(16, M - m0));
+      const int rows1 = static_cast<int>(std::clamp<int64_t>(M - m0 - 16, 0, 16));
+      if (configured != rows0 * 17 + rows1) {
+        amx_configure(rows0, rows1);
+        configured = rows0 * 17 + rows1;
+      }
+      const uint16_t* xm = x + m0 * K;
+      const int64_t span = M > 32 ? kAmxKTiles : KT;  // one block of rows: nothing to keep in L1, stream W in order
+      for (int64_t t0 = 0; t0 < KT; t0 += span) {
+        const int64_t t1 = std::min(KT, t0 + span);
+        for (int64_t cb = n0; cb < n1; cb += 2) {
+          const int nbt = static_cast<int>(std::min<int64_t>(2, n1 - cb));
+          float* c = parked + ((cb - n0) / 2) * 32 * 32;
+          const bool resume = t0 > 0;
+          if (rows1 > 0) {
+            nbt == 2 ? amx_block<2, 2>(xm, K, wp, cb, t0, t1, resume, c) : amx_block<2, 1>(xm, K, wp, cb, t0, t1, resume, c);
+          } else {
+            nbt == 2 ? amx_block<1, 2>(xm, K, wp, cb, t0, t1, resume, c) : amx_block<1, 1>(xm, K, wp, cb, t0, t1, resume, c);
+          }
+          if (t1 == KT) {
+            amx_write(c, rows0, nbt, bias, cb, y + m0 * N, N);
+            if (rows1 > 0) amx_write(c + 16 * 32, rows1, nbt, bias, cb, y + (m0 + 16) * N, N);
+          }
+        }
+      }
+    }
+  }
+  _tile_release();
+}
+#else
+constexpr bool kHasAmxBf16 = false;
+bool amx_permitted() { return false; }
+#endif
+
+bool has_amx_bf16() { return kHasAmxBf16 && amx_permitted(); }
+
+// amx_rows > 0: calls of at least that many rows run on AMX tiles (when the CPU and K allow), the rest on AVX512-BF16
+Tensor linear_bf16(const Tensor& x, const Tensor& wp, const c10::optional<Tensor>& bias, int64_t amx_rows) {
   TORCH_CHECK(kHasBf16Gemm, "linear_bf16: this build has no AVX512-BF16");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "linear_bf16: x must be contiguous bf16 [M, K]");
   TORCH_CHECK(wp.dim() == 4 && wp.scalar_type() == at::kBFloat16 && wp.is_contiguous() && wp.size(2) == 16 && wp.size(3) == 2,
@@ -536,6 +715,15 @@ Tensor linear_bf16(const Tensor& x, const Tensor& wp, const c10::optional<Tensor
   const uint16_t* w = reinterpret_cast<const uint16_t*>(wp.data_ptr<at::BFloat16>());
   const uint16_t* bp = has_bias ? reinterpret_cast<const uint16_t*>(bias->data_ptr<at::BFloat16>()) : nullptr;
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if (amx_rows > 0 && M >= amx_rows && K % 32 == 0 && M > 0 && amx_permitted()) {
+    const int64_t pairs = (NBLK + 1) / 2;  // work unit: 32 output columns (one pair of B tiles)
+    at::parallel_for(0, pairs, 1, [&](int64_t p0, int64_t p1) {
+      amx_columns(xp, M, K, w, p0 * 2, std::min(NBLK, p1 * 2), bp, yp, N);
+    });
+    return y;
+  }
+#endif
   const int64_t groups = (NBLK + 3) / 4;  // work unit: 64 output columns (4 blocks of 16)
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
@@ -661,9 +849,10 @@ TORCH_LIBRARY(tandem, m) {
   m.def("silu_mul(Tensor gu) -> Tensor");
   m.def("rope_write_kv(Tensor qk, Tensor v, Tensor positions, Tensor cos, Tensor sin, Tensor(a!) kv_cache, Tensor slots, int num_heads) -> Tensor");
   m.def("paged_attention(Tensor q, Tensor kv_cache, Tensor seq_info, Tensor block_tables, float scale, Tensor(a!) out, int window=0) -> ()");
-  m.def("linear_bf16(Tensor x, Tensor wp, Tensor? bias) -> Tensor");
+  m.def("linear_bf16(Tensor x, Tensor wp, Tensor? bias, int amx_rows=0) -> Tensor");
   m.def("greedy_tokens(Tensor logits, Tensor? bitmask, int vocab_size) -> Tensor");
   m.def("has_bf16_gemm() -> bool", &has_bf16_gemm);
+  m.def("has_amx_bf16() -> bool", &has_amx_bf16);
 }
 
 TORCH_LIBRARY_IMPL(tandem, CPU, m) {

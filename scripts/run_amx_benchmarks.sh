@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The Intel AMX figures of docs/benchmarks.md (issue 29), run alone on the machine: bf16 projections (tandem's GEMM on
+# AVX512-BF16 and on AMX tiles, oneDNN, F.linear) on two shapes, then the demo model in bf16 against HF transformers
+# (batch 1, 32 concurrent x 128 tokens, a 1,000-token prefill) with this CPU's plan and with the pre-AMX settings
+# (TANDEM_BF16_GEMM=avx512, TANDEM_PREFILL_ATTENTION=float32) in the same run, and the formats against llama.cpp.
+# ~20 minutes on 2 cores. Output: docs/bench/amx_*.txt and *.json.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=.venv/bin/python
+T=.venv/bin/tandem
+mkdir -p docs/bench
+{
+    for shape in "1536 576" "8192 2048"; do
+        set -- $shape
+        $PY scripts/bench_quant_kernels.py --n "$1" --k "$2" --rows 1,32,128,512 \
+            --only bf16-avx512,bf16-amx,onednn,F.linear --gflops
+    done
+} > docs/bench/amx_projections.txt 2>&1
+for run in amx before; do
+    env_args=()
+    [ "$run" = before ] && env_args=(TANDEM_BF16_GEMM=avx512 TANDEM_PREFILL_ATTENTION=float32)
+    env "${env_args[@]}" $T bench throughput --dtype bfloat16 --workloads fixed --peers hf --prefill-len 1000 \
+        --json "docs/bench/amx_demo_bf16_$run.json" 2>&1 | grep -v "it/s\]" > "docs/bench/amx_demo_bf16_$run.txt"
+done
+$T bench throughput --shape smollm2-135m --formats BF16,Q8_0,Q4_K_M --concurrency 1,32 --prompts-per-level 4,64 \
+    --input-len 128 --output-len 128 --json docs/bench/amx_formats.json 2>&1 | grep -v "it/s\]" > docs/bench/amx_formats.txt

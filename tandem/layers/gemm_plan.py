@@ -1,0 +1,154 @@
+"""Which unit runs this CPU's bf16 projections, AMX tiles or AVX512-BF16: measured once per CPU, cached under
+`$TANDEM_HOME/calibration/`.
+
+Both kernels (`csrc/cpu_ops.cpp: linear_bf16`) read the same packed weight, so switching costs no memory. They are
+mixed by row count only when they round alike on this CPU: a request's numbers must not depend on the batch it runs
+in (tests/engine/test_engine.py::test_batch_invariance). On Sapphire Rapids they do not (the tile unit's bf16 dot products differ from
+`vdpbf16ps` in the last bits, measured), so there one unit serves every row count: AMX when its one-row time is
+within `BATCH1_TOLERANCE` of AVX512-BF16's (batch 1 no slower) and it is faster from `BATCH_ROWS` rows, else
+AVX512-BF16. `TANDEM_BF16_GEMM=amx|avx512|auto` overrides the measurement.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+ENV = "TANDEM_BF16_GEMM"
+BATCH1_TOLERANCE = 0.95  # AMX's one-row speed over AVX512-BF16's that still counts as "no slower" (timing noise)
+BATCH_ROWS = 32  # the batched row count AMX must win at
+CALIBRATION_ROWS = (1, 8, 32, 128)
+# 2048 -> 2048: an 8 MiB weight, past L2, so the one-row case streams memory as a real model's decode does
+CALIBRATION_SHAPE = (2048, 2048)
+PLAN_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Bf16Plan:
+    """The choice, as plain data. `amx_rows` is linear_bf16's argument: calls of at least that many rows run on AMX
+    (0: never, 1: every call)."""
+
+    path: str  # "amx" | "avx512-bf16" | "amx from N rows" (only where the two round alike)
+    amx_rows: int
+    reason: str
+    gflops: dict[str, dict[int, float]] = field(default_factory=dict)  # unit -> rows -> GFLOP/s at calibration
+    same_rounding: bool = False
+
+
+def bf16_plan() -> Bf16Plan:
+    """This process's plan (computed or read once; the first call may take ~1 s to measure)."""
+    plan = _PLAN.get("plan")
+    if plan is None:
+        plan = _PLAN["plan"] = _make_plan()
+        logger.info("bf16 projections: %s (%s)", plan.path, plan.reason)
+    return plan
+
+
+_PLAN: dict[str, Bf16Plan] = {}
+
+
+def _make_plan() -> Bf16Plan:
+    if not _amx_available():
+        return Bf16Plan("avx512-bf16", 0, "no AMX bf16 tiles in this CPU or build")
+    wanted = os.environ.get(ENV, "auto").strip().lower()
+    if wanted == "amx":
+        return Bf16Plan("amx", 1, f"{ENV}=amx")
+    if wanted in ("avx512", "avx512-bf16"):
+        return Bf16Plan("avx512-bf16", 0, f"{ENV}={wanted}")
+    cached = _read_cached()
+    if cached is not None:
+        return cached
+    plan = calibrate()
+    _write_cached(plan)
+    return plan
+
+
+def calibrate(shape: tuple[int, int] = CALIBRATION_SHAPE, rows: tuple[int, ...] = CALIBRATION_ROWS) -> Bf16Plan:
+    """Time both units on one weight at each row count and check whether they round alike; the plan that follows."""
+    n, k = shape
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+    packed = w.reshape(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    gemm = torch.ops.tandem.linear_bf16
+    gflops: dict[str, dict[int, float]] = {"avx512-bf16": {}, "amx": {}}
+    same = True
+    for m in rows:
+        x = torch.randn(m, k, generator=g).bfloat16()
+        same = same and torch.equal(gemm(x, packed, None, 0), gemm(x, packed, None, 1))
+        avx_s, amx_s = _race([partial(gemm, x, packed, None, 0), partial(gemm, x, packed, None, 1)])
+        gflops["avx512-bf16"][m] = round(2 * m * n * k / avx_s / 1e9, 2)
+        gflops["amx"][m] = round(2 * m * n * k / amx_s / 1e9, 2)
+    avx, amx = gflops["avx512-bf16"], gflops["amx"]
+    if same:
+        wins = [m for m in rows if amx[m] > avx[m]]
+        first = min(m for m in wins if all(amx[r] > avx[r] for r in rows if r >= m)) if wins else 0
+        path = "avx512-bf16" if not first else "amx" if first == 1 else f"amx from {first} rows"
+        return Bf16Plan(path, first, "the units round alike here: each row count takes the faster", gflops, True)
+    one, batched = amx[1] / avx[1], amx[BATCH_ROWS] / avx[BATCH_ROWS] if BATCH_ROWS in rows else 0.0
+    if one >= BATCH1_TOLERANCE and batched > 1.0:
+        return Bf16Plan("amx", 1, f"rounding differs, so one unit for all rows; AMX {one:.2f}x at 1 row, "
+                        f"{batched:.2f}x at {BATCH_ROWS}", gflops)
+    return Bf16Plan("avx512-bf16", 0, f"rounding differs, so one unit for all rows; AMX {one:.2f}x at 1 row, "
+                    f"{batched:.2f}x at {BATCH_ROWS}", gflops)
+
+
+def _race(fns: list[Callable[[], object]], budget_s: float = 0.08, min_calls: int = 12) -> list[float]:
+    """Each function's fastest call, the functions called in turn (so that a burst of other work on the machine slows
+    all of them alike; the minimum is the least disturbed call)."""
+    for fn in fns:
+        fn()
+    best = [float("inf")] * len(fns)
+    spent, calls = 0.0, 0
+    while spent < budget_s or calls < min_calls:
+        for i, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            fn()
+            dt = time.perf_counter() - t0
+            best[i], spent = min(best[i], dt), spent + dt
+        calls += 1
+    return best
+
+
+def _amx_available() -> bool:
+    from tandem.layers.kernels import load_cpu_kernels
+
+    return load_cpu_kernels() and hasattr(torch.ops.tandem, "has_amx_bf16") and bool(torch.ops.tandem.has_amx_bf16())
+
+
+def _cache_file() -> Path:
+    from tandem.layers.kernels import build_key, cpu_signature
+    from tandem.paths import tandem_home
+
+    key = hashlib.sha256(f"{cpu_signature()}|{build_key()}|{torch.get_num_threads()}|{PLAN_VERSION}".encode())
+    return tandem_home() / "calibration" / f"bf16-gemm-{key.hexdigest()[:16]}.json"
+
+
+def _read_cached() -> Bf16Plan | None:
+    try:
+        raw = json.loads(_cache_file().read_text())
+        raw["gflops"] = {u: {int(m): v for m, v in d.items()} for u, d in raw.get("gflops", {}).items()}
+        return Bf16Plan(**raw)
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def _write_cached(plan: Bf16Plan) -> None:
+    path = _cache_file()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(asdict(plan), indent=1))
+        tmp.replace(path)
+    except OSError as e:
+        logger.info("bf16 plan not cached (%s)", e)
