@@ -1,5 +1,5 @@
-"""Which unit runs this CPU's bf16 projections, AMX tiles or AVX512-BF16: measured once per CPU, cached under
-`$TANDEM_HOME/calibration/`.
+"""Which unit runs this CPU's projections, AMX tiles or AVX512 (BF16 / VNNI): measured once per CPU, cached under
+`$TANDEM_HOME/calibration/` (`bf16_plan` for bf16 weights, `int8_plan` for the Q8_0 / I8 formats).
 
 Both kernels (`csrc/cpu_ops.cpp: linear_bf16`) read the same packed weight, so switching costs no memory. They are
 mixed by row count only when they round alike on this CPU: a request's numbers must not depend on the batch it runs
@@ -126,12 +126,12 @@ def _amx_available() -> bool:
     return load_cpu_kernels() and hasattr(torch.ops.tandem, "has_amx_bf16") and bool(torch.ops.tandem.has_amx_bf16())
 
 
-def _cache_file() -> Path:
+def _cache_file(kind: str = "bf16-gemm") -> Path:
     from tandem.layers.kernels import build_key, cpu_signature
     from tandem.paths import tandem_home
 
     key = hashlib.sha256(f"{cpu_signature()}|{build_key()}|{torch.get_num_threads()}|{PLAN_VERSION}".encode())
-    return tandem_home() / "calibration" / f"bf16-gemm-{key.hexdigest()[:16]}.json"
+    return tandem_home() / "calibration" / f"{kind}-{key.hexdigest()[:16]}.json"
 
 
 def _read_cached() -> Bf16Plan | None:
@@ -144,11 +144,98 @@ def _read_cached() -> Bf16Plan | None:
 
 
 def _write_cached(plan: Bf16Plan) -> None:
-    path = _cache_file()
+    _write_json(_cache_file(), asdict(plan))
+
+
+def _write_json(path: Path, data: dict[str, object]) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(asdict(plan), indent=1))
+        tmp.write_text(json.dumps(data, indent=1))
         tmp.replace(path)
     except OSError as e:
-        logger.info("bf16 plan not cached (%s)", e)
+        logger.info("kernel plan not cached (%s)", e)
+
+
+@dataclass(frozen=True)
+class Int8Plan:
+    """Where the signed 8-bit quantized formats (Q8_0, I8) switch from VNNI to AMX int8 tiles: `amx_rows` is
+    quant_linear's argument (0: never). The two paths give the same results bit for bit (checked here before the
+    plan mixes them), so the switch is by row count: from the smallest count where AMX wins at every count above."""
+
+    amx_rows: int
+    reason: str
+    gflops: dict[str, dict[int, float]] = field(default_factory=dict)
+
+
+INT8_ROWS = (1, 4, 8, 16, 32, 128)
+
+
+def int8_plan() -> Int8Plan:
+    """This process's plan for Q8_0 / I8 projections (measured once per CPU, cached beside the bf16 plan)."""
+    plan = _INT8.get("plan")
+    if plan is None:
+        plan = _INT8["plan"] = _make_int8_plan()
+        logger.info("Q8_0 / I8 projections: AMX from %s rows (%s)", plan.amx_rows or "no", plan.reason)
+    return plan
+
+
+_INT8: dict[str, Int8Plan] = {}
+
+
+def _make_int8_plan() -> Int8Plan:
+    if not _amx_int8_available():
+        return Int8Plan(0, "no AMX int8 tiles in this CPU or build")
+    wanted = os.environ.get(INT8_ENV, "auto").strip().lower()
+    if wanted.isdigit():
+        return Int8Plan(int(wanted), f"{INT8_ENV}={wanted}")
+    path = _cache_file("int8")
+    try:
+        raw = json.loads(path.read_text())
+        raw["gflops"] = {u: {int(m): v for m, v in d.items()} for u, d in raw.get("gflops", {}).items()}
+        return Int8Plan(**raw)
+    except (OSError, ValueError, TypeError):
+        pass
+    plan = calibrate_int8()
+    _write_json(path, asdict(plan))
+    return plan
+
+
+INT8_ENV = "TANDEM_INT8_AMX_ROWS"  # a row count forces that threshold (0: VNNI only)
+
+
+def calibrate_int8(shape: tuple[int, int] = CALIBRATION_SHAPE, rows: tuple[int, ...] = INT8_ROWS) -> Int8Plan:
+    """Q8_0 on VNNI and on AMX at each row count: equal bitwise (else never AMX), then the threshold."""
+    import numpy as np
+
+    from tandem.layers.quant import FORMATS, QuantizedTensor
+
+    n, k = shape
+    fmt = FORMATS["Q8_0"]
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, size=(n, k // fmt.block, fmt.block_bytes), dtype=np.uint8)
+    raw[..., 0:2] = np.full(raw.shape[:2], 0.01, dtype=np.float16).view(np.uint8).reshape(*raw.shape[:2], 2)
+    w = QuantizedTensor("Q8_0", (n, k), torch.from_numpy(raw.reshape(n, -1)))
+    packed = [torch.ops.tandem.quant_pack(w.data.contiguous(), w.format.kernel_id, n, k)]
+    fmts, ns = [w.format.kernel_id], [n]
+    op = torch.ops.tandem.quant_linear
+    gflops: dict[str, dict[int, float]] = {"vnni": {}, "amx": {}}
+    g = torch.Generator().manual_seed(0)
+    for m in rows:
+        x = torch.randn(m, k, generator=g).bfloat16()
+        vnni, amx = partial(op, x, packed, fmts, ns, None, 2, 0), partial(op, x, packed, fmts, ns, None, 2, 1)
+        if not torch.equal(vnni(), amx()):
+            return Int8Plan(0, f"AMX and VNNI differ at {m} rows here: VNNI only", gflops)
+        vnni_s, amx_s = _race([vnni, amx])
+        gflops["vnni"][m] = round(2 * m * n * k / vnni_s / 1e9, 2)
+        gflops["amx"][m] = round(2 * m * n * k / amx_s / 1e9, 2)
+    wins = [m for m in rows if all(gflops["amx"][r] > gflops["vnni"][r] for r in rows if r >= m)]
+    first = min(wins) if wins else 0
+    return Int8Plan(first, "bitwise equal; AMX from the smallest row count it wins at and above" if first
+                    else "bitwise equal; AMX never faster here", gflops)
+
+
+def _amx_int8_available() -> bool:
+    from tandem.layers.kernels import load_cpu_kernels
+
+    return load_cpu_kernels() and hasattr(torch.ops.tandem, "has_amx_int8") and bool(torch.ops.tandem.has_amx_int8())

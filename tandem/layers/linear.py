@@ -156,10 +156,12 @@ class QuantProjection(Projection):
         self.qtypes = [p.qtype for p in parts]
         self.bias = bias.float().contiguous() if bias is not None else None
         self.isa = isa
+        # Q8_0 / I8 segments on AMX int8 tiles from this many rows (0: never; same results either way)
+        self.amx_rows = _int8_amx_rows(self.qtypes) if isa == 2 else 0
         self._op = torch.ops.tandem.quant_linear
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self._op(x.contiguous(), self.packed, self.formats, self.ns, self.bias, self.isa)
+        return self._op(x.contiguous(), self.packed, self.formats, self.ns, self.bias, self.isa, self.amx_rows)
 
     @property
     def has_rows(self) -> bool:  # type: ignore[override]
@@ -173,6 +175,14 @@ class QuantProjection(Projection):
     @property
     def nbytes(self) -> int:
         return sum(_tensor_bytes(p) for p in self.packed) + _tensor_bytes(self.bias)
+
+
+def _int8_amx_rows(qtypes: Sequence[str]) -> int:
+    if not any(q in ("Q8_0", "I8") for q in qtypes):
+        return 0
+    from tandem.layers.gemm_plan import int8_plan
+
+    return int8_plan().amx_rows
 
 
 def make_linear(
@@ -252,6 +262,11 @@ def kernel_paths() -> dict[str, str]:
     else:
         bf16 = "onednn" if _onednn_ok(torch.bfloat16) else "torch"
     quant = {2: "avx512-vnni", 1: "avx2"}.get(quant_isa(), "dequantized to bf16")
+    if quant == "avx512-vnni":
+        from tandem.layers.gemm_plan import int8_plan
+
+        rows = int8_plan().amx_rows
+        quant += f" (Q8_0 / I8 on amx-int8 tiles from {rows} rows)" if rows else ""
     return {"bf16": bf16, "quantized": quant}
 
 

@@ -41,8 +41,10 @@ def test_dispatch_picks_a_path_this_cpu_supports() -> None:
         assert cpu.amx and cpu.has("avx512_bf16")
     if cpu.amx and load_cpu_kernels():  # the build for an AMX CPU has the tiles, and Linux lets this process use them
         assert torch.ops.tandem.has_amx_bf16()
-    if paths["quantized"] == "avx512-vnni":
+    if paths["quantized"].startswith("avx512-vnni"):
         assert cpu.has("avx512_vnni", "avx512bw")
+        if "amx-int8" in paths["quantized"]:
+            assert cpu.has("amx_tile", "amx_int8")
     elif paths["quantized"] == "avx2":
         assert cpu.has("avx2", "fma")
     if load_cpu_kernels() and cpu.has("avx2", "fma"):  # the kernels exist for every x86 CPU of this project's kinds

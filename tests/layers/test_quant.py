@@ -130,6 +130,46 @@ def test_avx2_and_avx512_agree_to_the_bit(qtype: str) -> None:
     assert a.dtype == torch.bfloat16 and torch.equal(a, b)
 
 
+def _amx_int8_or_skip() -> None:
+    if not (load_cpu_kernels() and quant_isa() == 2 and torch.ops.tandem.has_amx_int8()):
+        pytest.skip("the AMX int8 path needs amx_tile / amx_int8 (and a kernel build for them), which this CPU lacks")
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "I8"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+def test_amx_int8_equals_vnni_to_the_bit(qtype: str, dtype: torch.dtype) -> None:
+    """Q8_0 / I8 on AMX tiles: the VNNI path's outputs bit for bit (so the two may be mixed by row count), at row
+    tails of both 16-row halves, an odd count of 16-lane groups, a partial last group and a bias; a fused projection
+    whose other part (Q4_K) stays on VNNI."""
+    _amx_int8_or_skip()
+    n, k = 72, 320  # 4.5 lane groups; 10 blocks of 32
+    w = quantize_int8((torch.randn(n, k) * 0.05).bfloat16()) if qtype == "I8" else random_blocks(qtype, n, k, 4)
+    bias = torch.randn(n)
+    f = QuantProjection([w], bias, 2)
+    x = torch.randn(70, k).to(dtype)
+    for m in (1, 3, 16, 17, 31, 32, 33, 64, 70):
+        xm = x[:m].contiguous()
+        amx = torch.ops.tandem.quant_linear(xm, f.packed, f.formats, f.ns, f.bias, 2, 1)
+        vnni = torch.ops.tandem.quant_linear(xm, f.packed, f.formats, f.ns, f.bias, 2, 0)
+        assert amx.dtype == dtype and torch.equal(amx, vnni), m
+    fused = make_linear([random_blocks("Q4_K", 32, 512, 5), random_blocks("Q8_0", 48, 512, 6)], use_kernels=True)
+    assert isinstance(fused, QuantProjection)
+    xf = torch.randn(40, 512).bfloat16()
+    assert torch.equal(torch.ops.tandem.quant_linear(xf, fused.packed, fused.formats, fused.ns, None, 2, 1),
+                       torch.ops.tandem.quant_linear(xf, fused.packed, fused.formats, fused.ns, None, 2, 0))
+
+
+def test_int8_plan_only_mixes_bitwise_equal_paths(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tandem.layers import gemm_plan
+
+    _amx_int8_or_skip()
+    plan = gemm_plan.calibrate_int8(shape=(256, 512), rows=(1, 32))
+    assert plan.amx_rows in (0, 1, 32) and set(plan.gflops) == {"vnni", "amx"}
+    monkeypatch.setattr(gemm_plan, "_INT8", {})
+    monkeypatch.setenv(gemm_plan.INT8_ENV, "8")
+    assert gemm_plan.int8_plan().amx_rows == 8
+
+
 @needs_kernels
 def test_fused_group_of_mixed_formats_with_bias() -> None:
     """q, k, v as a Q4_K_M file stores them (v in Q6_K): one call, one output, same as three projections."""

@@ -47,6 +47,11 @@
 #include <cstring>
 #include <vector>
 
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #define TQ_INLINE inline __attribute__((always_inline))
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -926,6 +931,151 @@ void run_strip(const Segment& sg, const Act& a, int64_t r0, int64_t r1, int64_t 
   }
 }
 
+// ------------------------------------------------------------------------------------------------------------------
+// AMX int8 tiles for the signed 8-bit formats (Q8_0, I8), bit-identical to the VNNI path: a block's 8 chunks (4 k of
+// 16 lanes each) are exactly a B tile of K = 32 for `tdpbssd` (8 rows x 64 bytes), so the weight is read as packed;
+// the tile's int32 sums equal isum in block_q8 (both exact), and the float scaling that follows is block_q8's, op for
+// op (fmul of the scales, then fmadd), in the same block order. So a row's result does not depend on which path ran
+// it, and the paths may be mixed by row count (tandem/layers/gemm_plan.py measures where AMX starts to pay).
+// Tiles: C 0-3 (2 row halves x 2 lane groups), A 4-5 (16 rows x 32 activation bytes), B 6-7.
+// ------------------------------------------------------------------------------------------------------------------
+#if TQ_HAS_AVX512 && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define TQ_HAS_AMX 1
+
+struct alignas(64) AmxTileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+inline void amx_q8_configure(int rows0, int rows1) {
+  AmxTileConfig cfg{};
+  cfg.palette_id = 1;
+  const int rows[2] = {rows0, rows1};
+  for (int h = 0; h < 2; ++h) {
+    if (rows[h] == 0) continue;
+    for (int j = 0; j < 2; ++j) {
+      cfg.rows[h * 2 + j] = static_cast<uint8_t>(rows[h]);
+      cfg.colsb[h * 2 + j] = 64;
+    }
+    cfg.rows[4 + h] = static_cast<uint8_t>(rows[h]);
+    cfg.colsb[4 + h] = 32;
+  }
+  for (int j = 0; j < 2; ++j) {
+    cfg.rows[6 + j] = 8;
+    cfg.colsb[6 + j] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// int32 sums of one block for H row halves x J lane groups into isum [32][32] (row stride 32)
+template <int H, int J>
+TQ_INLINE void amx_q8_block(const int8_t* a0, int64_t K, const uint8_t* w0, const uint8_t* w1, int32_t* isum) {
+  _tile_zero(0);
+  if constexpr (J > 1) _tile_zero(1);
+  if constexpr (H > 1) {
+    _tile_zero(2);
+    if constexpr (J > 1) _tile_zero(3);
+  }
+  _tile_loadd(4, a0, K);
+  _tile_loadd(6, w0, 64);
+  _tile_dpbssd(0, 4, 6);
+  if constexpr (J > 1) {
+    _tile_loadd(7, w1, 64);
+    _tile_dpbssd(1, 4, 7);
+  }
+  if constexpr (H > 1) {
+    _tile_loadd(5, a0 + 16 * K, K);
+    _tile_dpbssd(2, 5, 6);
+    if constexpr (J > 1) _tile_dpbssd(3, 5, 7);
+  }
+  _tile_stored(0, isum, 128);
+  if constexpr (J > 1) _tile_stored(1, isum + 16, 128);
+  if constexpr (H > 1) {
+    _tile_stored(2, isum + 16 * 32, 128);
+    if constexpr (J > 1) _tile_stored(3, isum + 16 * 32 + 16, 128);
+  }
+}
+
+// Rows [r0, r1) x groups [g0, g1) of one Q8_0 / I8 segment on AMX tiles (same outputs as strip<Avx512, F>)
+template <int64_t F, typename O>
+void amx_q8_strip(const Segment& sg, const Act& a, int64_t r0, int64_t r1, int64_t g0, int64_t g1, O* out, int64_t ldo) {
+  constexpr int head = F == kI8 ? 64 : 0;
+  constexpr int qoff = F == kQ8_0 ? 32 : 0;
+  const FmtInfo fi = fmt_info(F);
+  const int64_t K = a.K, nblk = K / 32;
+  alignas(64) int32_t isum[32 * 32];
+  alignas(64) float facc[32 * 32];
+  int configured = -1;
+  for (int64_t m0 = r0; m0 < r1; m0 += 32) {
+    const int rows0 = static_cast<int>(std::min<int64_t>(16, r1 - m0));
+    const int rows1 = static_cast<int>(std::clamp<int64_t>(r1 - m0 - 16, 0, 16));
+    const int rows = rows0 + rows1;
+    if (configured != rows0 * 17 + rows1) {
+      amx_q8_configure(rows0, rows1);
+      configured = rows0 * 17 + rows1;
+    }
+    for (int64_t g = g0; g < g1; g += 2) {
+      const int J = static_cast<int>(std::min<int64_t>(2, g1 - g));
+      const uint8_t* gp[2] = {sg.packed + g * sg.gbytes + head, sg.packed + (g + J - 1) * sg.gbytes + head};
+      for (int i = 0; i < 32 * 32; ++i) facc[i] = 0.f;
+      for (int64_t b = 0; b < nblk; ++b) {
+        const int8_t* ab = a.row(m0) + b * 32;
+        const uint8_t* w0 = gp[0] + b * fi.blk + qoff;
+        const uint8_t* w1 = gp[1] + b * fi.blk + qoff;
+        if (rows1 > 0) {
+          J == 2 ? amx_q8_block<2, 2>(ab, K, w0, w1, isum) : amx_q8_block<2, 1>(ab, K, w0, w1, isum);
+        } else {
+          J == 2 ? amx_q8_block<1, 2>(ab, K, w0, w1, isum) : amx_q8_block<1, 1>(ab, K, w0, w1, isum);
+        }
+        for (int j = 0; j < J; ++j) {
+          const __m512 d = F == kQ8_0 ? Avx512::f16x16(gp[j] + b * fi.blk) : _mm512_set1_ps(1.f);
+          for (int r = 0; r < rows; ++r) {
+            const __m512 dd = _mm512_mul_ps(d, _mm512_set1_ps(a.d[(m0 + r) * nblk + b]));
+            float* fr = facc + r * 32 + j * 16;
+            const __m512 si = _mm512_cvtepi32_ps(_mm512_load_si512(isum + r * 32 + j * 16));
+            _mm512_store_ps(fr, _mm512_fmadd_ps(si, dd, _mm512_load_ps(fr)));
+          }
+        }
+      }
+      for (int j = 0; j < J; ++j) {  // tile()'s epilogue: I8's per-lane scale, then the bias, then the cast
+        const int64_t n0 = (g + j) * kLanes;
+        const int n = static_cast<int>(std::min<int64_t>(kLanes, sg.N - n0));
+        if (n <= 0) continue;
+        __m512 scale = _mm512_set1_ps(1.f);
+        if (F == kI8) scale = Avx512::f32x16(sg.packed + (g + j) * sg.gbytes);
+        for (int r = 0; r < rows; ++r) {
+          float tmp[kLanes];
+          Avx512::store(tmp, _mm512_mul_ps(_mm512_load_ps(facc + r * 32 + j * 16), scale), kLanes);
+          O* o = out + (m0 + r) * ldo + sg.col0 + n0;
+          for (int i = 0; i < n; ++i) o[i] = static_cast<O>(tmp[i] + (sg.bias != nullptr ? sg.bias[n0 + i] : 0.f));
+        }
+      }
+    }
+  }
+  _tile_release();
+}
+
+bool amx_int8_permitted() {
+  static const bool ok = [] {
+#if defined(__linux__)
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+#else
+    return false;
+#endif
+  }();
+  return ok;
+}
+#else
+#define TQ_HAS_AMX 0
+bool amx_int8_permitted() { return false; }
+#endif
+
+bool has_amx_int8() { return TQ_HAS_AMX && amx_int8_permitted(); }
+
 int best_isa() {
 #if TQ_HAS_AVX512
   if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw")) return 2;
@@ -949,13 +1099,25 @@ struct Unit {
 };
 
 template <typename O>
-void run_units(int isa, const std::vector<Segment>& segs, const std::vector<Unit>& units, const Act* acts[2], O* out,
-               int64_t ldo) {
+void run_units(int isa, bool amx, const std::vector<Segment>& segs, const std::vector<Unit>& units, const Act* acts[2],
+               O* out, int64_t ldo) {
   at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t u0, int64_t u1) {
     for (int64_t u = u0; u < u1; ++u) {
       const Unit& w = units[u];
       const Segment& sg = segs[w.seg];
       const Act& a = *acts[fmt_info(sg.fmt).kquant ? 1 : 0];
+#if TQ_HAS_AMX
+      if (amx && sg.fmt == kQ8_0) {
+        amx_q8_strip<kQ8_0>(sg, a, w.r0, w.r1, w.g0, w.g1, out, ldo);
+        continue;
+      }
+      if (amx && sg.fmt == kI8) {
+        amx_q8_strip<kI8>(sg, a, w.r0, w.r1, w.g0, w.g1, out, ldo);
+        continue;
+      }
+#else
+      (void)amx;
+#endif
 #if TQ_HAS_AVX512
       if (isa == 2) {
         run_strip<Avx512>(sg, a, w.r0, w.r1, w.g0, w.g1, out, ldo);
@@ -981,8 +1143,10 @@ void quantize_activations(const Tensor& x, bool need32, bool need256, Act& a32, 
   if (need256) quantize_rows_256(xp, M, K, a256);
 }
 
+// amx_rows > 0: calls of at least that many rows run their Q8_0 / I8 segments on AMX tiles (where the CPU has them;
+// results are the same either way)
 Tensor quant_linear(const Tensor& x, at::TensorList packed, at::IntArrayRef fmts, at::IntArrayRef ns,
-                    const c10::optional<Tensor>& bias, int64_t isa) {
+                    const c10::optional<Tensor>& bias, int64_t isa, int64_t amx_rows) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "quant_linear: x must be contiguous [M, K]");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "quant_linear: x must be float32 or bfloat16");
   TORCH_CHECK(packed.size() == fmts.size() && packed.size() == ns.size() && !packed.empty(), "quant_linear: one format and N per packed segment");
@@ -1027,10 +1191,11 @@ Tensor quant_linear(const Tensor& x, at::TensorList packed, at::IntArrayRef fmts
     }
   Tensor y = at::empty({M, Ntot}, x.options());
   const Act* acts[2] = {&a32, &a256};
+  const bool amx = isa == 2 && amx_rows > 0 && M >= amx_rows && has_amx_int8();
   if (x.scalar_type() == at::kFloat) {
-    run_units<float>(static_cast<int>(isa), segs, units, acts, y.data_ptr<float>(), Ntot);
+    run_units<float>(static_cast<int>(isa), amx, segs, units, acts, y.data_ptr<float>(), Ntot);
   } else {
-    run_units<c10::BFloat16>(static_cast<int>(isa), segs, units, acts, y.data_ptr<c10::BFloat16>(), Ntot);
+    run_units<c10::BFloat16>(static_cast<int>(isa), amx, segs, units, acts, y.data_ptr<c10::BFloat16>(), Ntot);
   }
   return y;
 }
@@ -1040,9 +1205,10 @@ Tensor quant_linear(const Tensor& x, at::TensorList packed, at::IntArrayRef fmts
 TORCH_LIBRARY_FRAGMENT(tandem, m) {
   m.def("quant_pack(Tensor raw, int fmt, int N, int K) -> Tensor");
   m.def("quant_pack_i8(Tensor q, Tensor scales) -> Tensor");
-  m.def("quant_linear(Tensor x, Tensor[] packed, int[] fmts, int[] ns, Tensor? bias, int isa) -> Tensor");
+  m.def("quant_linear(Tensor x, Tensor[] packed, int[] fmts, int[] ns, Tensor? bias, int isa, int amx_rows=0) -> Tensor");
   m.def("quant_rows(Tensor packed, int fmt, int N, int K, Tensor ids) -> Tensor");
   m.def("quant_isa() -> int", &quant_isa);
+  m.def("has_amx_int8() -> bool", &has_amx_int8);
 }
 
 TORCH_LIBRARY_IMPL(tandem, CPU, m) {
