@@ -22,6 +22,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_ops.cpp", "quant_ops.cpp")]
+HEADERS = [Path(__file__).parent / "csrc" / "amx_tiles.h"]  # part of the build key, not compiled on their own
 # no FP traps or errno: lets gcc vectorise loops with floor / conversions (the kernels never read FP exception flags)
 _CFLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fno-math-errno", "-mprefer-vector-width=512", "-fopenmp", "-std=c++17"]
 _lock = threading.Lock()
@@ -40,7 +41,7 @@ def cpu_signature() -> str:
 
 def build_key() -> str:
     h = hashlib.sha256()
-    for source in SOURCES:
+    for source in SOURCES + HEADERS:
         h.update(source.read_bytes())
     for part in (torch.__version__.encode(), cpu_signature().encode(), " ".join(_CFLAGS).encode()):
         h.update(part)

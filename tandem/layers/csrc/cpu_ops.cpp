@@ -34,10 +34,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__linux__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
+#include "amx_tiles.h"
 
 namespace {
 
@@ -534,47 +531,10 @@ bool has_bf16_gemm() { return kHasBf16Gemm; }
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 constexpr bool kHasAmxBf16 = true;
 
-struct alignas(64) TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
+inline bool amx_permitted() { return tandem_amx::permitted(); }
 
-// Linux hands out the 8 KiB tile state only to a process that asks (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA)
-bool amx_permitted() {
-  static const bool ok = [] {
-#if defined(__linux__)
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-#else
-    return false;
-#endif
-  }();
-  return ok;
-}
-
-// C tiles and A tiles of the two 16-row halves get rows0 / rows1 rows (0: that half is not used)
-inline void amx_configure(int rows0, int rows1) {
-  TileConfig cfg{};
-  cfg.palette_id = 1;
-  const int rows[2] = {rows0, rows1};
-  for (int a = 0; a < 2; ++a) {
-    if (rows[a] == 0) continue;
-    for (int b = 0; b < 2; ++b) {
-      cfg.rows[a * 2 + b] = static_cast<uint8_t>(rows[a]);
-      cfg.colsb[a * 2 + b] = 64;
-    }
-    cfg.rows[4 + a] = static_cast<uint8_t>(rows[a]);
-    cfg.colsb[4 + a] = 64;
-  }
-  for (int b = 0; b < 2; ++b) {
-    cfg.rows[6 + b] = 16;
-    cfg.colsb[6 + b] = 64;
-  }
-  _tile_loadconfig(&cfg);
-}
+// C tiles and A tiles of the two 16-row halves get rows0 / rows1 rows (0: that half is not used); A: 32 bf16 of k
+inline void amx_configure(int rows0, int rows1) { tandem_amx::configure(rows0, rows1, 64, 16); }
 
 // B tiles prefetched this many k-tiles ahead: the weight streams from memory once per call at few rows, and tile
 // loads alone left the 49,152 x 576 output projection at 17 GFLOP/s at 1 row, 340 at 32 (22-24 and 470-510 with it)
@@ -692,7 +652,7 @@ void amx_columns(const uint16_t* x, int64_t M, int64_t K, const uint16_t* wp, in
 }
 #else
 constexpr bool kHasAmxBf16 = false;
-bool amx_permitted() { return false; }
+inline bool amx_permitted() { return false; }
 #endif
 
 bool has_amx_bf16() { return kHasAmxBf16 && amx_permitted(); }

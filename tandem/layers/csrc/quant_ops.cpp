@@ -47,10 +47,7 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__linux__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
+#include "amx_tiles.h"
 
 #define TQ_INLINE inline __attribute__((always_inline))
 
@@ -942,33 +939,8 @@ void run_strip(const Segment& sg, const Act& a, int64_t r0, int64_t r1, int64_t 
 #if TQ_HAS_AVX512 && defined(__AMX_TILE__) && defined(__AMX_INT8__)
 #define TQ_HAS_AMX 1
 
-struct alignas(64) AmxTileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
-inline void amx_q8_configure(int rows0, int rows1) {
-  AmxTileConfig cfg{};
-  cfg.palette_id = 1;
-  const int rows[2] = {rows0, rows1};
-  for (int h = 0; h < 2; ++h) {
-    if (rows[h] == 0) continue;
-    for (int j = 0; j < 2; ++j) {
-      cfg.rows[h * 2 + j] = static_cast<uint8_t>(rows[h]);
-      cfg.colsb[h * 2 + j] = 64;
-    }
-    cfg.rows[4 + h] = static_cast<uint8_t>(rows[h]);
-    cfg.colsb[4 + h] = 32;
-  }
-  for (int j = 0; j < 2; ++j) {
-    cfg.rows[6 + j] = 8;
-    cfg.colsb[6 + j] = 64;
-  }
-  _tile_loadconfig(&cfg);
-}
+// A: 32 activation bytes (one block); B: the block's 8 chunks
+inline void amx_q8_configure(int rows0, int rows1) { tandem_amx::configure(rows0, rows1, 32, 8); }
 
 // int32 sums of one block for H row halves x J lane groups into isum [32][32] (row stride 32)
 template <int H, int J>
@@ -1058,20 +1030,10 @@ void amx_q8_strip(const Segment& sg, const Act& a, int64_t r0, int64_t r1, int64
   _tile_release();
 }
 
-bool amx_int8_permitted() {
-  static const bool ok = [] {
-#if defined(__linux__)
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-#else
-    return false;
-#endif
-  }();
-  return ok;
-}
+inline bool amx_int8_permitted() { return tandem_amx::permitted(); }
 #else
 #define TQ_HAS_AMX 0
-bool amx_int8_permitted() { return false; }
+inline bool amx_int8_permitted() { return false; }
 #endif
 
 bool has_amx_int8() { return TQ_HAS_AMX && amx_int8_permitted(); }
