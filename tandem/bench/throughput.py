@@ -32,7 +32,7 @@ def add_parser(bsub: Any) -> None:
     p.add_argument("--workloads", default="fixed,dynamic")
     p.add_argument("--peers", default="hf,llama.cpp", help="comma-separated: hf, llama.cpp, or none")
     p.add_argument("--json", type=Path, default=None, help="write all figures here")
-    p.add_argument("--prefill-len", type=int, default=0, help="also time the prefill of one prompt this long")
+    p.add_argument("--prefill-len", type=_non_negative, default=0, help="also time the prefill of one prompt this long")
     p.add_argument("--shape", default=None,
                    help="run random-weight models of this architecture shape instead (smollm2-135m, smollm2-360m, "
                         "smollm2-1.7b, llama3.2-1b, qwen2.5-0.5b, llama3.1-8b); written once under $TANDEM_HOME")
@@ -41,6 +41,13 @@ def add_parser(bsub: Any) -> None:
                         "hf-int8 (bf16 safetensors, loaded as is / as int8); llama.cpp runs the same GGUF")
     add_engine_args(p)
     p.set_defaults(func=run, dtype="bfloat16")
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0: no prefill row), got {value}")
+    return value
 
 
 def fixed_prompts(tok: Any, n: int, input_len: int) -> list[list[int]]:

@@ -62,6 +62,8 @@ def _make_plan() -> Bf16Plan:
     if not _amx_available():
         return Bf16Plan("avx512-bf16", 0, "no AMX bf16 tiles in this CPU or build")
     wanted = os.environ.get(ENV, "auto").strip().lower()
+    if wanted not in ("auto", "amx", "avx512", "avx512-bf16"):
+        logger.warning("%s=%r is not one of auto, amx, avx512: measuring as with auto", ENV, wanted)
     if wanted == "amx":
         return Bf16Plan("amx", 1, f"{ENV}=amx")
     if wanted in ("avx512", "avx512-bf16"):
@@ -187,6 +189,8 @@ def _make_int8_plan() -> Int8Plan:
     if not _amx_int8_available():
         return Int8Plan(0, "no AMX int8 tiles in this CPU or build")
     wanted = os.environ.get(INT8_ENV, "auto").strip().lower()
+    if wanted != "auto" and not wanted.isdigit():
+        logger.warning("%s=%r is neither auto nor a row count: measuring as with auto", INT8_ENV, wanted)
     if wanted.isdigit():
         return Int8Plan(int(wanted), f"{INT8_ENV}={wanted}")
     path = _cache_file("int8")

@@ -10,6 +10,7 @@ attention over the paged cache, SiLU-and-multiply. Two implementations:
 
 from __future__ import annotations
 
+import logging
 import os
 from abc import ABC, abstractmethod
 
@@ -18,6 +19,8 @@ import torch.nn.functional as F
 
 from tandem.layers.attention import AttentionMetadata, paged_attention, prefill_attention, write_kv
 from tandem.layers.paged_decode import flex_available
+
+logger = logging.getLogger(__name__)
 
 SILU_KERNEL_MAX_ROWS = 8  # from here on torch's SiLU (Sleef, 512-bit) outruns the fused kernel on this CPU
 
@@ -188,9 +191,11 @@ def prefill_attention_dtype(cache_dtype: torch.dtype) -> torch.dtype:
     from tandem.cpu_features import cpu_features
 
     wanted = os.environ.get("TANDEM_PREFILL_ATTENTION", "auto").strip().lower()
+    if wanted not in ("auto", "float32", "fp32", "bfloat16", "bf16"):
+        logger.warning("TANDEM_PREFILL_ATTENTION=%r is not one of auto, float32, bfloat16: using auto", wanted)
     if wanted in ("float32", "fp32"):
         return torch.float32
-    if cache_dtype == torch.bfloat16 and (wanted == "bfloat16" or cpu_features().has("amx_tile", "amx_bf16")):
+    if cache_dtype == torch.bfloat16 and (wanted in ("bfloat16", "bf16") or cpu_features().has("amx_tile", "amx_bf16")):
         return torch.bfloat16
     return torch.float32
 
