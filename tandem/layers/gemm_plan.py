@@ -137,11 +137,20 @@ def _cache_file(kind: str = "bf16-gemm") -> Path:
 
 
 def _read_cached() -> Bf16Plan | None:
+    raw = _read_json(_cache_file())
     try:
-        raw = json.loads(_cache_file().read_text())
+        return Bf16Plan(**raw) if raw is not None else None
+    except TypeError:  # a file written by another version of the plan
+        return None
+
+
+def _read_json(path: Path) -> dict | None:  # type: ignore[type-arg]
+    """A cached plan's fields (row counts back to ints), or None when missing or unreadable."""
+    try:
+        raw = json.loads(path.read_text())
         raw["gflops"] = {u: {int(m): v for m, v in d.items()} for u, d in raw.get("gflops", {}).items()}
-        return Bf16Plan(**raw)
-    except (OSError, ValueError, TypeError):
+        return raw  # type: ignore[no-any-return]
+    except (OSError, ValueError, TypeError, AttributeError):
         return None
 
 
@@ -194,12 +203,12 @@ def _make_int8_plan() -> Int8Plan:
     if wanted.isdigit():
         return Int8Plan(int(wanted), f"{INT8_ENV}={wanted}")
     path = _cache_file("int8")
-    try:
-        raw = json.loads(path.read_text())
-        raw["gflops"] = {u: {int(m): v for m, v in d.items()} for u, d in raw.get("gflops", {}).items()}
-        return Int8Plan(**raw)
-    except (OSError, ValueError, TypeError):
-        pass
+    raw = _read_json(path)
+    if raw is not None:
+        try:
+            return Int8Plan(**raw)
+        except TypeError:
+            pass
     plan = calibrate_int8()
     _write_json(path, asdict(plan))
     return plan
