@@ -70,6 +70,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="schedule each step while the previous one runs (default: on for accelerators, no drafts)")
     g.add_argument("--engine-arg", type=_key_value, action="append", default=[], metavar="KEY=VALUE",
                    help="any other build_engine keyword (VALUE parsed as JSON); repeatable")
+    r = p.add_argument_group("reasoning models")
+    r.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                   help="split the thinking off and apply structured outputs after it: qwen3 (Qwen3 / 3.5 / 3.6, "
+                        "QwQ), deepseek_r1 (DeepSeek-R1 and its distills), generic (markers from --reasoning-markers)")
+    r.add_argument("--reasoning-markers", default=None, metavar="START,END",
+                   help="the generic parser's markers (default <think>,</think>); it thinks when the prompt opens them")
     s = p.add_argument_group("speculative decoding")
     s.add_argument("--speculative-method", default=None, choices=["ngram", "suffix", "draft_model"])
     s.add_argument("--num-speculative-tokens", type=int, default=4)
@@ -106,9 +112,21 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         async_scheduling=args.async_scheduling,
         speculative_config=speculative_from_args(args),
         quantization=None if args.quantization in (None, "auto", "gguf") else args.quantization,
+        reasoning_parser=reasoning_from_args(args),
     )
     kw.update(dict(args.engine_arg))
     return kw
+
+
+def reasoning_from_args(args: argparse.Namespace) -> str | dict[str, Any] | None:
+    """`build_engine`'s reasoning_parser from --reasoning-parser / --reasoning-markers."""
+    name, markers = getattr(args, "reasoning_parser", None), getattr(args, "reasoning_markers", None)
+    if markers is None:
+        return name
+    start, sep, end = markers.partition(",")
+    if not sep or not end:
+        raise SystemExit(f"--reasoning-markers must be START,END, got {markers!r}")
+    return {"name": name or "generic", "start": start, "end": end}
 
 
 def speculative_from_args(args: argparse.Namespace) -> dict[str, Any] | None:

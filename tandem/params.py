@@ -186,6 +186,8 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # with a reasoning parser: thinking tokens the model may write before the end marker is forced (vLLM's field)
+    thinking_token_budget: int | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -236,6 +238,8 @@ class SamplingParams:
         if self.allowed_token_ids is not None:
             _check(len(self.allowed_token_ids) > 0, "allowed_token_ids must not be empty")
         _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams), "structured_outputs must be a StructuredOutputsParams")
+        _check(self.thinking_token_budget is None or (isinstance(self.thinking_token_budget, int) and self.thinking_token_budget >= 0),
+               f"thinking_token_budget must be None or an integer >= 0, got {self.thinking_token_budget!r}")
         _check(self.output_kind in tuple(RequestOutputKind),
                f"output_kind must be RequestOutputKind.CUMULATIVE (0) or FINAL_ONLY (2), got {self.output_kind!r}")
 

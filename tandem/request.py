@@ -155,6 +155,11 @@ class CompletionOutput:
     logprobs: SampleLogprobs | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    # with a reasoning parser (`text` stays the whole output): the thinking text, markers left out (None: it did not
+    # think), the answer after it (None while it thinks, or when it never stopped thinking), the thinking's tokens
+    reasoning: str | None = None
+    content: str | None = None
+    num_reasoning_tokens: int = 0
 
     def finished(self) -> bool:
         return self.finish_reason is not None

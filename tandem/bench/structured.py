@@ -70,21 +70,29 @@ def add_parser(bsub: Any) -> None:
                    help="instead: N distinct schemas per backend, submitted at once, cold then warm, vs text at equal lengths")
     p.add_argument("--backends", default="auto,llguidance,xgrammar", help="with --distinct-schemas")
     p.add_argument("--crossover", action="store_true", help="only the backend crossover table (compile vs fill costs)")
+    p.add_argument("--think-budget", type=int, default=None, metavar="N",
+                   help="a reasoning model's traffic: each prompt opens a think block, every request (guided or not) "
+                        "thinks N tokens (the budget forces the end), then answers; the generic parser unless "
+                        "--reasoning-parser names one")
     p.add_argument("--json", default=None)
     add_engine_args(p)
     p.set_defaults(func=run, dtype="bfloat16")
 
 
-def _prompts(engine: LLMEngine, n: int) -> list[list[int]]:
+def _prompts(engine: LLMEngine, n: int, think: bool = False) -> list[list[int]]:
+    """Chat prompts; `think`: each opens a think block after the generation prompt (as Qwen3.6's template does)."""
     tok = engine.tokenizer
     texts = load_prompts("mixed", n)
     ask = "Answer as JSON. "
-    return [tok.apply_chat_template([{"role": "user", "content": ask + t}]) for t in texts]
+    rendered = [tok.render_chat([{"role": "user", "content": ask + t}]) + ("<think>\n" if think else "") for t in texts]
+    return [tok.encode(r, add_special_tokens=False) for r in rendered]
 
 
-def _params(schema: dict[str, Any] | None, fixed: bool, out_len: int, backend: str) -> SamplingParams:
+def _params(schema: dict[str, Any] | None, fixed: bool, out_len: int, backend: str,
+            think_budget: int | None = None) -> SamplingParams:
     so = StructuredOutputsParams(json=schema, backend=backend) if schema is not None else None
-    return SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=fixed and schema is None, structured_outputs=so)
+    return SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=fixed and schema is None, structured_outputs=so,
+                          thinking_token_budget=think_budget)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -98,6 +106,8 @@ def run(args: argparse.Namespace) -> int:
     kw = engine_kwargs(args)
     kw["max_num_seqs"] = max(max(levels), kw["max_num_seqs"])
     kw["max_model_len"] = kw["max_model_len"] or 2048
+    if args.think_budget is not None:
+        kw["reasoning_parser"] = kw.get("reasoning_parser") or "generic"
     engine = build_engine(args.model, **kw)
     print(f"machine: {machine_line()}; mask mode {engine.mask_mode}; backend {args.backend}")
     engine.warm_up_grammars()
@@ -111,15 +121,17 @@ def run(args: argparse.Namespace) -> int:
     for workload in args.workloads.split(","):
         fixed = workload == "fixed"
         for level, count in zip(levels, counts):
-            prompts = _prompts(engine, count)
+            prompts = _prompts(engine, count, args.think_budget is not None)
             before = engine.get_stats()
-            base = drive(engine, prompts, _params(None, fixed, args.output_len, args.backend), level, "unguided")
+            base = drive(engine, prompts, _params(None, fixed, args.output_len, args.backend, args.think_budget), level,
+                         "unguided")
             rows.append(_row(workload, level, "unguided", base, base, before, engine.get_stats()))
             schemas = {"long string": open_ended(args.output_len)} if fixed else SCHEMAS
             for name, schema in schemas.items():
                 before = engine.get_stats()
                 t0 = time.perf_counter()
-                res = drive(engine, prompts, _params(schema, fixed, args.output_len, args.backend), level, "guided")
+                res = drive(engine, prompts, _params(schema, fixed, args.output_len, args.backend, args.think_budget),
+                            level, "guided")
                 res.wall_s = time.perf_counter() - t0
                 after = engine.get_stats()
                 rows.append(_row(workload, level, f"guided {name}", res, base, before, after))

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from tandem.bench.common import print_table
 from tandem.demo.common import Rows, section
 from tandem.demo.generation import tour_generation
+from tandem.demo.reasoning import tour_reasoning
 from tandem.demo.speculative import tour_speculative
 from tandem.demo.structured import tour_structured
 from tandem.demo.tools import tour_tools
@@ -16,7 +17,7 @@ from tandem.engine.engine import LLMEngine
 from tandem.engine.llm import build_engine
 
 Tour = Callable[[LLMEngine, Rows, bool], None]
-TOURS: list[Tour] = [tour_generation, tour_structured, tour_tools, tour_speculative]
+TOURS: list[Tour] = [tour_generation, tour_structured, tour_reasoning, tour_tools, tour_speculative]
 
 
 def run_demo(args: argparse.Namespace) -> int:

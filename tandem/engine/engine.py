@@ -32,8 +32,10 @@ from tandem.engine.sequences import RequestGroup, SequenceState
 from tandem.engine.speculation import NoSpeculation, Speculation, make_speculation
 from tandem.engine.step_sampler import StagedMasks, StepSampler, plain_rows
 from tandem.engine.stop import StopChecker, StopDecision
+from tandem.engine.thinking import Thinking
 from tandem.engine.timing import EngineStats, StepTimer
 from tandem.params import ParamError, RequestOutputKind, SamplingParams
+from tandem.reasoning import Reasoner
 from tandem.request import Request, RequestMetrics, RequestOutput, RequestStatus
 from tandem.runner.base import ForwardHandle, Runner
 from tandem.sampling.sampler import Sampler, tied_ids, top_candidates
@@ -134,8 +136,10 @@ class LLMEngine:
         mask_mode: str | None = None,
         cpu_budget: CpuBudget | None = None,
         async_scheduling: bool | None = None,
+        reasoner: Reasoner | None = None,
     ) -> None:
-        """`speculation` (default: off) is owned by the engine from here on: `shutdown` closes it.
+        """`speculation` (default: off) is owned by the engine from here on: `shutdown` closes it. `reasoner`: a
+        reasoning parser bound to the tokenizer (thinking split off, grammars after it, thinking budgets).
 
         `async_scheduling`: schedule each step while the previous one runs (see `_step_ahead`). None: on when the
         forward does not use the host's cores (an accelerator) and nothing is drafted."""
@@ -152,6 +156,7 @@ class LLMEngine:
         self._owns_speculation = True
         self.guidance = make_guidance(tokenizer.hf, self.vocab_size, self.eos_token_ids,
                                       structured_config or StructuredOutputConfig())
+        self.thinking = Thinking(reasoner, self.guidance)
         # (a) "device": bitmask copied to the device and applied there; (b) "cpu": logits brought to the host
         mask_mode = mask_mode or ("cpu" if runner.device.type == "cpu" else "device")
         if mask_mode not in ("cpu", "device"):
@@ -204,7 +209,7 @@ class LLMEngine:
     def _new_sequence(self, group: RequestGroup, index: int, now: float) -> SequenceState:
         params = group.params
         seq_id = group.request_id if params.n == 1 else f"{group.request_id}#{index}"
-        return SequenceState(
+        seq = SequenceState(
             req=Request(seq_id, group.prompt_token_ids, params, arrival_time=now),
             group=group,
             index=index,
@@ -212,6 +217,8 @@ class LLMEngine:
             generator=self._generator(params, index),
             logprobs=[] if params.logprobs is not None else None,
         )
+        self.thinking.start(seq)
+        return seq
 
     def _submit_grammars(self, group: RequestGroup) -> None:
         """Start compiling the group's grammar for each sequence; on a refusal nothing of the group stays behind."""
@@ -221,6 +228,7 @@ class LLMEngine:
         try:
             for seq in group.seqs:
                 self.guidance.submit(seq.req, so)
+                self.thinking.defer_grammar(seq)
         except ParamError:
             for seq in group.seqs:
                 self.guidance.release(seq.request_id)
@@ -308,6 +316,7 @@ class LLMEngine:
         logits = self.runner.collect(handle)  # [R, V]
         timer.mark("collected")
         tokens = self.runner.on_tensor_thread(self.step_sampler.sample, plan, logits, masks.staged, self._seqs)
+        self.thinking.limit(tokens, self._seqs)
         timer.mark("sampled")
         unsettled = self._check_unmasked(plan, logits, masks.filled, tokens)
         if unsettled:
@@ -346,6 +355,7 @@ class LLMEngine:
             self._forward_s.append(cur.handle.finished_at - cur.launched_at)
             self.guidance.record_wait(cur.masks.filled, cur.filled_at, cur.handle.finished_at)
             tokens = self.runner.on_tensor_thread(self.step_sampler.sample, cur.plan, logits, cur.masks.staged, self._seqs)
+            self.thinking.limit(tokens, self._seqs)
             timer.mark("sampled")
             unsettled = self._check_unmasked(cur.plan, logits, cur.masks.filled, tokens)
             held = self._rows_of(cur.plan, logits, unsettled) if unsettled else None  # [n, V]: copied before the launch
@@ -480,7 +490,9 @@ class LLMEngine:
             seq = self._seqs.get(rid)
             if not toks or seq is None or seq.req.is_finished or self.guidance.failure(rid) is not None:
                 continue  # (no tokens: an unsettled row, sampled with its mask later)
-            accepted[rid] = self.guidance.accept(seq.req, toks, len(drafts.get(rid, ())))
+            answer_from, unchecked = self.thinking.feed(seq, toks)
+            accepted[rid] = self.guidance.accept(seq.req, toks[answer_from:], len(drafts.get(rid, ())),
+                                                 unchecked=unchecked)
         return accepted
 
     def _advance_ahead(self, plan: StepPlan, new_tokens: dict[str, list[int]],
@@ -708,6 +720,7 @@ class LLMEngine:
         if failure is not None or (no_token is not None and not toks):  # the sampled token means nothing
             seq.group.error = failure or no_token
             return [], RequestStatus.FINISHED_ERROR
+        answer_from, unchecked = self.thinking.feed(seq, toks) if accepted is None else (0, 0)
         try:
             decision = seq.stop.add_tokens(toks)
         except Exception as e:  # noqa: BLE001 - one broken request must not take the batch down
@@ -720,7 +733,8 @@ class LLMEngine:
         if seq.logprobs is not None and len(kept) < len(toks):
             del seq.logprobs[len(seq.logprobs) - (len(toks) - len(kept)) :]
         if accepted is None:
-            accepted = self.guidance.accept(seq.req, kept, len(drafts))
+            accepted = self.guidance.accept(seq.req, kept[answer_from:], len(drafts),
+                                            unchecked=max(0, min(unchecked, len(kept) - answer_from)))
         terminated, grammar_error = accepted
         status = self._final_status(seq, decision, terminated, grammar_error or no_token)
         if status is not None and status is not RequestStatus.FINISHED_ERROR:
@@ -800,6 +814,12 @@ class LLMEngine:
         if sc is not None and proposer is None:
             proposer = build_proposer(sc, self.vocab_size, self.tokenizer)
         self.speculation = make_speculation(sc, proposer, self.max_model_len)
+
+    def set_reasoning(self, parser: str | Mapping[str, Any] | None) -> None:
+        """Switch the reasoning parser between runs (no request may be in flight); None turns it off."""
+        if self.has_unfinished_requests():
+            raise RuntimeError("set_reasoning needs an idle engine: requests are in flight")
+        self.thinking = Thinking(Reasoner(parser, self.tokenizer) if parser is not None else None, self.guidance)
 
     def shutdown(self) -> None:
         """Abort what runs, stop the draft worker, the grammar pools and the forward thread."""

@@ -127,6 +127,7 @@ class Guidance:
         self.stats = GuidanceStats()
         self._pending: set[str] = set()
         self._ready: set[str] = set()
+        self._thinking: set[str] = set()  # reasoning models: no mask and no advance until the thinking ends
         self._forced: dict[str, int] = {}  # request -> number of its scheduled drafts that are grammar-forced
         self._failed: dict[str, str] = {}  # request -> why its grammar work failed (it ends at the next advance)
         self._argmax_only: set[str] = set()  # greedy requests with nothing else changing their logits
@@ -144,6 +145,18 @@ class Guidance:
 
     def is_ready(self, request_id: str) -> bool:
         return request_id in self._ready
+
+    def _active(self, request_id: str) -> bool:
+        """Its grammar applies now: compiled, and not waiting for the thinking to end."""
+        return request_id in self._ready and request_id not in self._thinking
+
+    def defer(self, request_id: str) -> None:
+        """The request thinks first: its grammar neither masks nor advances until `begin_answer`."""
+        self._thinking.add(request_id)
+
+    def begin_answer(self, request_id: str) -> None:
+        """The thinking ended: the grammar starts at the next token (from its start state)."""
+        self._thinking.discard(request_id)
 
     def failure(self, request_id: str) -> str | None:
         """Why the request's grammar failed during this step, or None."""
@@ -200,7 +213,7 @@ class Guidance:
         """Cut guided drafts at their first invalid token; without drafts, propose the grammar's forced tokens."""
         self._forced.clear()
         for req in running:
-            if req.request_id in self._ready and req.num_computed_tokens == req.num_tokens - 1:
+            if self._active(req.request_id) and req.num_computed_tokens == req.num_tokens - 1:
                 try:
                     self._constrain(req, max_drafts)
                 except Exception as e:  # noqa: BLE001 - this request's grammar failed; the others go on
@@ -250,7 +263,7 @@ class Guidance:
         for sr in plan.requests:
             if not sr.needs_logits:
                 continue
-            guided = sr.request_id in self._ready
+            guided = self._active(sr.request_id)
             k = sr.num_draft_tokens
             if k:
                 if guided:
@@ -316,7 +329,7 @@ class Guidance:
         rejected: list[str] = []
         for rid in unmasked:
             toks = tokens.get(rid)
-            if rid not in self._ready or not toks:
+            if not self._active(rid) or not toks:
                 continue
             try:
                 ok = self.manager.validate_draft(rid, toks[:1]) == 1
@@ -378,14 +391,22 @@ class Guidance:
             self.stats.exposed_s += max(0.0, filled_at - forward_done_at) + before_s
 
     # ---------------------------------------------------------------------------------------------- outcome
-    def accept(self, req: Request, tokens: Sequence[int], num_scheduled_drafts: int) -> tuple[bool, str | None]:
+    def accept(self, req: Request, tokens: Sequence[int], num_scheduled_drafts: int,
+               unchecked: int = 0) -> tuple[bool, str | None]:
         """Feed the emitted tokens to the matcher. Returns (terminated, error). Every token here was sampled under
-        the request's mask or validated (unmasked rows), so the matcher does not check them first."""
+        the request's mask or validated (unmasked rows), so the matcher does not check them first, except the
+        first `unchecked` ones (sampled before the grammar started: an implicit end of a thinking block, which the
+        grammar takes only if it allows them)."""
         rid = req.request_id
-        if rid not in self._ready or not tokens:
+        if not self._active(rid) or not tokens:
             return False, None
         m = self.manager
         try:
+            if unchecked and m.validate_draft(rid, tokens[:unchecked]) < unchecked:
+                logger.info("request %s: the grammar does not take the tokens that ended the thinking", rid)
+                tokens = tokens[unchecked:]
+                if not tokens:
+                    return False, None
             terminated = m.consume(rid, tokens)
         except Exception as e:  # noqa: BLE001 - e.g. llguidance's lexer limits on a hostile regex: this request ends
             self._fail(rid, f"{m.backend_of(rid)}: {type(e).__name__}: {e}")
@@ -402,6 +423,7 @@ class Guidance:
         self._refilled.discard(request_id)
         self._pending.discard(request_id)
         self._ready.discard(request_id)
+        self._thinking.discard(request_id)
         self._forced.pop(request_id, None)
         self._failed.pop(request_id, None)
         if self._manager is not None:

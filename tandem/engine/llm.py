@@ -23,6 +23,7 @@ from tandem.layers.kernels import load_cpu_kernels
 from tandem.models.checkpoint import Checkpoint, resolve_dtype
 from tandem.models.loader import load_checkpoint
 from tandem.params import EngineOverloaded, ParamError, RequestOutputKind, SamplingParams
+from tandem.reasoning import Reasoner
 from tandem.request import RequestOutput
 from tandem.runner.distributed import (
     ProcessLauncher,
@@ -71,6 +72,7 @@ def build_engine(
     tensor_parallel_size: int = 1,
     distributed_executor_backend: str = "mp",
     cpu_cores: Sequence[int] | None = None,
+    reasoning_parser: str | Mapping[str, Any] | None = None,
     progress: bool = True,
 ) -> LLMEngine:
     """Load a checkpoint (the built-in demo model when `model` is None; a `Checkpoint` as it is) and build an engine.
@@ -78,38 +80,44 @@ def build_engine(
     `quantization`: None keeps a GGUF's quantized blocks as stored (CPU kernels; dequantized on an accelerator),
     "none" dequantizes them to `dtype`, "int8" stores dense matrices (safetensors) as per-channel int8.
     `tensor_parallel_size` > 1 shards the model over that many ranks (`runner/distributed.py`; worker processes, or
-    Ray actors with `distributed_executor_backend="ray"`); `cpu_cores`: the cores this engine may use (pinned)."""
+    Ray actors with `distributed_executor_backend="ray"`); `cpu_cores`: the cores this engine may use (pinned);
+    `reasoning_parser`: a name or {"name": ..., options} (tandem/reasoning/parsers.py)."""
     if cpu_cores is not None:
         pin_current_thread_pool(tuple(cpu_cores))  # before the tensor thread starts: it and its team inherit them
     _check_device(device)
     path, ckpt = _checkpoint(model, dtype, progress, quantization)
-    torch_dtype = ckpt.weights.dtype
     cache = CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory, memory_fraction=memory_fraction,
                         enable_prefix_caching=enable_prefix_caching, num_blocks=num_kv_blocks)
-    sched = _scheduler_config(ckpt.config, max_model_len, max_num_seqs, max_num_batched_tokens)
-    config = EngineConfig(model=str(path), model_config=ckpt.config, dtype=str(torch_dtype).removeprefix("torch."),
-                          device=device, seed=seed, cache=cache, scheduler=sched, num_threads=num_threads)
+    config = EngineConfig(model=str(path), model_config=ckpt.config, dtype=str(ckpt.weights.dtype).removeprefix("torch."),
+                          device=device, seed=seed, cache=cache, num_threads=num_threads,
+                          scheduler=_scheduler_config(ckpt.config, max_model_len, max_num_seqs, max_num_batched_tokens))
     tok = _tokenizer(ckpt, tokenizer, chat_template)
+    reasoner = _reasoner(reasoning_parser, tok)
     sc = SpeculativeConfig.from_dict(speculative_config) if speculative_config is not None else None
     so_config = _structured_config(structured_outputs_config)
     budget = _cpu_budget(device, num_threads, sc, so_config if structured_outputs_config is not None else None, cpu_cores)
     so_config = dataclasses.replace(so_config, num_threads=budget.grammar_threads)
     runner = _runner(ckpt, config, budget, cpu_kernels, quantization, tensor_parallel_size, distributed_executor_backend)
     del ckpt
-    _host_sampling_kernels(runner, cpu_kernels, structured_mask_mode)
-    if progress:
-        print(f"tandem: {runner.memory_summary()}", file=sys.stderr, flush=True)
+    _after_load(runner, cpu_kernels, structured_mask_mode, progress)
     speculation = _speculation(sc, budget, config.model_config.vocab_size, tok, config.scheduler.max_model_len)
-    engine = LLMEngine(config, runner, tok, speculation=speculation, structured_config=so_config,
+    engine = LLMEngine(config, runner, tok, speculation=speculation, structured_config=so_config, reasoner=reasoner,
                        mask_mode=structured_mask_mode, cpu_budget=budget, async_scheduling=async_scheduling)
     gc.collect()
     gc.freeze()  # the long-lived objects of torch and the model never need scanning again: no GC pauses in the loop
     return engine
 
 
-def _host_sampling_kernels(runner: ModelRunner, cpu_kernels: bool, mask_mode: str | None) -> None:
-    """An accelerator whose logits are brought to the host (mask mode "cpu") samples greedy rows there in one fused
-    pass (`greedy_tokens`); load the CPU kernels for it (a CPU model loads them itself, unless `cpu_kernels=False`)."""
+def _reasoner(parser: str | Mapping[str, Any] | None, tok: Tokenizer) -> Reasoner | None:
+    return Reasoner(parser, tok) if parser is not None else None
+
+
+def _after_load(runner: ModelRunner, cpu_kernels: bool, mask_mode: str | None, progress: bool) -> None:
+    """Print the memory summary (`progress`). An accelerator whose logits are brought to the host (mask mode "cpu")
+    samples greedy rows there in one fused pass (`greedy_tokens`); load the CPU kernels for it (a CPU model loads
+    them itself, unless `cpu_kernels=False`)."""
+    if progress:
+        print(f"tandem: {runner.memory_summary()}", file=sys.stderr, flush=True)
     if cpu_kernels and mask_mode == "cpu" and runner.device.type != "cpu":
         load_cpu_kernels()
 

@@ -9,6 +9,7 @@ import torch
 
 from tandem.engine.stop import StopChecker
 from tandem.params import SamplingParams
+from tandem.reasoning import ThinkingState
 from tandem.request import CompletionOutput, Logprob, Request, RequestMetrics, RequestOutput
 
 
@@ -23,10 +24,33 @@ class SequenceState:
     generator: torch.Generator | None  # the request's own generator when it has a seed
     logprobs: list[dict[int, Logprob]] | None  # per generated position, when logprobs were asked for
     cumulative_logprob: float = 0.0
+    thinking: ThinkingState | None = None  # with a reasoning parser
 
     @property
     def request_id(self) -> str:
         return self.req.request_id
+
+    def completion(self) -> CompletionOutput:
+        """This sequence's cumulative output (visible text only while it runs), the thinking split off."""
+        text = self.stop.text if self.req.is_finished else self.stop.visible_text()
+        out = CompletionOutput(
+            index=self.index,
+            text=text,
+            token_ids=self.req.confirmed_output_ids,
+            cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
+            logprobs=self.logprobs,
+            finish_reason=self.req.status.finish_reason,
+            stop_reason=self.req.stop_reason,
+        )
+        state = self.thinking
+        if state is not None:
+            marked = self.stop.marked_len
+            if state.text_end is not None and marked is not None:
+                out.reasoning, out.content = state.split_marked(text, marked)
+            else:
+                out.reasoning, out.content = state.split(text, self.req.is_finished)
+            out.num_reasoning_tokens = state.num_reasoning_tokens
+        return out
 
 
 @dataclass(eq=False)
@@ -48,18 +72,7 @@ class RequestGroup:
 
     def output(self) -> RequestOutput:
         """The request's cumulative output so far (visible text only while a sequence runs)."""
-        completions = [
-            CompletionOutput(
-                index=s.index,
-                text=s.stop.text if s.req.is_finished else s.stop.visible_text(),
-                token_ids=s.req.confirmed_output_ids,
-                cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,
-                logprobs=s.logprobs,
-                finish_reason=s.req.status.finish_reason,
-                stop_reason=s.req.stop_reason,
-            )
-            for s in self.seqs
-        ]
+        completions = [s.completion() for s in self.seqs]
         self.metrics.num_cached_tokens = max(s.req.num_cached_tokens for s in self.seqs)
         return RequestOutput(
             request_id=self.request_id,

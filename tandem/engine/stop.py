@@ -69,6 +69,9 @@ class StopChecker:
         # ids not yet detokenized: text is read only at the end and no stop string needs it before
         self._defer_text = not self._stops and params.output_kind is RequestOutputKind.FINAL_ONLY
         self._undecoded: list[int] = []
+        self._mark_at: int | None = None  # see mark_at
+        self._undecoded_mark: int | None = None
+        self.marked_len: int | None = None
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
 
@@ -90,7 +93,20 @@ class StopChecker:
         """Detokenize the ids deferred so far (raises what the tokenizer raises; they are dropped then)."""
         if self._undecoded:
             ids, self._undecoded = self._undecoded, []
+            cut, self._undecoded_mark = self._undecoded_mark, None
+            if cut is not None:
+                self._text += self._detokenizer.add_tokens_at_once(ids[:cut])
+                self.marked_len, ids = len(self._text), ids[cut:]
             self._text += self._detokenizer.add_tokens_at_once(ids)
+
+    def mark_at(self, num_output_tokens: int) -> None:
+        """Record the text's length once `num_output_tokens` output tokens are in it (`marked_len`): where a
+        reasoning model's thinking ends. Call before those tokens are added."""
+        self._mark_at = num_output_tokens
+        if num_output_tokens <= self.num_output_tokens:  # already in (the end of a step that was cut): mark now
+            self._mark_at = None
+            self.decode_deferred()
+            self.marked_len = len(self._text)
 
     def add_tokens(self, token_ids: Sequence[int]) -> StopDecision:
         """Process `token_ids` in order up to the first that ends the request; advance text and the detokenizer."""
@@ -121,6 +137,12 @@ class StopChecker:
                 self._text += delta
                 if may_stop and self._stops and self._cut_at_stop_string(old_len):
                     return
+        if self.num_output_tokens == self._mark_at:
+            self._mark_at = None
+            if self._defer_text:
+                self._undecoded_mark = len(self._undecoded)
+            else:
+                self.marked_len = len(self._text)
         if self.num_output_tokens >= self._max_output:
             self._finish(FINISH_LENGTH, None)
 

@@ -67,6 +67,11 @@ class CompletionDelta:
     logprobs: list[list[tuple[int, float, int | None, str | None]]] | None  # per token: [(id, logprob, rank, text)], sampled first
     finish_reason: str | None
     stop_reason: int | str | None
+    # with a reasoning parser (`text` is the whole output's delta): the new thinking and answer text, every thinking
+    # character in a delta before the first answer character of the completion; thinking tokens so far
+    reasoning: str = ""
+    content: str = ""
+    num_reasoning_tokens: int = 0
 
 
 @dataclass
@@ -93,7 +98,8 @@ class _DeltaTracker:
     """Core side: turns the engine's cumulative RequestOutputs into deltas (sent lengths per completion)."""
 
     def __init__(self, decode: Any = None) -> None:
-        self._sent: dict[str, dict[int, tuple[int, int, int]]] = {}  # rid -> index -> (tokens, chars, logprobs)
+        # rid -> index -> (tokens, chars, logprobs, thinking chars, answer chars)
+        self._sent: dict[str, dict[int, tuple[int, int, int, int, int]]] = {}
         self._decode = decode  # Tokenizer.decode, for the prompt's text when it is echoed
 
     def _prompt_echo(self, out: RequestOutput) -> PromptEcho | None:
@@ -111,14 +117,18 @@ class _DeltaTracker:
         sent = self._sent.setdefault(out.request_id, {})
         deltas: list[CompletionDelta] = []
         for c in out.outputs:
-            nt, nc, nl = sent.get(c.index, (0, 0, 0))
+            nt, nc, nl, nr, na = sent.get(c.index, (0, 0, 0, 0, 0))
             new_lp = None
             if c.logprobs is not None:
                 new_lp = [[(tid, lp.logprob, lp.rank, lp.decoded_token) for tid, lp in pos.items()] for pos in c.logprobs[nl:]]
-            if len(c.token_ids) == nt and len(c.text) == nc and c.finish_reason is None:
+            reasoning, content = c.reasoning or "", c.content or ""
+            if len(c.token_ids) == nt and len(c.text) == nc and c.finish_reason is None and len(reasoning) == nr \
+                    and len(content) == na:
                 continue
-            deltas.append(CompletionDelta(c.index, c.text[nc:], list(c.token_ids[nt:]), new_lp, c.finish_reason, c.stop_reason))
-            sent[c.index] = (len(c.token_ids), len(c.text), len(c.logprobs) if c.logprobs is not None else 0)
+            deltas.append(CompletionDelta(c.index, c.text[nc:], list(c.token_ids[nt:]), new_lp, c.finish_reason,
+                                          c.stop_reason, reasoning[nr:], content[na:], c.num_reasoning_tokens))
+            sent[c.index] = (len(c.token_ids), len(c.text), len(c.logprobs) if c.logprobs is not None else 0,
+                             len(reasoning), len(content))
         if out.finished:
             self._sent.pop(out.request_id, None)
         cached = out.metrics.num_cached_tokens if out.metrics is not None else 0

@@ -256,7 +256,7 @@ def test_request_ending_and_grammar_complaint_on_same_token_finishes_once(storie
     which crashed the engine. It must end once (with its normal reason) and the engine keep serving."""
     engine = stories_engine_factory(max_model_len=512)
     monkeypatch.setattr(engine.guidance, "accept",
-                        lambda req, toks, k: (False, "matcher refused the token" if req.request_id == "a" else None))
+                        lambda req, toks, k, unchecked=0: (False, "matcher refused the token" if req.request_id == "a" else None))
     p = SamplingParams(temperature=0.0, max_tokens=1, structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
     done = run_all(engine, {"a": "Once"}, p)
     assert done["a"].outputs[0].finish_reason == "length"

@@ -1,0 +1,206 @@
+"""Reasoning models in the engine (tandem/engine/thinking.py): the grammar starts only after the thinking, the
+budget forces the end marker, and the split of text and tokens is the same on every path (synchronous, scheduled
+ahead, with drafts, n > 1, final-only outputs). A random-weight Llama over GPT-2's real vocabulary with the generic
+parser: "</think>" is three tokens there, so the marker is matched (and forced) as a token sequence."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+
+from tandem import SamplingParams, StructuredOutputsParams
+from tandem.engine.engine import LLMEngine
+from tandem.request import CompletionOutput, RequestOutput
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
+                                          "b": {"enum": ["x", "y"]}},
+          "required": ["a", "b"], "additionalProperties": False}
+THINK = "Question: what is it?\n<think>\n"  # the prompt opens the block
+NO_THINK = "Question: what is it?\n<think>\n\n</think>\n\n"  # ... or closes an empty one
+BUDGET = 6
+MODES: dict[str, dict[str, Any]] = {
+    "sync": {},
+    "ahead": {"async_scheduling": True},
+    "ngram": {"speculative_config": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}},
+    "suffix-ahead": {"async_scheduling": True, "speculative_config": {"method": "suffix", "num_speculative_tokens": 4}},
+}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory, shared_data: Path) -> Path:
+    import torch
+    import transformers
+
+    from tandem.tokenizer import Tokenizer
+
+    d = tmp_path_factory.mktemp("reasoning-gpt2")
+    for name in ("vocab.json", "merges.txt"):
+        shutil.copy(shared_data / "tokenizers" / "gpt2" / name, d / name)
+    tok = Tokenizer.from_path(d).hf
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                                   eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(d, safe_serialization=True)
+    return d
+
+
+def engine(model_dir: Path, **kw: Any) -> LLMEngine:
+    from tandem.engine.llm import build_engine
+
+    return build_engine(str(model_dir), dtype="float32", progress=False, max_model_len=1024,
+                        reasoning_parser=kw.pop("reasoning_parser", "generic"), **kw)
+
+
+def run(eng: LLMEngine, requests: dict[str, tuple[str, SamplingParams]]) -> dict[str, RequestOutput]:
+    for rid, (prompt, params) in requests.items():
+        eng.add_request(rid, prompt, params)
+    outs: dict[str, RequestOutput] = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                outs[o.request_id] = o
+    return outs
+
+
+def guided(**kw: Any) -> SamplingParams:
+    return SamplingParams(max_tokens=48, temperature=0, structured_outputs=StructuredOutputsParams(json=SCHEMA), **kw)
+
+
+def check_answer(c: CompletionOutput) -> None:
+    assert c.finish_reason == "stop", c
+    assert c.content is not None
+    jsonschema.validate(json.loads(c.content), SCHEMA)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: Path) -> dict[str, RequestOutput]:
+    eng = engine(model_dir)
+    try:
+        return run(eng, {"guided": (THINK, guided(thinking_token_budget=BUDGET)),
+                         "free": (THINK, SamplingParams(max_tokens=BUDGET, temperature=0)),
+                         "long": (THINK, SamplingParams(max_tokens=20, temperature=0))})
+    finally:
+        eng.shutdown()
+
+
+def test_the_grammar_starts_after_the_forced_end(reference: dict[str, RequestOutput], model_dir: Path) -> None:
+    eng = engine(model_dir)
+    end_ids = list(eng.thinking.reasoner.markers.end_ids)
+    eng.shutdown()
+    c, free = reference["guided"].outputs[0], reference["free"].outputs[0]
+    assert len(end_ids) == 3
+    # the thinking is the model's own greedy choice, untouched by the grammar, then the forced marker
+    assert c.token_ids[:BUDGET] == free.token_ids
+    assert c.token_ids[BUDGET : BUDGET + 3] == end_ids
+    assert c.num_reasoning_tokens == BUDGET + 3
+    assert c.reasoning == free.text and c.text == free.text + "</think>" + c.content
+    check_answer(c)
+
+
+def test_a_thinking_that_never_ends_is_all_reasoning(reference: dict[str, RequestOutput]) -> None:
+    c = reference["long"].outputs[0]
+    assert c.finish_reason == "length" and c.content is None
+    assert c.reasoning == c.text and c.num_reasoning_tokens == 20
+
+
+@pytest.mark.parametrize("mode", [m for m in MODES if m != "sync"])
+def test_every_path_gives_the_same_tokens_and_split(mode: str, reference: dict[str, RequestOutput],
+                                                   model_dir: Path) -> None:
+    eng = engine(model_dir, **MODES[mode])
+    try:
+        outs = run(eng, {"guided": (THINK, guided(thinking_token_budget=BUDGET)),
+                         "long": (THINK, SamplingParams(max_tokens=20, temperature=0))})
+    finally:
+        eng.shutdown()
+    for rid, out in outs.items():
+        want, got = reference[rid].outputs[0], out.outputs[0]
+        assert (got.token_ids, got.reasoning, got.content, got.num_reasoning_tokens) == \
+               (want.token_ids, want.reasoning, want.content, want.num_reasoning_tokens), (mode, rid)
+
+
+def test_a_closed_block_answers_under_the_grammar_from_the_first_token(model_dir: Path) -> None:
+    eng = engine(model_dir)
+    try:
+        c = run(eng, {"r": (NO_THINK, guided())})["r"].outputs[0]
+    finally:
+        eng.shutdown()
+    assert c.reasoning is None and c.num_reasoning_tokens == 0 and c.content == c.text
+    check_answer(c)
+
+
+def test_without_a_parser_nothing_changes(model_dir: Path, reference: dict[str, RequestOutput]) -> None:
+    eng = engine(model_dir, reasoning_parser=None)
+    try:
+        c = run(eng, {"r": (THINK, guided(thinking_token_budget=BUDGET))})["r"].outputs[0]
+    finally:
+        eng.shutdown()
+    assert c.reasoning is None and c.content is None and c.num_reasoning_tokens == 0
+    jsonschema.validate(json.loads(c.text), SCHEMA)  # the grammar ran from the first token
+    assert c.token_ids != reference["guided"].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("mode", ["sync", "ahead"])
+def test_sampled_n_and_mixed_batch(mode: str, model_dir: Path) -> None:
+    """n = 2 sampled thinking sequences beside a closed block, a free request and an abort mid-thought: each
+    sequence splits right, each answer validates."""
+    eng = engine(model_dir, **MODES[mode])
+    try:
+        eng.add_request("gone", THINK, SamplingParams(max_tokens=200, temperature=0.9, seed=1))
+        for _ in range(3):
+            eng.step()
+        eng.abort_request("gone")
+        outs = run(eng, {
+            "n2": (THINK, SamplingParams(n=2, max_tokens=48, temperature=0.8, seed=7, thinking_token_budget=4,
+                                         structured_outputs=StructuredOutputsParams(json=SCHEMA))),
+            "closed": (NO_THINK, guided(thinking_token_budget=2)),
+            "free": (THINK, SamplingParams(max_tokens=12, temperature=0.7, seed=2, thinking_token_budget=3)),
+        })
+    finally:
+        eng.shutdown()
+    assert "gone" not in outs
+    for c in outs["n2"].outputs:
+        check_answer(c)
+        assert c.num_reasoning_tokens >= 4 + 3 and c.reasoning and c.text.startswith(c.reasoning + "</think>")
+    check_answer(outs["closed"].outputs[0])
+    free = outs["free"].outputs[0]
+    assert free.num_reasoning_tokens >= 6 and free.content is not None
+    assert free.text == free.reasoning + "</think>" + free.content
+
+
+def test_final_only_outputs_split_as_cumulative_ones(model_dir: Path, reference: dict[str, RequestOutput]) -> None:
+    """LLM.generate reports only final outputs (text decoded once, at the end): the same split."""
+    from tandem import LLM
+
+    llm = LLM(str(model_dir), dtype="float32", progress=False, max_model_len=1024, reasoning_parser="generic")
+    try:
+        outs = llm.generate([THINK, THINK], [guided(thinking_token_budget=BUDGET),
+                                             SamplingParams(max_tokens=20, temperature=0)], use_tqdm=False)
+    finally:
+        llm.shutdown()
+    for out, rid in zip(outs, ["guided", "long"], strict=True):
+        want, got = reference[rid].outputs[0], out.outputs[0]
+        assert (got.text, got.reasoning, got.content) == (want.text, want.reasoning, want.content)
+
+
+def test_streamed_reasoning_only_grows(model_dir: Path) -> None:
+    """Cumulative outputs step by step: reasoning and content only ever grow, and no content before the end."""
+    eng = engine(model_dir)
+    eng.add_request("r", THINK, guided(thinking_token_budget=BUDGET))
+    last = ("", "")
+    try:
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                c = o.outputs[0]
+                r, a = c.reasoning or "", c.content or ""
+                assert r.startswith(last[0]) and a.startswith(last[1])
+                assert not a or c.num_reasoning_tokens == BUDGET + 3
+                last = (r, a)
+    finally:
+        eng.shutdown()
+    assert last[1]
