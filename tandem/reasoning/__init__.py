@@ -2,8 +2,9 @@
 
 parsers.py (each family's markers and its starting state from the rendered prompt, by name), state.py (one
 sequence's thinking token by token: where it ends, the thinking budget, the text split), reasoner.py (a parser bound
-to a tokenizer: what the engine holds), chat.py (the chat-side controls: template kwargs, `reasoning_effort`,
-history). The engine, `LLM` and the server call these; nothing here runs a model or imports the server.
+to a tokenizer: what the engine holds). The engine (engine/thinking.py) calls these; the server's chat-side controls
+(template kwargs, `reasoning_effort`, history, the response fields) are in server/reasoning.py. Nothing here runs a
+model or imports the server.
 """
 
 from __future__ import annotations

@@ -49,7 +49,6 @@ from tandem.server.protocol import (
     ChatCompletionStreamChoice,
     ChatLogprobs,
     ChatResponseMessage,
-    ChatTokenLogprob,
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
@@ -59,12 +58,24 @@ from tandem.server.protocol import (
     DeltaToolCall,
     ErrorResponse,
     FunctionCallOut,
+    LogprobPositions,
     ModelCard,
     ModelList,
     ToolCallOut,
-    TopLogprob,
     UsageInfo,
+    body_dict,
+    chat_logprobs,
+    completion_logprobs,
+    echo_logprobs,
     random_id,
+)
+from tandem.server.reasoning import (
+    ChatReasoning,
+    Thought,
+    keep_history_reasoning,
+    template_kwargs,
+    token_details,
+    with_thinking_budget,
 )
 from tandem.server.responses import ResponseBuilder, ResponsesRequest, usage_dict
 from tandem.tools.parsers import ToolCallDelta, ToolCallStream, ToolParser
@@ -89,6 +100,9 @@ class ServerConfig:
     engine_start_timeout_s: float = 900.0
     tool_call_parser: str = "auto"  # 'auto' (from the chat template) | 'hermes' | 'llama3_json' | 'mistral'
     shutdown_grace_period_s: float = 30.0  # on SIGTERM, how long requests in flight may run on before they are failed
+    reasoning_parser: str | None = None  # the engine's --reasoning-parser: answers show the thinking apart (reasoning.py)
+    default_chat_template_kwargs: dict[str, Any] | None = None  # under each request's chat_template_kwargs
+    thinking_token_budget: int | None = None  # for requests that give none (with a reasoning parser)
 
 
 @dataclass
@@ -236,6 +250,7 @@ class Generation:
         self.deadline = deadline
         self.num_prompt_tokens = 0
         self.num_generated = 0
+        self.reasoning_tokens: dict[int, int] = {}  # per completion: its thinking tokens so far
         self._first_token_at: float | None = None
         self._last_token_at: dict[int, float] = {}
         self._seen_first = False
@@ -269,6 +284,7 @@ class Generation:
             m.prompt_tokens.inc(delta.num_prompt_tokens)
             m.cached_prompt_tokens.inc(delta.num_cached_tokens)
         for c in delta.outputs:
+            self.reasoning_tokens[c.index] = c.num_reasoning_tokens
             if c.token_ids:
                 self.num_generated += len(c.token_ids)
                 m.generation_tokens.inc(len(c.token_ids))
@@ -332,49 +348,19 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None
     return None
 
 
-# ------------------------------------------------------------------------------------------------ conversions
-def _chat_logprobs(positions: list[list[tuple[int, float, int | None, str | None]]], k: int) -> list[ChatTokenLogprob]:
-    out = []
-    for pos in positions:
-        _, lp, _, text = pos[0]
-        token = text or ""
-        top = sorted((e for e in pos if e[2] is not None and e[2] <= k), key=lambda e: e[2] or 0)[:k]
-        out.append(ChatTokenLogprob(
-            token=token, logprob=max(lp, -9999.0), bytes=list(token.encode()),
-            top_logprobs=[TopLogprob(token=t or "", logprob=max(v, -9999.0), bytes=list((t or "").encode())) for _, v, _, t in top],
-        ))
-    return out
-
-
-def _completion_logprobs(
-    positions: list[list[tuple[int, float, int | None, str | None]]], k: int, offset: int
-) -> CompletionLogprobs:
-    lp = CompletionLogprobs()
-    for pos in positions:
-        _, v, _, text = pos[0]
-        token = text or ""
-        lp.tokens.append(token)
-        lp.token_logprobs.append(max(v, -9999.0))
-        lp.text_offset.append(offset)
-        offset += len(token)
-        top = sorted((e for e in pos if e[2] is not None and e[2] <= k), key=lambda e: e[2] or 0)[:k]
-        d = {t or "": max(x, -9999.0) for _, x, _, t in top}
-        d.setdefault(token, max(v, -9999.0))
-        lp.top_logprobs.append(d)
-    return lp
-
-
 @dataclass
 class _Choice:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[list[tuple[int, float, int | None, str | None]]] = field(default_factory=list)
+    logprobs: LogprobPositions = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt: PromptEcho | None = None  # the echoed prompt (completions with echo)
+    thought: Thought = field(default_factory=Thought)  # the thinking and the answer (reasoning parser)
 
     def add(self, c: CompletionDelta) -> None:
         self.text += c.text
+        self.thought.add(c)
         self.token_ids += c.token_ids
         if c.logprobs:
             self.logprobs += c.logprobs
@@ -384,25 +370,6 @@ class _Choice:
 
 def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
-def _chunk_dict(chunk: ChatCompletionChunk | CompletionResponse) -> dict[str, Any]:
-    d = chunk.model_dump()
-    if d.get("usage") is None:
-        d.pop("usage", None)
-    for choice in d.get("choices", ()):  # OpenAI sends the role only in a choice's first delta
-        delta = choice.get("delta")
-        if delta is not None and delta.get("role") is None:
-            delta.pop("role", None)
-        if delta is not None and delta.get("tool_calls") is None:
-            delta.pop("tool_calls", None)
-        for call in (delta or {}).get("tool_calls") or ():
-            for key in ("id", "type"):
-                if call.get(key) is None:
-                    call.pop(key)
-            if call["function"].get("name") is None:
-                call["function"].pop("name")
-    return d
 
 
 # ------------------------------------------------------------------------------------------------------ the app
@@ -495,7 +462,7 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         plan = tool_plan(state, body.tool_dicts(), body.tool_choice_value(), body.parallel_tool_calls)
         params = _prepare(state, body.model, lambda: with_tools(body.sampling_params(), plan))
-        prompt = chat_prompt(state, body.conversation(), plan, body.add_generation_prompt)
+        prompt = chat_prompt(state, body, plan)
         rid = random_id("chatcmpl")
         fmt = _ChatFormat(state, body, rid, plan.parser if plan is not None and plan.constrained else None)
         return await _serve(state, request, rid, [prompt], params, body.stream, fmt)
@@ -505,7 +472,7 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
         chat = body.chat_request()
         plan = tool_plan(state, chat.tool_dicts(), chat.tool_choice_value(), chat.parallel_tool_calls)
         params = _prepare(state, chat.model, lambda: with_tools(chat.sampling_params(), plan))
-        prompt = chat_prompt(state, chat.conversation(), plan, True)
+        prompt = chat_prompt(state, chat, plan)
         rid = random_id("resp")
         fmt = _ResponsesFormat(state, body, rid, plan.parser if plan is not None and plan.constrained else None)
         return await _serve(state, request, rid, [prompt], params, body.stream, fmt)
@@ -534,17 +501,20 @@ def with_tools(params: SamplingParams, plan: ToolPlan | None) -> SamplingParams:
     return params if plan is None else plan.apply(params)
 
 
-def chat_prompt(state: ServerState, messages: list[dict[str, Any]], plan: ToolPlan | None, add_generation_prompt: bool) -> dict[str, Any]:
-    """The engine-core prompt of a chat: messages in the form the template takes, its `tools` argument if any."""
+def chat_prompt(state: ServerState, body: ChatCompletionRequest, plan: ToolPlan | None) -> dict[str, Any]:
+    """The engine-core prompt of a chat: messages in the form the template takes (their thinking kept), its `tools`
+    argument if any, the request's template kwargs (reasoning.py)."""
+    messages = body.conversation()
+    kwargs = template_kwargs(state.config.default_chat_template_kwargs, body.chat_template_kwargs, body.reasoning_effort)
     if plan is not None:
-        conversation, kwargs = plan.conversation(messages), plan.template_kwargs()
+        conversation, kwargs = plan.conversation(messages), {**kwargs, **plan.template_kwargs()}
     elif any(m.get("tool_calls") or m["role"] in ("tool", "function") for m in messages):
         parser, native = state.tool_format()  # a tool conversation continued without tools
-        conversation, kwargs = (hf_messages(messages) if native else fallback_messages(messages, parser, None)), {}
+        conversation = hf_messages(messages) if native else fallback_messages(messages, parser, None)
     else:
         conversation = [{**m, "role": "system" if m["role"] == "developer" else m["role"]} for m in messages]
-        kwargs = {}
-    prompt: dict[str, Any] = {"messages": conversation, "add_generation_prompt": add_generation_prompt}
+    prompt: dict[str, Any] = {"messages": keep_history_reasoning(conversation, messages),
+                              "add_generation_prompt": body.add_generation_prompt}
     if kwargs:
         prompt["chat_template_kwargs"] = kwargs
     return prompt
@@ -556,7 +526,7 @@ def _prepare(state: ServerState, model: str | None, make_params: Callable[[], Sa
         raise APIError(f"the model {model!r} does not exist; this server serves {list(state.config.served_model_names)}",
                        404, param="model", code="model_not_found")
     try:
-        return make_params()
+        return with_thinking_budget(make_params(), state.config.reasoning_parser, state.config.thinking_token_budget)
     except ToolError as e:
         raise APIError(str(e), 400, param=e.param) from e
     except ParamError as e:
@@ -646,7 +616,8 @@ async def _collect(gens: Sequence[Generation], firsts: Sequence[RequestDelta], f
 def _usage(gens: Sequence[Generation]) -> UsageInfo:
     prompt = sum(g.num_prompt_tokens for g in gens)
     gen = sum(g.num_generated for g in gens)
-    return UsageInfo(prompt_tokens=prompt, completion_tokens=gen, total_tokens=prompt + gen)
+    details = token_details(gens[0].state.config.reasoning_parser, sum(sum(g.reasoning_tokens.values()) for g in gens))
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=gen, total_tokens=prompt + gen, completion_tokens_details=details)
 
 
 async def _stream_events(
@@ -703,7 +674,8 @@ class _Format(abc.ABC):
 
 class _ChatFormat(_Format):
     """Chat bodies and chunks; with a tool parser, each choice's text is read as content plus tool calls (streamed
-    calls as OpenAI's tool-call deltas: id, type and name first, then the arguments in pieces)."""
+    calls as OpenAI's tool-call deltas: id, type and name first, then the arguments in pieces). With a reasoning
+    parser that text is the answer after the thinking, and the thinking is shown apart (reasoning.py)."""
 
     def __init__(self, state: ServerState, body: ChatCompletionRequest, rid: str, parser: ToolParser | None = None) -> None:
         self.model = state.model_name if body.model is None else body.model
@@ -713,21 +685,24 @@ class _ChatFormat(_Format):
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
         self.created = int(time.time())
         self.parser = parser
+        self.reasoning = ChatReasoning(state.config.reasoning_parser, body.include_reasoning)
         self._streams: dict[int, ToolCallStream] = {}
 
-    def _logprobs(self, positions: list[list[tuple[int, float, int | None, str | None]]] | None) -> ChatLogprobs | None:
+    def _logprobs(self, positions: LogprobPositions | None) -> ChatLogprobs | None:
         if self.k < 0:
             return None
-        return ChatLogprobs(content=_chat_logprobs(positions or [], self.k))
+        return ChatLogprobs(content=chat_logprobs(positions or [], self.k))
 
     def _message(self, c: _Choice) -> tuple[ChatResponseMessage, str | None]:
         """The message of a finished choice and its finish reason ('tool_calls' when calls ended it)."""
-        if self.parser is None:
-            return ChatResponseMessage(content=c.text), c.finish_reason
-        parsed = self.parser.parse(c.text)
+        answer = self.reasoning.answer(c.text, c.thought)
+        shown = self.reasoning.shown_reasoning(c.thought)
+        if self.parser is None or answer is None:
+            return ChatResponseMessage(content=answer, reasoning=shown, reasoning_content=shown), c.finish_reason
+        parsed = self.parser.parse(answer)
         calls = [ToolCallOut(id=t.id, function=FunctionCallOut(name=t.name, arguments=t.arguments)) for t in parsed.tool_calls]
         reason = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
-        return ChatResponseMessage(content=parsed.content, tool_calls=calls), reason
+        return ChatResponseMessage(content=parsed.content, tool_calls=calls, reasoning=shown, reasoning_content=shown), reason
 
     def full_response(self, choices: list[_Choice], usage: UsageInfo) -> dict[str, Any]:
         out = []
@@ -735,39 +710,42 @@ class _ChatFormat(_Format):
             message, reason = self._message(c)
             out.append(ChatCompletionChoice(index=i, message=message, logprobs=self._logprobs(c.logprobs),
                                             finish_reason=reason, stop_reason=c.stop_reason))
-        return ChatCompletionResponse(id=self.rid, created=self.created, model=self.model, usage=usage, choices=out).model_dump()
+        return body_dict(ChatCompletionResponse(id=self.rid, created=self.created, model=self.model, usage=usage, choices=out))
 
     def _chunk(self, choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None) -> dict[str, Any]:
-        return _chunk_dict(ChatCompletionChunk(id=self.rid, created=self.created, model=self.model, choices=choices, usage=usage))
+        return body_dict(ChatCompletionChunk(id=self.rid, created=self.created, model=self.model, choices=choices, usage=usage))
 
     def stream_start(self, num_prompts: int) -> list[dict[str, Any]]:
         return [self._chunk([ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
                 for i in range(self.n * num_prompts)]
 
-    def _delta(self, index: int, c: CompletionDelta) -> tuple[DeltaMessage, str | None]:
-        """One choice's delta message and finish reason; text goes through its tool-call stream parser if any."""
+    def _deltas(self, index: int, c: CompletionDelta) -> list[tuple[DeltaMessage, str | None]]:
+        """One choice's delta messages and finish reasons: its thinking first (a message of its own), then its
+        answer, which goes through its tool-call stream parser if any."""
+        thought, text = self.reasoning.split(c)
+        out = [(DeltaMessage(reasoning=thought, reasoning_content=thought), None)] if thought else []
         if self.parser is None:
-            return DeltaMessage(content=c.text), c.finish_reason
+            return [*out, (DeltaMessage(content=(text or None) if self.reasoning.on else text), c.finish_reason)]
         stream = self._streams.setdefault(index, self.parser.stream())
-        content = stream.feed(c.text) + (stream.finish() if c.finish_reason is not None else "")
+        content = stream.feed(text) + (stream.finish() if c.finish_reason is not None else "")
         calls = _tool_call_deltas(stream.take_deltas())
         reason = "tool_calls" if c.finish_reason == "stop" and stream.calls() else c.finish_reason
-        return DeltaMessage(content=content or None, tool_calls=calls or None), reason
+        return [*out, (DeltaMessage(content=content or None, tool_calls=calls or None), reason)]
 
     def stream_chunks(self, prompt_index: int, delta: RequestDelta) -> list[dict[str, Any]]:
         out = []
         for c in delta.outputs:
-            if not c.text and c.finish_reason is None and not c.logprobs:
+            if not (c.text or c.reasoning or c.content) and c.finish_reason is None and not c.logprobs:
                 continue
             index = prompt_index * self.n + c.index
-            message, reason = self._delta(index, c)
-            if message.content is None and message.tool_calls is None and reason is None and not c.logprobs:
-                continue
-            choice = ChatCompletionStreamChoice(
-                index=index, delta=message, logprobs=self._logprobs(c.logprobs) if c.logprobs else None,
-                finish_reason=reason, stop_reason=c.stop_reason,
-            )
-            out.append(self._chunk([choice]))
+            logprobs = self._logprobs(c.logprobs) if c.logprobs else None  # with the delta's first chunk
+            for message, reason in self._deltas(index, c):
+                if message.content is None and message.tool_calls is None and message.reasoning is None and reason is None \
+                        and logprobs is None:
+                    continue
+                out.append(self._chunk([ChatCompletionStreamChoice(index=index, delta=message, logprobs=logprobs, finish_reason=reason,
+                                                                   stop_reason=c.stop_reason if reason is not None else None)]))
+                logprobs = None
         return out
 
     def usage_chunk(self, usage: UsageInfo) -> dict[str, Any]:
@@ -788,7 +766,7 @@ def _tool_call_deltas(pieces: list[ToolCallDelta]) -> list[DeltaToolCall]:
 
 
 class _ResponsesFormat(_Format):
-    """Response objects and the Responses API's typed stream events (one choice)."""
+    """Response objects and the Responses API's typed stream events (one choice; the thinking as a reasoning item)."""
 
     def __init__(self, state: ServerState, body: ResponsesRequest, rid: str, parser: ToolParser | None) -> None:
         self.n = 1
@@ -797,17 +775,18 @@ class _ResponsesFormat(_Format):
         self.builder = ResponseBuilder(rid, state.model_name if body.model is None else body.model, body, parser)
         self._stream: ToolCallStream | None = parser.stream() if parser is not None else None
         self._finish: str | None = None
+        self.reasoning = ChatReasoning(state.config.reasoning_parser)
 
     def full_response(self, choices: list[_Choice], usage: UsageInfo) -> dict[str, Any]:
         c = choices[0]
-        if self.parser is not None:
-            parsed = self.parser.parse(c.text)
+        content, calls = self.reasoning.answer(c.text, c.thought), []
+        if self.parser is not None and content is not None:
+            parsed = self.parser.parse(content)
             content, calls = parsed.content, parsed.tool_calls
-        else:
-            content, calls = c.text, []
         status = "incomplete" if c.finish_reason == "length" else "completed"
         b = self.builder
-        return b.response(b.output(content, calls), status, usage_dict(usage.prompt_tokens, usage.completion_tokens))
+        output = b.output(content, calls, c.thought.reasoning, "completed" if status == "completed" or content is not None else status)
+        return b.response(output, status, usage_dict(usage))
 
     def stream_start(self, num_prompts: int) -> list[dict[str, Any]]:
         return self.builder.start_events()
@@ -815,9 +794,10 @@ class _ResponsesFormat(_Format):
     def stream_chunks(self, prompt_index: int, delta: RequestDelta) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         for c in delta.outputs:
-            text = c.text
+            thought, text = self.reasoning.split(c)
+            out += self.builder.reasoning_events(thought or "")
             if self._stream is not None:
-                text = self._stream.feed(c.text) + (self._stream.finish() if c.finish_reason is not None else "")
+                text = self._stream.feed(text) + (self._stream.finish() if c.finish_reason is not None else "")
             out += self.builder.text_events(text)
             if self._stream is not None:
                 out += self.builder.call_events(self._stream.take_deltas())
@@ -830,21 +810,7 @@ class _ResponsesFormat(_Format):
     def stream_end(self, usage: UsageInfo) -> list[dict[str, Any]]:
         status = "incomplete" if self._finish == "length" else "completed"
         calls = self._stream.calls() if self._stream is not None else []
-        return self.builder.done_events(status, usage_dict(usage.prompt_tokens, usage.completion_tokens), calls)
-
-
-def _echo_logprobs(echo: PromptEcho, k: int) -> CompletionLogprobs:
-    """Logprobs of the echoed prompt: the first token has none, as in vLLM and OpenAI."""
-    lp = CompletionLogprobs()
-    offset = 0
-    for token, pos in zip(echo.tokens, echo.logprobs):
-        part = _completion_logprobs([pos], k, offset) if pos else None
-        lp.tokens.append(token)
-        lp.text_offset.append(offset)
-        lp.token_logprobs.append(part.token_logprobs[0] if part else None)
-        lp.top_logprobs.append(part.top_logprobs[0] if part else None)
-        offset += len(token)
-    return lp
+        return self.builder.done_events(status, usage_dict(usage), calls)
 
 
 class _CompletionFormat(_Format):
@@ -861,10 +827,10 @@ class _CompletionFormat(_Format):
         self._echoed: set[int] = set()
         self._echo_prompts: dict[int, PromptEcho] = {}
 
-    def _logprobs(self, index: int, positions: list[list[tuple[int, float, int | None, str | None]]] | None) -> CompletionLogprobs | None:
+    def _logprobs(self, index: int, positions: LogprobPositions | None) -> CompletionLogprobs | None:
         if self.k < 0:
             return None
-        lp = _completion_logprobs(positions or [], self.k, self._offsets.get(index, 0))
+        lp = completion_logprobs(positions or [], self.k, self._offsets.get(index, 0))
         if lp.text_offset:
             self._offsets[index] = lp.text_offset[-1] + len(lp.tokens[-1])
         return lp
@@ -882,7 +848,7 @@ class _CompletionFormat(_Format):
         self._echoed.add(index)
         prefix = self._echo_text(prompt_index, echo)
         if logprobs is not None:
-            head = _echo_logprobs(echo, self.k)
+            head = echo_logprobs(echo, self.k)
             shift = len(prefix)
             head.tokens += logprobs.tokens
             head.token_logprobs += logprobs.token_logprobs
@@ -897,7 +863,7 @@ class _CompletionFormat(_Format):
         for i, c in enumerate(choices):
             text, lp = self._with_echo(i, i // self.n, c.prompt, c.text, self._logprobs(i, c.logprobs))
             out.append(CompletionChoice(index=i, text=text, logprobs=lp, finish_reason=c.finish_reason, stop_reason=c.stop_reason))
-        return CompletionResponse(id=self.rid, created=self.created, model=self.model, usage=usage, choices=out).model_dump()
+        return body_dict(CompletionResponse(id=self.rid, created=self.created, model=self.model, usage=usage, choices=out))
 
     def stream_start(self, num_prompts: int) -> list[dict[str, Any]]:
         return []
@@ -914,11 +880,11 @@ class _CompletionFormat(_Format):
             text, lp = self._with_echo(index, prompt_index, echo, c.text,
                                        self._logprobs(index, c.logprobs) if c.logprobs else None)
             choice = CompletionChoice(index=index, text=text, logprobs=lp, finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-            out.append(_chunk_dict(CompletionResponse(id=self.rid, created=self.created, model=self.model, choices=[choice])))
+            out.append(body_dict(CompletionResponse(id=self.rid, created=self.created, model=self.model, choices=[choice])))
         return out
 
     def usage_chunk(self, usage: UsageInfo) -> dict[str, Any]:
-        return _chunk_dict(CompletionResponse(id=self.rid, created=self.created, model=self.model, choices=[], usage=usage))
+        return body_dict(CompletionResponse(id=self.rid, created=self.created, model=self.model, choices=[], usage=usage))
 
 
 CUT_MARGIN_S = 1.0  # shutdown: connections still open this long before uvicorn's graceful timeout are cut

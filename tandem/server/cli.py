@@ -4,6 +4,7 @@ exit code)."""
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 from pathlib import Path
@@ -56,10 +57,38 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "on CUDA: its own device); requests go to the least loaded one, or to the one holding their "
                         "prefix; each restarts on its own. With --distributed-executor-backend ray each core is a "
                         "Ray actor on any node of the cluster")
+    p.add_argument("--default-chat-template-kwargs", type=_json_object, default=None, metavar="JSON",
+                   help='chat template keyword arguments for every request, under its own chat_template_kwargs '
+                        '(e.g. \'{"enable_thinking": false}\')')
+    p.add_argument("--thinking-token-budget", type=int, default=None, metavar="N",
+                   help="with --reasoning-parser: thinking tokens a request may write when it gives no "
+                        "thinking_token_budget, then the end of the thinking is forced (default: no limit)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_engine_args(p)
     p.set_defaults(func=run_serve)
     return p
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    from tandem.server.reasoning import check_template_kwargs
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from e
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    try:
+        check_template_kwargs(value, "--default-chat-template-kwargs")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+    return value
+
+
+def reasoning_parser_name(args: argparse.Namespace) -> str | None:
+    """The engine's reasoning parser by name (--reasoning-parser; 'generic' when only --reasoning-markers is given)."""
+    name = getattr(args, "reasoning_parser", None)
+    return name or ("generic" if getattr(args, "reasoning_markers", None) else None)
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -73,6 +102,8 @@ def run_serve(args: argparse.Namespace) -> int:
         raise SystemExit("--max-queue must be >= 0")
     if args.shutdown_grace_period < 0:
         raise SystemExit("--shutdown-grace-period must be >= 0")
+    if args.thinking_token_budget is not None and args.thinking_token_budget < 0:
+        raise SystemExit("--thinking-token-budget must be >= 0")
     config = ServerConfig(
         served_model_names=served_model_names(args.model, args.served_model_name),
         api_key=api_key,
@@ -82,6 +113,9 @@ def run_serve(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_size,
         tool_call_parser=args.tool_call_parser,
         shutdown_grace_period_s=args.shutdown_grace_period,
+        reasoning_parser=reasoning_parser_name(args),
+        default_chat_template_kwargs=args.default_chat_template_kwargs,
+        thinking_token_budget=args.thinking_token_budget,
     )
     if args.data_parallel_size < 1:
         raise SystemExit("--data-parallel-size must be >= 1")

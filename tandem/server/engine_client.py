@@ -72,6 +72,7 @@ class CompletionDelta:
     reasoning: str = ""
     content: str = ""
     num_reasoning_tokens: int = 0
+    answering: bool = False  # the answer has begun (the thinking ended, or there was none): content is not null
 
 
 @dataclass
@@ -126,7 +127,8 @@ class _DeltaTracker:
                     and len(content) == na:
                 continue
             deltas.append(CompletionDelta(c.index, c.text[nc:], list(c.token_ids[nt:]), new_lp, c.finish_reason,
-                                          c.stop_reason, reasoning[nr:], content[na:], c.num_reasoning_tokens))
+                                          c.stop_reason, reasoning[nr:], content[na:], c.num_reasoning_tokens,
+                                          c.content is not None))
             sent[c.index] = (len(c.token_ids), len(c.text), len(c.logprobs) if c.logprobs is not None else 0,
                              len(reasoning), len(content))
         if out.finished:

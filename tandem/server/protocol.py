@@ -1,7 +1,8 @@
 """OpenAI-shaped request and response bodies (pydantic), and their mapping onto `SamplingParams`.
 
 Requests accept the OpenAI fields plus vLLM's extras (top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
-structured_outputs, guided_*); unknown fields are ignored, as vLLM does. Every numeric field carries the bounds the
+structured_outputs, guided_*, and for reasoning models chat_template_kwargs, reasoning_effort, include_reasoning,
+thinking_token_budget); unknown fields are ignored, as vLLM does. Every numeric field carries the bounds the
 engine enforces, so the OpenAPI document describes what is accepted and a fuzzer's out-of-range values get a 400.
 """
 
@@ -10,15 +11,18 @@ from __future__ import annotations
 import abc
 import time
 import uuid
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal, Union, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from tandem.params import ParamError, SamplingParams, StructuredOutputsParams
+from tandem.server.engine_client import PromptEcho
 
 MAX_N = 128  # completions per request
 MAX_LOGPROBS = 20  # the engine's bound on top logprobs
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high"]
+REASONING_EFFORTS: tuple[str, ...] = get_args(ReasoningEffort)
 
 TokenId = Annotated[int, Field(ge=0)]
 TextPrompt = Annotated[str, Field(min_length=1)]
@@ -144,6 +148,8 @@ class ChatMessage(_Lenient):
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
+    reasoning: str | None = None  # an assistant turn's thinking (vLLM's name; `reasoning_content` the older one)
+    reasoning_content: str | None = None
 
     def text(self) -> str:
         """The content as one string (text parts joined)."""
@@ -185,6 +191,7 @@ class _SamplingRequest(_Lenient):
     guided_choice: Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)] | None = None
     guided_grammar: str | None = None
     guided_decoding_backend: Literal["auto", "xgrammar", "llguidance"] | None = None
+    thinking_token_budget: int | None = Field(default=None, ge=0)  # reasoning models: thinking tokens before the end is forced
 
     @abc.abstractmethod
     def _max_tokens(self) -> int | None:
@@ -216,6 +223,7 @@ class _SamplingRequest(_Lenient):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             structured_outputs=self.structured_outputs_params(),
+            thinking_token_budget=self.thinking_token_budget,
         )
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
@@ -282,6 +290,9 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # over --default-chat-template-kwargs
+    reasoning_effort: ReasoningEffort | None = None  # "none": no thinking
+    include_reasoning: bool = True  # false: the thinking is left out of the response
 
     def _max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -304,6 +315,9 @@ class ChatCompletionRequest(_SamplingRequest):
                 d["tool_call_id"] = m.tool_call_id
             if m.name is not None:
                 d["name"] = m.name
+            thought = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+            if m.role == "assistant" and thought is not None:  # both names: templates read `reasoning_content`
+                d["reasoning"] = d["reasoning_content"] = thought
             out.append(d)
         return out
 
@@ -344,10 +358,15 @@ class CompletionRequest(_SamplingRequest):
 
 
 # ------------------------------------------------------------------------------------------------------ responses
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    completion_tokens_details: CompletionTokensDetails | None = None  # with a reasoning parser
 
 
 class TopLogprob(BaseModel):
@@ -379,6 +398,8 @@ class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
     tool_calls: list[ToolCallOut] = Field(default_factory=list)
+    reasoning: str | None = None  # the thinking (reasoning parser), under vLLM's name and the older one
+    reasoning_content: str | None = None
 
 
 class DeltaFunctionCall(BaseModel):
@@ -418,6 +439,8 @@ class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatCompletionStreamChoice(BaseModel):
@@ -477,3 +500,75 @@ class ModelList(BaseModel):
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+# ------------------------------------------------------------------------------------------------ conversions
+LogprobPositions = list[list[tuple[int, float, int | None, str | None]]]  # per token: [(id, logprob, rank, text)]
+OMITTED_WHEN_NULL = ("role", "tool_calls", "reasoning", "reasoning_content")  # of a message or delta, as OpenAI
+
+
+def body_dict(body: ChatCompletionResponse | ChatCompletionChunk | CompletionResponse) -> dict[str, Any]:
+    """A response body or stream chunk as JSON data, without the keys OpenAI leaves out when they are empty: a chunk's
+    usage, the usage's details, a delta's role and tool calls (and their unset id, type, name), the reasoning keys."""
+    d = body.model_dump()
+    if d.get("usage") is None:
+        d.pop("usage", None)
+    elif d["usage"].get("completion_tokens_details") is None:
+        d["usage"].pop("completion_tokens_details")
+    for choice in d.get("choices", ()):
+        message = choice.get("delta") or choice.get("message") or {}
+        for key in OMITTED_WHEN_NULL:
+            if key in message and message[key] is None:
+                message.pop(key)
+        if "delta" not in choice:
+            continue
+        for call in message.get("tool_calls") or ():
+            for key in ("id", "type"):
+                if call.get(key) is None:
+                    call.pop(key)
+            if call["function"].get("name") is None:
+                call["function"].pop("name")
+    return d
+
+
+def chat_logprobs(positions: LogprobPositions, k: int) -> list[ChatTokenLogprob]:
+    out = []
+    for pos in positions:
+        _, lp, _, text = pos[0]
+        token = text or ""
+        top = sorted((e for e in pos if e[2] is not None and e[2] <= k), key=lambda e: e[2] or 0)[:k]
+        out.append(ChatTokenLogprob(
+            token=token, logprob=max(lp, -9999.0), bytes=list(token.encode()),
+            top_logprobs=[TopLogprob(token=t or "", logprob=max(v, -9999.0), bytes=list((t or "").encode())) for _, v, _, t in top],
+        ))
+    return out
+
+
+def completion_logprobs(positions: LogprobPositions, k: int, offset: int) -> CompletionLogprobs:
+    lp = CompletionLogprobs()
+    for pos in positions:
+        _, v, _, text = pos[0]
+        token = text or ""
+        lp.tokens.append(token)
+        lp.token_logprobs.append(max(v, -9999.0))
+        lp.text_offset.append(offset)
+        offset += len(token)
+        top = sorted((e for e in pos if e[2] is not None and e[2] <= k), key=lambda e: e[2] or 0)[:k]
+        d = {t or "": max(x, -9999.0) for _, x, _, t in top}
+        d.setdefault(token, max(v, -9999.0))
+        lp.top_logprobs.append(d)
+    return lp
+
+
+def echo_logprobs(echo: PromptEcho, k: int) -> CompletionLogprobs:
+    """Logprobs of the echoed prompt: the first token has none, as in vLLM and OpenAI."""
+    lp = CompletionLogprobs()
+    offset = 0
+    for token, pos in zip(echo.tokens, echo.logprobs):
+        part = completion_logprobs([pos], k, offset) if pos else None
+        lp.tokens.append(token)
+        lp.text_offset.append(offset)
+        lp.token_logprobs.append(part.token_logprobs[0] if part else None)
+        lp.top_logprobs.append(part.top_logprobs[0] if part else None)
+        offset += len(token)
+    return lp
