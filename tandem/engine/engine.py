@@ -228,7 +228,7 @@ class LLMEngine:
         try:
             for seq in group.seqs:
                 self.guidance.submit(seq.req, so)
-                self.thinking.defer_grammar(seq)
+                self.thinking.defer_grammar(seq, overlap_compile=not self.async_scheduling)
         except ParamError:
             for seq in group.seqs:
                 self.guidance.release(seq.request_id)

@@ -29,10 +29,14 @@ class Thinking:
         if self.reasoner is not None:
             seq.thinking = self.reasoner.start(seq.group.prompt_token_ids, seq.group.params.thinking_token_budget)
 
-    def defer_grammar(self, seq: SequenceState) -> None:
-        """A guided sequence that thinks first: its grammar waits for the end of the thinking."""
+    def defer_grammar(self, seq: SequenceState, overlap_compile: bool) -> None:
+        """A guided sequence that thinks first: its grammar waits for the end of the thinking. `overlap_compile`
+        (the synchronous step, where the next plan is made after this step's tokens are known): it thinks while its
+        grammar compiles instead of waiting for it, and is held only if the thinking ends first."""
         if seq.thinking is not None and seq.thinking.thinking:
             self._guidance.defer(seq.request_id)
+            if overlap_compile:
+                seq.req.hold_sampling = False
 
     def limit(self, tokens: dict[str, list[int]], seqs: Mapping[str, SequenceState]) -> None:
         """Right after sampling, in place: each thinking sequence's tokens cut after the end of its thinking, or
@@ -57,6 +61,8 @@ class Thinking:
         if answer_from is None:
             return len(toks), 0
         self._guidance.begin_answer(seq.request_id)
+        if self._guidance.guided(seq.request_id) and not self._guidance.is_ready(seq.request_id):
+            seq.req.hold_sampling = True  # its grammar still compiles (see defer_grammar): the answer waits for it
         if state.text_end is not None:
             seq.stop.mark_at(state.text_end)
         return answer_from, len(toks) - answer_from

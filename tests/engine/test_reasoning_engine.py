@@ -204,3 +204,43 @@ def test_streamed_reasoning_only_grows(model_dir: Path) -> None:
     finally:
         eng.shutdown()
     assert last[1]
+
+
+def test_it_thinks_while_its_grammar_compiles(model_dir: Path, reference: dict[str, RequestOutput],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The synchronous step: a thinking request does not wait for its grammar; it is held only when its thinking
+    ends first, and its answer then starts under the grammar, as if the compile had been instant."""
+    import threading
+
+    from tandem.structured.llguidance_backend import LLGuidanceBackend
+
+    release = threading.Event()
+    real = LLGuidanceBackend.compile
+
+    def held(self, spec):  # type: ignore[no-untyped-def]
+        release.wait(120)
+        return real(self, spec)
+
+    monkeypatch.setattr(LLGuidanceBackend, "compile", held)
+    eng = engine(model_dir)
+    params = SamplingParams(max_tokens=48, temperature=0, thinking_token_budget=BUDGET,
+                            structured_outputs=StructuredOutputsParams(json=SCHEMA, backend="llguidance"))
+    eng.add_request("r", THINK, params)
+    try:
+        req = eng._seqs["r"].req
+        for _ in range(40):
+            eng.step()
+            if req.num_output_tokens >= BUDGET + 3:
+                break
+        assert eng.guidance.has_pending and req.hold_sampling  # thought all it may, now waits for the grammar
+        for _ in range(3):
+            eng.step()
+        assert req.num_output_tokens == BUDGET + 3
+        release.set()
+        out = run(eng, {})["r"].outputs[0]
+    finally:
+        release.set()
+        eng.shutdown()
+    want = reference["guided"].outputs[0]
+    assert out.token_ids[: BUDGET + 3] == want.token_ids[: BUDGET + 3]
+    check_answer(out)
