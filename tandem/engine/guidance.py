@@ -128,6 +128,7 @@ class Guidance:
         self._pending: set[str] = set()
         self._ready: set[str] = set()
         self._thinking: set[str] = set()  # reasoning models: no mask and no advance until the thinking ends
+        self._early: dict[str, list[int]] = {}  # answer tokens emitted before the grammar compiled (an implicit end)
         self._forced: dict[str, int] = {}  # request -> number of its scheduled drafts that are grammar-forced
         self._failed: dict[str, str] = {}  # request -> why its grammar work failed (it ends at the next advance)
         self._argmax_only: set[str] = set()  # greedy requests with nothing else changing their logits
@@ -198,11 +199,22 @@ class Guidance:
             if state == "ready":
                 self._pending.discard(rid)
                 self._ready.add(rid)
+                self._take_early(rid)
                 ready.append((rid, m.backend_of(rid), m.reason_of(rid)))
             elif state == "failed":
                 self._pending.discard(rid)
                 failed.append((rid, m.error(rid) or "grammar compilation failed"))
         return ready, failed
+
+    def _take_early(self, rid: str) -> None:
+        """A thinking that ended before its grammar compiled, on tokens that are the answer's (Qwen3's `<tool_call>`):
+        the grammar takes them now, if it allows them (else it starts after them, as in `accept`)."""
+        early = self._early.pop(rid, None)
+        if early:
+            try:
+                self.accept_unchecked(rid, early)
+            except Exception as e:  # noqa: BLE001 - this request's grammar failed; it ends at its next advance
+                self._fail(rid, f"{type(e).__name__}: {e}")
 
     @property
     def has_pending(self) -> bool:
@@ -398,15 +410,18 @@ class Guidance:
         first `unchecked` ones (sampled before the grammar started: an implicit end of a thinking block, which the
         grammar takes only if it allows them)."""
         rid = req.request_id
+        if rid in self._pending and rid not in self._thinking and tokens:
+            self._early.setdefault(rid, []).extend(tokens)  # the answer began while its grammar compiles
+            return False, None
         if not self._active(rid) or not tokens:
             return False, None
         m = self.manager
         try:
-            if unchecked and m.validate_draft(rid, tokens[:unchecked]) < unchecked:
-                logger.info("request %s: the grammar does not take the tokens that ended the thinking", rid)
+            if unchecked:
+                self.accept_unchecked(rid, tokens[:unchecked])
                 tokens = tokens[unchecked:]
                 if not tokens:
-                    return False, None
+                    return m.is_terminated(rid), None
             terminated = m.consume(rid, tokens)
         except Exception as e:  # noqa: BLE001 - e.g. llguidance's lexer limits on a hostile regex: this request ends
             self._fail(rid, f"{m.backend_of(rid)}: {type(e).__name__}: {e}")
@@ -417,6 +432,16 @@ class Guidance:
             self.stats.num_forced_tokens += min(forced, len(tokens) - 1)
         return terminated, None
 
+    def accept_unchecked(self, rid: str, tokens: Sequence[int]) -> bool:
+        """Tokens sampled before the grammar started (an implicit end of a thinking block): the grammar takes them
+        if it allows all of them, else none (it then starts after them). Raises what the library raises."""
+        m = self.manager
+        if m.validate_draft(rid, tokens) < len(tokens):
+            logger.info("request %s: the grammar does not take the tokens that ended the thinking", rid)
+            return False
+        m.consume(rid, tokens)
+        return True
+
     def release(self, request_id: str) -> None:
         self._argmax_only.discard(request_id)
         self._recheck.discard(request_id)
@@ -424,6 +449,7 @@ class Guidance:
         self._pending.discard(request_id)
         self._ready.discard(request_id)
         self._thinking.discard(request_id)
+        self._early.pop(request_id, None)
         self._forced.pop(request_id, None)
         self._failed.pop(request_id, None)
         if self._manager is not None:

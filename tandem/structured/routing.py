@@ -4,9 +4,15 @@ Measured on the demo model's 49k vocabulary and on o200k (docs/structured_confor
 --distinct-schemas`): llguidance builds a grammar in about 1 ms (it computes masks lazily) and its mask fills cost
 4-10 us per row on average; xgrammar precomputes a token-mask cache, 10 ms - 1.2 s per schema, after which its fills
 are 7-70 us with a tighter tail on small vocabularies. So a grammar seen for the first time is served by llguidance
-(the request starts sampling at once). A grammar requested `promote_after` times gets an xgrammar compile in the
-background, and from then on each backend's measured mean fill time for that very grammar decides. Either backend
-falls back to the other when it rejects a feature.
+(the request starts sampling at once). A grammar requested `promote_after` times whose llguidance fills measure slow
+(a mean of `PROMOTE_MIN_FILL_S` or more per row) gets an xgrammar compile in the background, and from then on each
+backend's measured mean fill time for that very grammar decides. Either backend falls back to the other when it
+rejects a feature.
+
+Why the gate on the fill time: a promotion compiles on a core the forward may need, for 10 ms to seconds (3.6 s for a
+string with `minLength` 768), and xgrammar's fills are not cheaper than llguidance's where those are already fast
+(demo vocabulary: llguidance 8-17 us / row, xgrammar 7-70). On a 2-core CPU host, 32 requests with one such schema
+ran at 0.66-0.91 of unguided with the promotion and 0.93-0.97 without it (docs/benchmarks.md, "Reasoning models").
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from dataclasses import dataclass
 TextKey = tuple[str, str, str]  # (kind, text, whitespace): a grammar independent of the backend
 OTHER = {"xgrammar": "llguidance", "llguidance": "xgrammar"}
 _EWMA = 0.05  # weight of a new row's fill time in a grammar's running mean
+PROMOTE_MIN_FILL_S = 50e-6  # llguidance's mean fill per row from which an xgrammar compile may pay (0: no gate)
 
 
 @dataclass(frozen=True)
@@ -32,8 +39,9 @@ class Route:
 class BackendRouter:
     """Per-grammar request counts and measured fill times (bounded LRU maps); thread-safe."""
 
-    def __init__(self, promote_after: int, max_entries: int = 4096) -> None:
+    def __init__(self, promote_after: int, max_entries: int = 4096, promote_min_fill_s: float | None = None) -> None:
         self.promote_after = promote_after
+        self.promote_min_fill_s = PROMOTE_MIN_FILL_S if promote_min_fill_s is None else promote_min_fill_s
         self.max_entries = max_entries
         self._seen: OrderedDict[TextKey, int] = OrderedDict()
         self._fill_s: OrderedDict[tuple[str, TextKey], float] = OrderedDict()  # (backend, grammar) -> mean s / row
@@ -51,9 +59,13 @@ class BackendRouter:
         return Route(("llguidance", "xgrammar"), "llguidance: a new grammar; it compiles lazily in ~1 ms")
 
     def should_promote(self, key: TextKey) -> bool:
-        """`key` has been asked for often enough that xgrammar's precompiled masks may pay."""
+        """`key` has been asked for often enough, and its llguidance fills measured slow enough, that xgrammar's
+        precompiled masks may pay."""
         with self._lock:
-            return self.promote_after > 0 and self._seen.get(key, 0) >= self.promote_after
+            if self.promote_after <= 0 or self._seen.get(key, 0) < self.promote_after:
+                return False
+            fill = self._fill_s.get(("llguidance", key))
+            return self.promote_min_fill_s <= 0 or (fill is not None and fill >= self.promote_min_fill_s)
 
     def record_fill(self, backend: str, key: TextKey, seconds: float) -> None:
         """Fold one row's fill time into the grammar's running mean on `backend`."""

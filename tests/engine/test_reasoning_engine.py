@@ -244,3 +244,74 @@ def test_it_thinks_while_its_grammar_compiles(model_dir: Path, reference: dict[s
     want = reference["guided"].outputs[0]
     assert out.token_ids[: BUDGET + 3] == want.token_ids[: BUDGET + 3]
     check_answer(out)
+
+
+@pytest.mark.demo
+@pytest.mark.slow
+def test_demo_model_with_the_generic_parser(demo_model_dir: Path) -> None:
+    """The real demo model (SmolLM2's tokenizer and chat template) as `tandem demo` runs it: the prompt opens
+    `<think>`, the budget forces the end marker, the schema holds the answer; synchronous and scheduled ahead."""
+    from tandem.demo.structured import PERSON, TEXTS
+    from tandem.engine.llm import build_engine
+
+    outs: dict[str, CompletionOutput] = {}
+    for mode in ("sync", "ahead"):
+        eng = build_engine(str(demo_model_dir), dtype="bfloat16", progress=False, max_model_len=1024,
+                           kv_cache_memory=64 * 2**20, reasoning_parser="generic", **MODES[mode])
+        try:
+            tok = eng.tokenizer
+            prompt = tok.render_chat([{"role": "user", "content": f"Extract the person as JSON. {TEXTS[0]}"}]) + "<think>\n"
+            params = SamplingParams(temperature=0, max_tokens=120, thinking_token_budget=16,
+                                    structured_outputs=StructuredOutputsParams(json=PERSON))
+            outs[mode] = run(eng, {"r": (tok.encode(prompt, add_special_tokens=False), params)})["r"].outputs[0]
+        finally:
+            eng.shutdown()
+    end_ids = list(build_markers_ids(demo_model_dir))
+    for c in outs.values():  # (bf16: the two paths compute the last prompt token in different kernels, so their
+        # tokens may part; token equality of the paths is checked in float32 above)
+        assert c.token_ids[16 : 16 + len(end_ids)] == end_ids and c.num_reasoning_tokens == 16 + len(end_ids)
+        assert c.finish_reason == "stop" and c.reasoning is not None
+        jsonschema.validate(json.loads(c.content or ""), PERSON)
+
+
+def build_markers_ids(folder: Path) -> tuple[int, ...]:
+    from tandem.reasoning import Reasoner
+    from tandem.tokenizer import Tokenizer
+
+    return Reasoner("generic", Tokenizer.from_path(folder)).markers.end_ids
+
+
+def test_an_implicit_end_before_the_grammar_compiled_reaches_the_grammar(model_dir: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The thinking ends on a token that is the answer's (an implicit end, as Qwen3's `<tool_call>`) while the
+    grammar still compiles: the grammar takes that token once it is ready, so the answer is one valid document."""
+    import threading
+
+    from tandem.structured.llguidance_backend import LLGuidanceBackend
+
+    release = threading.Event()
+    real = LLGuidanceBackend.compile
+
+    def held(self, spec):  # type: ignore[no-untyped-def]
+        release.wait(120)
+        return real(self, spec)
+
+    monkeypatch.setattr(LLGuidanceBackend, "compile", held)
+    eng = engine(model_dir, reasoning_parser={"name": "generic", "implicit_ends": ["{"]})
+    brace = eng.tokenizer.encode("{", add_special_tokens=False)
+    assert len(brace) == 1
+    params = SamplingParams(max_tokens=48, temperature=0, logit_bias={brace[0]: 40.0},
+                            structured_outputs=StructuredOutputsParams(json=SCHEMA, backend="llguidance"))
+    eng.add_request("r", THINK, params)
+    try:
+        req = eng._seqs["r"].req
+        for _ in range(5):
+            eng.step()
+        assert req.num_output_tokens == 1 and req.hold_sampling  # "{" ended the thinking; the grammar compiles
+        release.set()
+        c = run(eng, {})["r"].outputs[0]
+    finally:
+        release.set()
+        eng.shutdown()
+    assert c.reasoning == "" and c.num_reasoning_tokens == 0 and c.content == c.text
+    check_answer(c)

@@ -134,7 +134,10 @@ def test_cache_hit_is_ready_at_submit(manager: StructuredOutputManager) -> None:
     assert manager.stats()["cache_entries"] == 3
 
 
-def test_concurrent_submits_share_one_compile(manager: StructuredOutputManager) -> None:
+def test_concurrent_submits_share_one_compile(tokenizer: Any, backends: dict[str, Any],
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("tandem.structured.routing.PROMOTE_MIN_FILL_S", 0.0)  # promotion by count alone
+    manager = make_manager(tokenizer, backends)
     params = StructuredOutputsParams(json={"type": "array", "items": {"type": "integer"}, "maxItems": 7})
     for i in range(5):
         manager.submit(f"r{i}", params)
@@ -143,6 +146,7 @@ def test_concurrent_submits_share_one_compile(manager: StructuredOutputManager) 
     assert len(manager.compile_durations_s("llguidance")) == 1 and stats["coalesced"] + stats["cache_hits"] == 4
     # asked for 4 times: xgrammar's precompiled masks are built once in the background (a promotion)
     assert stats["promotions"] == 1
+    manager.shutdown()
 
 
 def test_size_limit(tokenizer: Any, backends: dict[str, Any]) -> None:
@@ -480,7 +484,7 @@ def test_auto_falls_back_to_xgrammar(manager: StructuredOutputManager, tokenizer
 def test_routing_by_measured_cost() -> None:
     from tandem.structured.routing import BackendRouter
 
-    router = BackendRouter(promote_after=2)
+    router = BackendRouter(promote_after=2, promote_min_fill_s=0.0)
     key = ("json", "{}", "compact")
     cached: set[str] = set()
     first = router.route("auto", key, cached.__contains__)
@@ -499,7 +503,25 @@ def test_routing_by_measured_cost() -> None:
     assert router.route("xgrammar", key, cached.__contains__).backends == ("xgrammar",)  # asked for: no choice
 
 
-def test_promotion_compiles_xgrammar_in_the_background(tokenizer: Any, backends: dict[str, Any]) -> None:
+def test_promotion_waits_for_slow_llguidance_fills() -> None:
+    """A grammar asked for often is promoted only once its llguidance fills measure slow: a compile on a core the
+    forward may need does not pay where llguidance is already fast."""
+    from tandem.structured.routing import PROMOTE_MIN_FILL_S, BackendRouter
+
+    router = BackendRouter(promote_after=2)
+    fast, slow = ("json", "{}", "compact"), ("json", "[]", "compact")
+    for key in (fast, slow):
+        for _ in range(3):
+            router.route("auto", key, lambda b: b == "llguidance")
+    assert not router.should_promote(fast)  # asked for often, fills not measured yet
+    router.record_fill("llguidance", fast, 0.2 * PROMOTE_MIN_FILL_S)
+    router.record_fill("llguidance", slow, 4 * PROMOTE_MIN_FILL_S)
+    assert not router.should_promote(fast) and router.should_promote(slow)
+
+
+def test_promotion_compiles_xgrammar_in_the_background(tokenizer: Any, backends: dict[str, Any],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("tandem.structured.routing.PROMOTE_MIN_FILL_S", 0.0)
     manager = make_manager(tokenizer, backends, promote_after=2)
     params = StructuredOutputsParams(json=PERSON)
     manager.submit("a", params)
