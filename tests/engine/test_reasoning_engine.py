@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -206,12 +208,9 @@ def test_streamed_reasoning_only_grows(model_dir: Path) -> None:
     assert last[1]
 
 
-def test_it_thinks_while_its_grammar_compiles(model_dir: Path, reference: dict[str, RequestOutput],
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """The synchronous step: a thinking request does not wait for its grammar; it is held only when its thinking
-    ends first, and its answer then starts under the grammar, as if the compile had been instant."""
-    import threading
-
+@pytest.fixture
+def held_compiles(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
+    """llguidance compiles wait until the event is set (set at the end in any case)."""
     from tandem.structured.llguidance_backend import LLGuidanceBackend
 
     release = threading.Event()
@@ -222,6 +221,14 @@ def test_it_thinks_while_its_grammar_compiles(model_dir: Path, reference: dict[s
         return real(self, spec)
 
     monkeypatch.setattr(LLGuidanceBackend, "compile", held)
+    yield release
+    release.set()
+
+
+def test_it_thinks_while_its_grammar_compiles(model_dir: Path, reference: dict[str, RequestOutput],
+                                              held_compiles: threading.Event) -> None:
+    """The synchronous step: a thinking request does not wait for its grammar; it is held only when its thinking
+    ends first, and its answer then starts under the grammar, as if the compile had been instant."""
     eng = engine(model_dir)
     params = SamplingParams(max_tokens=48, temperature=0, thinking_token_budget=BUDGET,
                             structured_outputs=StructuredOutputsParams(json=SCHEMA, backend="llguidance"))
@@ -236,10 +243,10 @@ def test_it_thinks_while_its_grammar_compiles(model_dir: Path, reference: dict[s
         for _ in range(3):
             eng.step()
         assert req.num_output_tokens == BUDGET + 3
-        release.set()
+        held_compiles.set()
         out = run(eng, {})["r"].outputs[0]
     finally:
-        release.set()
+        held_compiles.set()
         eng.shutdown()
     want = reference["guided"].outputs[0]
     assert out.token_ids[: BUDGET + 3] == want.token_ids[: BUDGET + 3]
@@ -282,21 +289,9 @@ def build_markers_ids(folder: Path) -> tuple[int, ...]:
 
 
 def test_an_implicit_end_before_the_grammar_compiled_reaches_the_grammar(model_dir: Path,
-                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+                                                                          held_compiles: threading.Event) -> None:
     """The thinking ends on a token that is the answer's (an implicit end, as Qwen3's `<tool_call>`) while the
     grammar still compiles: the grammar takes that token once it is ready, so the answer is one valid document."""
-    import threading
-
-    from tandem.structured.llguidance_backend import LLGuidanceBackend
-
-    release = threading.Event()
-    real = LLGuidanceBackend.compile
-
-    def held(self, spec):  # type: ignore[no-untyped-def]
-        release.wait(120)
-        return real(self, spec)
-
-    monkeypatch.setattr(LLGuidanceBackend, "compile", held)
     eng = engine(model_dir, reasoning_parser={"name": "generic", "implicit_ends": ["{"]})
     brace = eng.tokenizer.encode("{", add_special_tokens=False)
     assert len(brace) == 1
@@ -308,10 +303,10 @@ def test_an_implicit_end_before_the_grammar_compiled_reaches_the_grammar(model_d
         for _ in range(5):
             eng.step()
         assert req.num_output_tokens == 1 and req.hold_sampling  # "{" ended the thinking; the grammar compiles
-        release.set()
+        held_compiles.set()
         c = run(eng, {})["r"].outputs[0]
     finally:
-        release.set()
+        held_compiles.set()
         eng.shutdown()
     assert c.reasoning == "" and c.num_reasoning_tokens == 0 and c.content == c.text
     check_answer(c)
