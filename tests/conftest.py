@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -41,6 +42,24 @@ def _seeded_global_rngs() -> Iterator[None]:
     np.random.seed(0)
     random.seed(0)
     yield
+
+
+@pytest.fixture
+def held_compiles(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
+    """llguidance compiles wait until the returned event is set (set at the end in any case): a grammar that is
+    still compiling, for as long as the test needs."""
+    from tandem.structured.llguidance_backend import LLGuidanceBackend
+
+    release = threading.Event()
+    real = LLGuidanceBackend.compile
+
+    def held(self, spec):  # type: ignore[no-untyped-def]
+        release.wait(120)
+        return real(self, spec)
+
+    monkeypatch.setattr(LLGuidanceBackend, "compile", held)
+    yield release
+    release.set()
 
 
 @pytest.fixture(scope="session")

@@ -103,3 +103,13 @@ def test_scale_out_flags_reach_the_engine_and_the_server() -> None:
     kw = engine_kwargs_from_args(args)
     assert (kw["tensor_parallel_size"], kw["distributed_executor_backend"], args.data_parallel_size) == (2, "ray", 3)
     assert build_engine.__kwdefaults__["tensor_parallel_size"] == 1  # type: ignore[index]
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--reasoning-parser", "nope"], "unknown reasoning parser 'nope'"),
+    (["--reasoning-parser", "qwen3", "--reasoning-markers", "<a>,</a>"], "does not take the options"),
+    (["--reasoning-markers", "<a>"], "--reasoning-markers must be START,END"),
+])
+def test_a_bad_reasoning_parser_stops_serve_before_loading(flags: list[str], message: str) -> None:
+    with pytest.raises(SystemExit, match=message):
+        main(["serve", "/nonexistent/model", *flags])

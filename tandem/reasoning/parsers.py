@@ -131,4 +131,5 @@ def make_reasoning_parser(spec: str | Mapping[str, Any] | ReasoningParser) -> Re
     try:
         return factory(**options)
     except TypeError as e:
-        raise ReasoningError(f"reasoning parser {name!r}: {e}") from e
+        hint = "" if name == "generic" else " (markers are the generic parser's: --reasoning-markers alone)"
+        raise ReasoningError(f"reasoning parser {name!r} does not take the options {sorted(options)}{hint}") from e

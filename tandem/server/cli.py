@@ -91,6 +91,19 @@ def reasoning_parser_name(args: argparse.Namespace) -> str | None:
     return name or ("generic" if getattr(args, "reasoning_markers", None) else None)
 
 
+def _check_reasoning_parser(args: argparse.Namespace) -> None:
+    """A bad --reasoning-parser / --reasoning-markers stops here, before the engine core loads the model."""
+    from tandem.engine_args import reasoning_from_args
+    from tandem.reasoning import ReasoningError, make_reasoning_parser
+
+    spec = reasoning_from_args(args)
+    if spec is not None:
+        try:
+            make_reasoning_parser(spec)
+        except ReasoningError as e:
+            raise SystemExit(f"--reasoning-parser: {e}") from None
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """Build the app, start uvicorn, serve until SIGINT / SIGTERM."""
     from tandem.server.api import ServerConfig, create_app, run_server
@@ -104,6 +117,7 @@ def run_serve(args: argparse.Namespace) -> int:
         raise SystemExit("--shutdown-grace-period must be >= 0")
     if args.thinking_token_budget is not None and args.thinking_token_budget < 0:
         raise SystemExit("--thinking-token-budget must be >= 0")
+    _check_reasoning_parser(args)
     config = ServerConfig(
         served_model_names=served_model_names(args.model, args.served_model_name),
         api_key=api_key,

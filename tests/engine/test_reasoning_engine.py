@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import shutil
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -206,23 +205,6 @@ def test_streamed_reasoning_only_grows(model_dir: Path) -> None:
     finally:
         eng.shutdown()
     assert last[1]
-
-
-@pytest.fixture
-def held_compiles(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
-    """llguidance compiles wait until the event is set (set at the end in any case)."""
-    from tandem.structured.llguidance_backend import LLGuidanceBackend
-
-    release = threading.Event()
-    real = LLGuidanceBackend.compile
-
-    def held(self, spec):  # type: ignore[no-untyped-def]
-        release.wait(120)
-        return real(self, spec)
-
-    monkeypatch.setattr(LLGuidanceBackend, "compile", held)
-    yield release
-    release.set()
 
 
 def test_it_thinks_while_its_grammar_compiles(model_dir: Path, reference: dict[str, RequestOutput],

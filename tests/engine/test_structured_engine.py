@@ -314,21 +314,9 @@ def test_stop_token_ids_inside_a_grammar(stories_engine_factory, stories_oracle:
     assert engine.block_manager.num_free_blocks == engine.runner.num_blocks
 
 
-def test_guided_request_prefills_while_its_grammar_compiles(stories_engine_factory, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+def test_guided_request_prefills_while_its_grammar_compiles(stories_engine_factory, held_compiles) -> None:  # type: ignore[no-untyped-def]
     """While its grammar compiles, a guided request prefills all but its last prompt token and samples nothing; an
     unguided neighbour decodes meanwhile. Once the grammar is ready it goes on and ends valid."""
-    import threading
-
-    from tandem.structured.llguidance_backend import LLGuidanceBackend
-
-    release = threading.Event()
-    real = LLGuidanceBackend.compile
-
-    def held(self, spec):  # type: ignore[no-untyped-def]
-        release.wait(120)
-        return real(self, spec)
-
-    monkeypatch.setattr(LLGuidanceBackend, "compile", held)
     engine = stories_engine_factory(max_model_len=512)
     prompt = engine.tokenizer.encode("Once upon a time, there was a little girl")
     so = StructuredOutputsParams(choice=["yes", "no"], backend="llguidance")
@@ -342,6 +330,6 @@ def test_guided_request_prefills_while_its_grammar_compiles(stories_engine_facto
         assert g.num_computed_tokens == len(prompt) - 1 and g.num_output_tokens == 0
         assert engine._seqs["u"].req.num_output_tokens >= 5  # the batch was not blocked
     finally:
-        release.set()
+        held_compiles.set()
     done = run_all(engine, {})
     assert done["g"].outputs[0].text in ("yes", "no") and done["g"].outputs[0].finish_reason == "stop"
