@@ -292,3 +292,33 @@ def test_an_implicit_end_before_the_grammar_compiled_reaches_the_grammar(model_d
         eng.shutdown()
     assert c.reasoning == "" and c.num_reasoning_tokens == 0 and c.content == c.text
     check_answer(c)
+
+
+@pytest.mark.demo
+@pytest.mark.slow
+def test_demo_model_32_distinct_schemas_after_thinking_at_once(demo_model_dir: Path) -> None:
+    """32 requests at once, each its own schema (tandem/bench/schemas.py) and one of four budgets (0, 8, 16, 32):
+    each thinks exactly its budget plus the forced marker, then answers a document valid against its schema."""
+    from tandem.bench.schemas import describe, distinct_schemas
+    from tandem.engine.llm import build_engine
+
+    eng = build_engine(str(demo_model_dir), dtype="bfloat16", progress=False, max_model_len=2048, max_num_seqs=32,
+                       kv_cache_memory=256 * 2**20, reasoning_parser="generic")
+    schemas = distinct_schemas(32, seed=11)
+    budgets = [(0, 8, 16, 32)[i % 4] for i in range(len(schemas))]
+    end = len(eng.thinking.reasoner.markers.end_ids)
+    try:
+        tok = eng.tokenizer
+        requests = {
+            f"r{i}": (tok.encode(tok.render_chat([{"role": "user", "content": describe(s)}]) + "<think>\n",
+                                 add_special_tokens=False),
+                      SamplingParams(temperature=0, max_tokens=400, thinking_token_budget=budgets[i],
+                                     structured_outputs=StructuredOutputsParams(json=s)))
+            for i, s in enumerate(schemas)}
+        outs = run(eng, requests)
+    finally:
+        eng.shutdown()
+    for i, schema in enumerate(schemas):
+        c = outs[f"r{i}"].outputs[0]
+        assert c.finish_reason == "stop" and c.num_reasoning_tokens == budgets[i] + end, (i, c)
+        jsonschema.validate(json.loads(c.content or ""), schema)
