@@ -22,13 +22,17 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3",
+    "MixtralForCausalLM": "llama",
 }
-SUPPORTED_MODEL_TYPES: dict[str, str] = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+SUPPORTED_MODEL_TYPES: dict[str, str] = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+                                         "qwen3_moe": "qwen3", "mixtral": "llama"}
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a Llama-family decoder (Llama 2/3, Mistral, TinyLlama, SmolLM, Qwen2/2.5, Qwen3)."""
+    """Architecture of a Llama-family decoder (Llama 2/3, Mistral, TinyLlama, SmolLM, Qwen2/2.5, Qwen3), its MLP
+    dense or a mixture of experts in `moe_layers` (Qwen3-MoE, Mixtral)."""
 
     family: str  # "llama" | "qwen2" | "qwen3"
     vocab_size: int
@@ -50,6 +54,16 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
+    num_experts: int = 0  # a mixture of experts in `moe_layers` (0: every MLP dense)
+    experts_per_token: int = 0  # top k of the router's softmax
+    moe_intermediate_size: int = 0  # each expert's MLP width
+    norm_topk_prob: bool = True  # the k routing weights renormalized to sum to 1 (Mixtral always; Qwen3-MoE by config)
+    moe_layers: tuple[int, ...] = ()
+    expert_names: str = "qwen"  # checkpoint naming: "qwen" (mlp.experts.E.gate_proj ...) | "mixtral" (block_sparse_moe.experts.E.w1 ...)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @classmethod
     def from_hf(cls, cfg: Mapping[str, Any]) -> ModelConfig:
@@ -102,6 +116,7 @@ class ModelConfig:
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=tuple(int(e) for e in eos_ids),
                 torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+                **_moe_fields(cfg, num_layers),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ConfigError(f"config.json is missing or has a bad value for {e}") from e
@@ -119,6 +134,24 @@ class ModelConfig:
             return cls.from_hf(json.loads(p.read_text()))
         except json.JSONDecodeError as e:
             raise ConfigError(f"{p} is not valid JSON: {e}") from e
+
+
+def _moe_fields(cfg: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
+    """The mixture-of-experts fields as transformers reads them: Qwen3-MoE (`num_experts` or `num_local_experts`, `moe_intermediate_size`,
+    `norm_topk_prob`, experts in every `decoder_sparse_step`-th layer not in `mlp_only_layers`), Mixtral
+    (`num_local_experts` in every layer, the top k always renormalized); {} for a dense model."""
+    if cfg.get("model_type") == "mixtral" or "MixtralForCausalLM" in (cfg.get("architectures") or []):
+        return {"num_experts": int(cfg["num_local_experts"]), "experts_per_token": int(cfg["num_experts_per_tok"]),
+                "moe_intermediate_size": int(cfg["intermediate_size"]), "norm_topk_prob": True,
+                "moe_layers": tuple(range(num_layers)), "expert_names": "mixtral"}
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)  # transformers >= 5 writes the latter
+    if experts <= 0:
+        return {}
+    step, dense = int(cfg.get("decoder_sparse_step") or 1), set(cfg.get("mlp_only_layers") or [])
+    layers = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+    return {"num_experts": experts, "experts_per_token": int(cfg["num_experts_per_tok"]),
+            "moe_intermediate_size": int(cfg["moe_intermediate_size"]), "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
+            "moe_layers": layers, "expert_names": "qwen"}
 
 
 def _sliding_window(cfg: Mapping[str, Any], family: str, num_layers: int) -> tuple[int | None, tuple[int, ...]]:
@@ -146,16 +179,19 @@ class CacheConfig:
     """Paged KV cache: block size in tokens and a memory budget (bytes, or a fraction of free memory)."""
 
     block_size: int = 16
-    kv_cache_memory: int | None = None  # bytes; None: `memory_fraction` of what is free
-    memory_fraction: float = 0.5
+    kv_cache_memory: int | None = None  # bytes; None: sized to the work, capped (`runner.plan_kv_cache`)
+    memory_fraction: float | None = None  # cap: this fraction of what is free; None: 0.5, on the host also HOST_KV_DEFAULT
+    share: float = 1.0  # of the host's memory and default pool, this engine's (data-parallel replicas split them)
     enable_prefix_caching: bool = True
     num_blocks: int | None = None  # overrides the budget (tests)
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
             raise ConfigError(f"block_size must be a power of two in [1, 256], got {self.block_size}")
-        if not 0.0 < self.memory_fraction <= 0.95:
+        if self.memory_fraction is not None and not 0.0 < self.memory_fraction <= 0.95:
             raise ConfigError(f"memory_fraction must be in (0, 0.95], got {self.memory_fraction}")
+        if not 0.0 < self.share <= 1.0:
+            raise ConfigError(f"share must be in (0, 1], got {self.share}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ConfigError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
         if self.num_blocks is not None and self.num_blocks < 1:

@@ -45,8 +45,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", type=parse_size, default=None,
                    help="KV cache size (bytes, or e.g. 1GiB); default: max-num-seqs x max-model-len tokens, capped by "
                         "--memory-fraction")
-    g.add_argument("--memory-fraction", "--gpu-memory-utilization", type=float, default=0.5,
-                   help="cap of the default KV cache: this fraction of the memory free after loading the weights")
+    g.add_argument("--memory-fraction", "--gpu-memory-utilization", type=float, default=None,
+                   help="cap of the default KV cache: this fraction of the memory free after loading the weights "
+                        "(default 0.5; on the host also at most 4 GiB unless this is given)")
     g.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", type=int, default=None,
                    help="KV cache size in blocks (overrides the rest)")
     g.add_argument("--quantization", "-q", default=None, choices=["auto", "gguf", "none", "int8"],

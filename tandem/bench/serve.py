@@ -9,7 +9,8 @@ process `--server-pid` and its engine core from /proc, else the /metrics residen
 growth after the warm-up. `--bomb-every N` makes every Nth request a "compile bomb": a JSON schema (unique per request,
 so neither the grammar cache nor compile coalescing can answer it) that takes a grammar backend far longer than the
 server's compile timeout; bombs are reported apart (they are expected to fail), every other figure covers the rest.
-`--launch` starts `tandem serve` itself on a free loopback port.
+`--launch` starts `tandem serve` itself on a free loopback port. `--soak N` runs the memory soak of
+`tandem/bench/soak.py` instead (N distinct structured requests; RSS per process and the KV pool's figures).
 
 `--tool-share` makes a fraction of requests tool calls (`--tool-choice` required / auto / named) over a distinct tool
 set per request: three functions drawn from the function corpus (`--tools-dir`, tests/data/functions). `--tool-compare`
@@ -34,17 +35,21 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tandem.bench.load import (
+    BenchRequest,
+    RequestResult,
+    engine_core_pid,
+    httpx,
+    percentile,
+    process_rss_bytes,
+    send_one,
+)
 from tandem.bench.schemas import distinct_schemas
+from tandem.bench.soak import run_soak
 from tandem.bench.tools import DEFAULT_TOOLS, load_functions, tool_set
-
-try:  # the openai client's HTTP library; plain httpx exposes the same API
-    import httpx2 as httpx
-except ImportError:  # pragma: no cover
-    import httpx  # type: ignore[no-redef]
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "../shared/data/prompts"
 
@@ -73,13 +78,6 @@ def bomb_schema(nonce: int, repeat: int = 8) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------------------ workload
-@dataclass(frozen=True)
-class BenchRequest:
-    kind: str  # "plain" | "json" | "copy" | "tool" | "bomb"
-    body: dict[str, Any]
-    tag: int = -1  # the request's index in its workload (tool comparisons pair requests by it)
-
-
 def tool_body(functions: Sequence[dict[str, Any]], i: int, seed: int, choice: str, base: dict[str, Any]) -> dict[str, Any]:
     """A tool-call request: entry i's prompt over its function and two others (a distinct tool set per request)."""
     n = len(functions)
@@ -150,74 +148,8 @@ def make_workload(
     return out
 
 
-# ------------------------------------------------------------------------------------------------------- client
-@dataclass
-class RequestResult:
-    kind: str
-    ok: bool
-    start: float
-    tag: int = -1
-    ttft: float | None = None
-    e2e: float | None = None  # seconds to the end of the request (its failure included)
-    itl: list[float] = field(default_factory=list)
-    output_tokens: int = 0
-    error: str | None = None
-
-
-async def send_one(client: httpx.AsyncClient, url: str, req: BenchRequest, headers: dict[str, str]) -> RequestResult:
-    """Stream one chat completion; times every content delta and the end of the request."""
-    res = await _stream_one(client, url, req, headers)
-    res.e2e = time.perf_counter() - res.start
-    return res
-
-
-async def _stream_one(client: httpx.AsyncClient, url: str, req: BenchRequest, headers: dict[str, str]) -> RequestResult:
-    t0 = time.perf_counter()
-    res = RequestResult(req.kind, False, t0, req.tag)
-    last: float | None = None
-    try:
-        async with client.stream("POST", url, json=req.body, headers=headers) as resp:
-            if resp.status_code != 200:
-                body = (await resp.aread()).decode(errors="replace")
-                res.error = f"HTTP {resp.status_code}: {body[:200]}"
-                return res
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[6:]
-                if data == "[DONE]":
-                    break
-                event = json.loads(data)
-                if "error" in event:
-                    res.error = str(event["error"].get("message"))
-                    return res
-                if event.get("usage"):
-                    res.output_tokens = int(event["usage"].get("completion_tokens", 0))
-                deltas = [c.get("delta") or {} for c in event.get("choices", [])]
-                if any(d.get("content") or d.get("tool_calls") for d in deltas):
-                    now = time.perf_counter()
-                    if res.ttft is None:
-                        res.ttft = now - t0
-                    elif last is not None:
-                        res.itl.append(now - last)
-                    last = now
-        res.ok = True
-    except (httpx.HTTPError, json.JSONDecodeError, OSError) as e:
-        res.error = f"{type(e).__name__}: {e}"
-    return res
-
-
 # ------------------------------------------------------------------------------------------------------ RSS sampling
 RssSample = tuple[float, dict[str, int]]  # (seconds since start, {"http" | "engine_core" | "total": bytes})
-
-
-def process_rss_bytes(pid: int) -> int | None:
-    """VmRSS of one process (Linux /proc), or None when it is gone."""
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return None
 
 
 def tree_rss_bytes(pid: int) -> int | None:
@@ -239,13 +171,6 @@ def tree_rss_bytes(pid: int) -> int | None:
             found = found or p == pid
         todo.extend(children.get(p, []))
     return total if found else None
-
-
-async def engine_core_pid(client: httpx.AsyncClient, base_url: str) -> int | None:
-    """The engine-core process id the server's /health reports (None if it does not answer)."""
-    with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, TypeError):
-        return int((await client.get(f"{base_url}/health")).json()["engine_core_pid"])
-    return None
 
 
 def proc_rss_sample(http_pid: int, core_pid: int | None) -> dict[str, int] | None:
@@ -323,15 +248,6 @@ def summarize_rss(rss: Sequence[RssSample], warmup_s: float) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------------------- running
-def percentile(values: Sequence[float], q: float) -> float | None:
-    if not values:
-        return None
-    s = sorted(values)
-    k = (len(s) - 1) * q / 100.0
-    lo, hi = math.floor(k), math.ceil(k)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
-
-
 def summarize(results: Sequence[RequestResult], wall_s: float, rss: Sequence[RssSample], warmup_s: float) -> dict[str, Any]:
     """The report; compile bombs (kind "bomb") are counted apart and left out of every other figure."""
     bombs = [r for r in results if r.kind == "bomb"]
@@ -536,6 +452,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bomb-every", type=int, default=0, metavar="N",
                    help="make every Nth request a compile-bomb JSON schema (reported apart; 0: none)")
     p.add_argument("--duration", type=float, default=None, help="soak: run this many seconds and sample RSS")
+    p.add_argument("--soak", type=int, default=None, metavar="N",
+                   help="memory soak: N distinct structured requests (own schema or tool set, own prompt), RSS of every "
+                        "server process and the KV pool's figures sampled (tandem/bench/soak.py)")
+    p.add_argument("--soak-mark", type=int, default=None, metavar="M", help="soak: compare the end with request M (default N/5)")
+    p.add_argument("--soak-plot", default=None, metavar="PNG", help="soak: plot RSS and the KV pool against requests")
     p.add_argument("--warmup", type=float, default=None, help="seconds before RSS growth is measured (default 10%% of --duration)")
     p.add_argument("--rss-interval", type=float, default=1.0)
     p.add_argument("--server-pid", type=int, default=None, help="read the server's RSS (with children) from /proc")
@@ -544,6 +465,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--startup-timeout", type=float, default=900.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-json", default=None)
+
+
+def _the_load(args: argparse.Namespace, base_url: str, pid: int | None) -> Any:
+    if args.soak:
+        return run_soak(args, base_url, pid)
+    return run_tool_compare(args, base_url, pid) if args.tool_compare else run_load(args, base_url, pid)
 
 
 def run_bench_serve(args: argparse.Namespace) -> int:
@@ -570,7 +497,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
             raise SystemExit(str(e)) from e
         base_url, pid = f"http://127.0.0.1:{port}", pid or proc.pid
     try:
-        report = asyncio.run(run_tool_compare(args, base_url, pid) if args.tool_compare else run_load(args, base_url, pid))
+        report = asyncio.run(_the_load(args, base_url, pid))
         report.pop("_tokens_by_tag", None)
     finally:
         if proc is not None:

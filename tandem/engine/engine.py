@@ -830,6 +830,19 @@ class LLMEngine:
         self.guidance.shutdown()
         self.runner.shutdown()
 
+    def kv_pool_stats(self) -> dict[str, int]:
+        """The KV pool in bytes: reserved (planned at start), touched (its blocks ever used: on the host, the pages
+        committed), used (held by requests), retained (cached prefixes no request holds), resident (measured)."""
+        bm, per_block = self.block_manager, self.runner.kv_block_bytes
+        return {
+            "kv_pool_reserved_bytes": bm.num_blocks * per_block,
+            "kv_pool_touched_bytes": bm.num_touched * per_block,
+            "kv_pool_used_bytes": bm.num_used_blocks * per_block,
+            "kv_pool_retained_bytes": bm.num_retained_blocks * per_block,
+            "kv_pool_resident_bytes": self.runner.kv_cache_resident_bytes(bm.num_touched),
+            "prefix_cache_retained_blocks": bm.num_retained_blocks,
+        }
+
     def get_stats(self) -> dict[str, Any]:
         bm = self.block_manager
         return {
@@ -838,6 +851,7 @@ class LLMEngine:
             "kv_cache_usage": bm.usage,
             "kv_num_blocks": self.runner.num_blocks,
             "kv_cache_bytes": self.runner.kv_cache_bytes,
+            **self.kv_pool_stats(),
             "prefix_cache_queries": bm.stats.queries,
             "prefix_cache_hits": bm.stats.hits,
             **self.stats.__dict__,

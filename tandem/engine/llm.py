@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import gc
 import itertools
 import logging
 import os
@@ -17,7 +16,7 @@ from tqdm.auto import tqdm
 
 from tandem.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, SchedulerConfig
 from tandem.cpu_budget import CpuBudget, pin_current_thread_pool, plan_cpu_budget
-from tandem.engine.engine import LLMEngine
+from tandem.engine.engine import LLMEngine, freeze_startup_heap
 from tandem.engine.speculation import NoSpeculation, Speculation, SpeculativeDecoder
 from tandem.layers.kernels import load_cpu_kernels
 from tandem.models.checkpoint import Checkpoint, resolve_dtype
@@ -57,7 +56,8 @@ def build_engine(
     max_num_batched_tokens: int | None = None,
     block_size: int = 16,
     kv_cache_memory: int | None = None,
-    memory_fraction: float = 0.5,
+    memory_fraction: float | None = None,
+    kv_share: float = 1.0,  # of the host's memory and default KV pool: data-parallel replicas on one host split it
     num_kv_blocks: int | None = None,
     enable_prefix_caching: bool = True,
     seed: int = 0,
@@ -81,12 +81,12 @@ def build_engine(
     "none" dequantizes them to `dtype`, "int8" stores dense matrices (safetensors) as per-channel int8.
     `tensor_parallel_size` > 1 shards the model over that many ranks (`runner/distributed.py`; worker processes, or
     Ray actors with `distributed_executor_backend="ray"`); `cpu_cores`: the cores this engine may use (pinned);
-    `reasoning_parser`: a name or {"name": ..., options} (tandem/reasoning/parsers.py)."""
+    `reasoning_parser`: a name or {"name": ..., options}; `kv_share`: this engine's part of the host (replicas)."""
     if cpu_cores is not None:
         pin_current_thread_pool(tuple(cpu_cores))  # before the tensor thread starts: it and its team inherit them
     _check_device(device)
     path, ckpt = _checkpoint(model, dtype, progress, quantization)
-    cache = CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory, memory_fraction=memory_fraction,
+    cache = CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory, memory_fraction=memory_fraction, share=kv_share,
                         enable_prefix_caching=enable_prefix_caching, num_blocks=num_kv_blocks)
     config = EngineConfig(model=str(path), model_config=ckpt.config, dtype=str(ckpt.weights.dtype).removeprefix("torch."),
                           device=device, seed=seed, cache=cache, num_threads=num_threads,
@@ -103,8 +103,7 @@ def build_engine(
     speculation = _speculation(sc, budget, config.model_config.vocab_size, tok, config.scheduler.max_model_len)
     engine = LLMEngine(config, runner, tok, speculation=speculation, structured_config=so_config, reasoner=reasoner,
                        mask_mode=structured_mask_mode, cpu_budget=budget, async_scheduling=async_scheduling)
-    gc.collect()
-    gc.freeze()  # the long-lived objects of torch and the model never need scanning again: no GC pauses in the loop
+    freeze_startup_heap()  # the long-lived objects of torch and the model never need scanning again: no GC pauses
     return engine
 
 

@@ -2,7 +2,10 @@
 holds, and the collectives that join the shards, counted byte by byte.
 
 A rank holds the kv heads `kv_heads` (an even split, the first ranks one more when they do not divide) with the query
-heads of their groups, a slice of the MLP's intermediate features and a slice of the vocabulary. q/k/v and gate/up are
+heads of their groups, a slice of the MLP's intermediate features and a slice of the vocabulary. With more ranks than
+kv heads (a multiple of them), each kv head is replicated on `size / num_kv_heads` consecutive ranks and its group's
+query heads are split among them: every rank holds one kv head (its K/V projections and its KV cache) and the query
+heads that read it, as vLLM does. q/k/v and gate/up are
 split by output columns (no communication), o and down by input rows: each rank's output is a partial sum, joined by
 one all-reduce. The embedding is looked up in each rank's vocabulary slice (zero rows elsewhere) and all-reduced; the
 LM head's logits slices are gathered on rank 0. `TensorParallel(rank=0, size=1)` is the single-device case: every
@@ -60,20 +63,41 @@ class TensorParallel:
     def enabled(self) -> bool:
         return self.size > 1
 
+    def kv_replicas(self, cfg: ModelConfig) -> int:
+        """Ranks that hold each kv head: 1 up to `num_kv_heads` ranks, `size / num_kv_heads` beyond."""
+        kvh = cfg.num_kv_heads
+        if self.size <= kvh:
+            return 1
+        if self.size % kvh or self.size > cfg.num_heads:
+            raise ConfigError(f"tensor_parallel_size {self.size} exceeds the model's {kvh} kv heads: it must then be a "
+                              f"multiple of them (each kv head replicated) and at most its {cfg.num_heads} query heads")
+        return self.size // kvh
+
     def kv_heads(self, cfg: ModelConfig) -> tuple[int, int]:
-        """[first, end) of this rank's kv heads."""
-        if cfg.num_kv_heads < self.size:
-            raise ConfigError(f"tensor_parallel_size {self.size} exceeds the model's {cfg.num_kv_heads} kv heads")
+        """[first, end) of this rank's kv heads (one replicated head when the ranks outnumber them)."""
+        replicas = self.kv_replicas(cfg)
+        if replicas > 1:
+            head = self.rank // replicas
+            return head, head + 1
         return even_split(cfg.num_kv_heads, self.size, self.rank)
 
     def q_heads(self, cfg: ModelConfig) -> tuple[int, int]:
-        """[first, end) of this rank's query heads: those of its kv heads' groups."""
+        """[first, end) of this rank's query heads: those of its kv heads' groups (its share of the one group when
+        its kv head is replicated)."""
         group = cfg.num_heads // cfg.num_kv_heads
         k0, k1 = self.kv_heads(cfg)
-        return k0 * group, k1 * group
+        replicas = self.kv_replicas(cfg)
+        if replicas == 1:
+            return k0 * group, k1 * group
+        g0, g1 = even_split(group, replicas, self.rank % replicas)
+        return k0 * group + g0, k0 * group + g1
 
     def intermediate(self, cfg: ModelConfig) -> tuple[int, int]:
         return even_split(cfg.intermediate_size, self.size, self.rank)
+
+    def moe_intermediate(self, cfg: ModelConfig) -> tuple[int, int]:
+        """[start, end) of every expert's intermediate features this rank holds."""
+        return even_split(cfg.moe_intermediate_size, self.size, self.rank)
 
     def vocab(self, vocab_size: int) -> tuple[int, int]:
         return even_split(vocab_size, self.size, self.rank)
@@ -85,7 +109,8 @@ class TensorParallel:
         q0, q1 = self.q_heads(cfg)
         k0, k1 = self.kv_heads(cfg)
         i0, i1 = self.intermediate(cfg)
-        return replace(cfg, num_heads=q1 - q0, num_kv_heads=k1 - k0, intermediate_size=i1 - i0)
+        m0, m1 = self.moe_intermediate(cfg)
+        return replace(cfg, num_heads=q1 - q0, num_kv_heads=k1 - k0, intermediate_size=i1 - i0, moe_intermediate_size=m1 - m0)
 
     def all_reduce(self, x: torch.Tensor, op: str = "all_reduce") -> torch.Tensor:
         """Sum `x` over the ranks, in place (the partial outputs of a row-parallel projection)."""

@@ -102,8 +102,9 @@ class TensorDict(WeightStore):
 
 
 def is_matrix_weight(name: str) -> bool:
-    """Projection and embedding matrices (what `quantization="int8"` quantizes); norms and biases stay dense."""
-    return name.endswith(".weight") and "norm" not in name
+    """Projection and embedding matrices (what `quantization="int8"` quantizes); norms, biases and routers stay dense
+    (a router's few rows decide which experts run: vLLM and llama.cpp keep them unquantized too)."""
+    return name.endswith(".weight") and "norm" not in name and not name.endswith((".mlp.gate.weight", "block_sparse_moe.gate.weight"))
 
 
 def check_quantization(quantization: str | None) -> str:
@@ -158,12 +159,28 @@ def expected_weight_names(config: ModelConfig) -> list[str]:
         p = f"model.layers.{i}."
         names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
         names += [f"{p}self_attn.{x}_proj.weight" for x in ("q", "k", "v", "o")]
-        names += [f"{p}mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
+        if i in config.moe_layers:
+            router, experts = moe_weight_names(config, i)
+            names += [router, *(n for expert in experts for n in expert)]
+        else:
+            names += [f"{p}mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
         if config.attention_bias:
             names += [f"{p}self_attn.{x}_proj.bias" for x in ("q", "k", "v")]
         if config.qk_norm:
             names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
     return names
+
+
+def moe_weight_names(config: ModelConfig, layer: int) -> tuple[str, list[tuple[str, str, str]]]:
+    """HF names of one mixture-of-experts layer: (router [E, hidden], per expert (gate, up, down))."""
+    p = f"model.layers.{layer}."
+    if config.expert_names == "mixtral":
+        b = p + "block_sparse_moe."
+        return b + "gate.weight", [(f"{b}experts.{e}.w1.weight", f"{b}experts.{e}.w3.weight", f"{b}experts.{e}.w2.weight")
+                                   for e in range(config.num_experts)]
+    b = p + "mlp."
+    return b + "gate.weight", [tuple(f"{b}experts.{e}.{x}_proj.weight" for x in ("gate", "up", "down"))  # type: ignore[misc]
+                               for e in range(config.num_experts)]
 
 
 def interleaved_to_rotate_half(w: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""The Llama-family decoder (Llama 2/3, Mistral, TinyLlama, SmolLM/SmolLM2, Qwen2/2.5, Qwen3), switched by config.
+"""The Llama-family decoder (Llama 2/3, Mistral, TinyLlama, SmolLM/SmolLM2, Qwen2/2.5, Qwen3), switched by config; its
+MLP dense, or a mixture of experts (Qwen3-MoE, Mixtral: `layers/moe.py`) in the layers the config names.
 
 Weights are fused at load time (q/k/v -> one projection, gate/up -> one) and held as plain tensors and projections
 (`layers/linear.py`), not `nn.Module`s: the per-layer loop is one Python function with no module dispatch or hooks.
@@ -18,10 +19,11 @@ import torch.nn.functional as F
 from tandem.config import ConfigError, ModelConfig
 from tandem.layers.attention import AttentionMetadata
 from tandem.layers.linear import DenseProjection, Projection, Weight, make_linear
+from tandem.layers.moe import Expert, MoeMlp
 from tandem.layers.ops import LayerOps, select_ops
 from tandem.layers.parallel import TensorParallel
 from tandem.layers.quant import QuantizedTensor
-from tandem.models.checkpoint import WeightStore
+from tandem.models.checkpoint import WeightStore, moe_weight_names
 from tandem.models.sharding import WeightShard
 
 
@@ -31,10 +33,17 @@ class _Layer:
     qkv: Projection  # [T, hidden] -> [T, (H + 2 * KVH) * D]
     o: Projection  # [T, H * D] -> [T, hidden]
     post_norm: torch.Tensor  # [hidden]
-    gate_up: Projection  # [T, hidden] -> [T, 2 * I]
-    down: Projection  # [T, I] -> [T, hidden]
+    gate_up: Projection | None  # [T, hidden] -> [T, 2 * I] (a dense MLP)
+    down: Projection | None  # [T, I] -> [T, hidden]
     q_norm: torch.Tensor | None  # [D] (Qwen3)
     k_norm: torch.Tensor | None
+    moe: MoeMlp | None = None  # instead of gate_up / down in a mixture-of-experts layer
+
+    @property
+    def projections(self) -> list[Projection]:
+        dense = [p for p in (self.gate_up, self.down) if p is not None]
+        experts = [p for e in self.moe.experts for p in (e.gate_up, e.down)] + [self.moe.router] if self.moe else []
+        return [self.qkv, self.o, *dense, *experts]
 
 
 class ModelWeights:
@@ -151,28 +160,39 @@ class LlamaModel:
         if (a + "o_proj.bias") in w.names:
             o_b = w.vector(a + "o_proj.bias")
         k, dt = self.use_kernels, self.dtype
+        moe = self._moe(w, i) if i in self.cfg.moe_layers else None
         return _Layer(
             input_norm=w.vector(p + "input_layernorm.weight"),
             qkv=make_linear([w.matrix(a + "q_proj.weight"), w.matrix(a + "k_proj.weight"), w.matrix(a + "v_proj.weight")], qkv_b, k, dt),
             o=make_linear(w.matrix(a + "o_proj.weight"), o_b, k, dt),
             post_norm=w.vector(p + "post_attention_layernorm.weight"),
-            gate_up=make_linear([w.matrix(m + "gate_proj.weight"), w.matrix(m + "up_proj.weight")], None, k, dt),
-            down=make_linear(w.matrix(m + "down_proj.weight"), None, k, dt),
+            gate_up=None if moe else make_linear([w.matrix(m + "gate_proj.weight"), w.matrix(m + "up_proj.weight")], None, k, dt),
+            down=None if moe else make_linear(w.matrix(m + "down_proj.weight"), None, k, dt),
             # q / k norms (Qwen3) in the model dtype, as q and k are
             q_norm=w.vector(a + "q_norm.weight").to(dt) if self.cfg.qk_norm else None,
             k_norm=w.vector(a + "k_norm.weight").to(dt) if self.cfg.qk_norm else None,
+            moe=moe,
         )
+
+    def _moe(self, w: ModelWeights, i: int) -> MoeMlp:
+        """Layer i's router (dense, in the model dtype) and experts, each expert's gate and up fused as in the MLP."""
+        k, dt = self.use_kernels, self.dtype
+        router, names = moe_weight_names(self.cfg, i)
+        experts = [Expert(make_linear([w.matrix(g), w.matrix(u)], None, k, dt), make_linear(w.matrix(d), None, k, dt))
+                   for g, u, d in names]
+        return MoeMlp(DenseProjection(w.vector(router), None), experts, self.cfg.experts_per_token, self.cfg.norm_topk_prob)
 
     @property
     def matmul_params(self) -> int:
-        """Parameters multiplied per token through every projection, the output one included."""
-        projections = [self.lm_head] + [x for la in self.layers for x in (la.qkv, la.o, la.gate_up, la.down)]
-        return sum(p.out_features * p.in_features for p in projections)
+        """Parameters multiplied per token through every projection, the output one included (of a mixture of
+        experts, the router and the k experts a token runs)."""
+        dense = [self.lm_head] + [x for la in self.layers for x in (la.qkv, la.o, la.gate_up, la.down) if x is not None]
+        return sum(p.out_features * p.in_features for p in dense) + sum(la.moe.active_params for la in self.layers if la.moe)
 
     @property
     def weight_bytes(self) -> int:
         """Bytes the model's weights occupy as held (packed, quantized or dense; a shared table counted once)."""
-        projections = {id(p): p for p in [self.lm_head, self.embed] + [x for la in self.layers for x in (la.qkv, la.o, la.gate_up, la.down)]}
+        projections = {id(p): p for p in [self.lm_head, self.embed] + [x for la in self.layers for x in la.projections]}
         vectors = [self.norm] + [t for la in self.layers for t in (la.input_norm, la.post_norm, la.q_norm, la.k_norm) if t is not None]
         return sum(p.nbytes for p in projections.values()) + sum(t.numel() * t.element_size() for t in vectors)
 
@@ -199,8 +219,15 @@ class LlamaModel:
             qk = ops.rope_write_kv(qk, v, rope, kv_cache, meta, H)  # [T, H + KVH, D], k and v now in the cache
             attn = ops.attention(qk, v, kv_cache, meta, H, self.scale, dt, window)  # [T, H D]
             h = ops.add_rms_norm(x, self.tp.all_reduce(layer.o(attn)), layer.post_norm, eps, dt)
-            delta = self.tp.all_reduce(layer.down(ops.silu_mul(layer.gate_up(h))))  # [T, hidden], summed over ranks
+            delta = self.tp.all_reduce(self._mlp(layer, h))  # [T, hidden], summed over ranks
         return ops.add_rms_norm(x, delta, self.norm, eps, dt)
+
+    def _mlp(self, layer: _Layer, h: torch.Tensor) -> torch.Tensor:
+        """h [T, hidden] (normed, model dtype) -> the MLP's output [T, hidden]: dense, or the token's experts."""
+        if layer.moe is not None:
+            return layer.moe(h, self.ops.silu_mul)
+        assert layer.gate_up is not None and layer.down is not None
+        return layer.down(self.ops.silu_mul(layer.gate_up(h)))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [R, hidden] -> logits [R, V] in float32 (on tensor-parallel rank 0; the others get their slice)."""

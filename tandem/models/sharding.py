@@ -1,6 +1,8 @@
 """Which part of each checkpoint tensor a tensor-parallel rank keeps (`layers/parallel.py` says which heads, features
 and vocabulary ids are its own): column-parallel weights (q/k/v, gate/up, embedding, LM head) by output rows,
-row-parallel ones (o, down) by input columns; norms replicated; the o bias on rank 0 only (added once to the sum)."""
+row-parallel ones (o, down) by input columns; norms replicated; the o bias on rank 0 only (added once to the sum).
+A mixture of experts: every expert's gate / up by its output rows and its down by input columns (each rank a slice of
+every expert's width, so routing needs no communication), the router replicated."""
 
 from __future__ import annotations
 
@@ -30,11 +32,16 @@ class WeightShard:
             "down_proj": (1, tp.intermediate(cfg)),
             "embed_tokens": (0, vocab), "lm_head": (0, vocab),
         }
+        width = tp.moe_intermediate(cfg)
+        self.expert_rules: dict[str, tuple[int, tuple[int, int]]] = {
+            "gate_proj": (0, width), "up_proj": (0, width), "down_proj": (1, width), "w1": (0, width), "w3": (0, width), "w2": (1, width),
+        }
 
     def cut(self, name: str, w: Stored) -> Stored:
         """This rank's part of the tensor `name` (the whole tensor when it is replicated)."""
         parts = name.split(".")
-        rule = self.rules.get(parts[-2]) if len(parts) >= 2 else None
+        rules = self.expert_rules if ".experts." in name else self.rules
+        rule = rules.get(parts[-2]) if len(parts) >= 2 else None
         if rule is None:
             return w
         dim, (start, end) = rule

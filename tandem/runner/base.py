@@ -33,6 +33,7 @@ class Runner(ABC):
     device: torch.device
     num_blocks: int  # KV cache blocks the scheduler may hand out
     kv_cache_bytes: int
+    kv_block_bytes: int = 0  # one block over every layer (this rank's shard of it under tensor parallelism)
 
     @property
     def forward_uses_host_cores(self) -> bool:
@@ -59,6 +60,11 @@ class Runner(ABC):
     def stats_dict(self) -> dict[str, float]:
         """The runner's own counters for `LLMEngine.get_stats` (a tensor-parallel group's bytes per collective)."""
         return {}
+
+    def kv_cache_resident_bytes(self, touched_blocks: int) -> int:  # noqa: ARG002 - a host cache's reading uses it
+        """Bytes of the KV cache in memory now (`touched_blocks`: the blocks ever used so far): all of it where it is
+        allocated up front (an accelerator's)."""
+        return self.kv_cache_bytes
 
     def execute(self, plan: StepPlan) -> torch.Tensor:
         return self.collect(self.launch(plan))

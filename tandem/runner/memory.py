@@ -18,6 +18,7 @@ import math
 import mmap
 import sys
 
+import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
@@ -60,6 +61,22 @@ def release_freed_memory() -> None:
     trim = getattr(libc, "malloc_trim", None) if libc is not None else None
     if trim is not None:
         trim(0)
+
+
+def resident_range_bytes(tensor: torch.Tensor) -> int | None:
+    """Bytes of a host tensor's memory resident now (`mincore` over the pages it spans), or None off Linux / glibc.
+    A KV cache on `huge_page_zeros` reads 0 until its first block is written and grows as new blocks are touched."""
+    libc = _c_library()
+    nbytes = tensor.numel() * tensor.element_size()
+    if libc is None or nbytes == 0 or tensor.device.type != "cpu":
+        return None
+    page = mmap.PAGESIZE
+    start = tensor.data_ptr() - tensor.data_ptr() % page
+    length = nbytes + tensor.data_ptr() - start
+    vec = (ctypes.c_ubyte * -(-length // page))()
+    if libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), vec) != 0:
+        return None
+    return int(np.count_nonzero(np.frombuffer(memoryview(vec).cast("B"), dtype=np.uint8) & 1)) * page
 
 
 def resident_bytes() -> tuple[int, int]:

@@ -30,7 +30,7 @@ from tandem.runner.cuda_graphs import (
     capture_eagerly,
     graphs_enabled,
 )
-from tandem.runner.memory import huge_page_zeros, release_freed_memory, resident_bytes
+from tandem.runner.memory import huge_page_zeros, release_freed_memory, resident_bytes, resident_range_bytes
 from tandem.runner.tensor_thread import tensor_thread
 from tandem.runner.timeline import DeviceTimeline
 
@@ -67,6 +67,14 @@ def wait_for_device(device: torch.device) -> None:
         torch.cuda.current_stream(device).synchronize()
 
 
+RESIDENT_EVERY_S = 10.0
+DEFAULT_MEMORY_FRACTION = 0.5
+# The host's default KV pool cap: vLLM's CPU default (VLLM_CPU_KVCACHE_SPACE unset: 4 GiB). Half the RAM of a shared
+# host (11 GiB here) filled over a day as the prefix cache kept blocks; 4 GiB holds 180K tokens of the demo model
+# (bf16) and 8K of a Llama-2-7B, and an operator who wants more says so. docs/operations.md.
+HOST_KV_DEFAULT = 4 << 30
+
+
 def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * torch.tensor([], dtype=dtype).element_size()
 
@@ -94,8 +102,10 @@ class KvCachePlan:
 def plan_kv_cache(
     cfg: ModelConfig, cache: CacheConfig, sched: SchedulerConfig, dtype: torch.dtype, device: torch.device
 ) -> KvCachePlan:
-    """Blocks for the work: `max_num_seqs` requests of `max_model_len` tokens, capped at `memory_fraction` of the
-    memory available now (after the weights); `kv_cache_memory` (bytes) or `num_blocks` set it outright."""
+    """Blocks for the work: `max_num_seqs` requests of `max_model_len` tokens, capped at `memory_fraction` (default
+    0.5) of the memory available now (after the weights) and, on the host when no fraction is given, at
+    HOST_KV_DEFAULT; `kv_cache_memory` (bytes) or `num_blocks` set it outright. `share` scales the caps (replicas
+    on one host)."""
     per_block = kv_block_bytes(cfg, cache.block_size, dtype)
 
     def plan(num: int, reason: str) -> KvCachePlan:
@@ -109,12 +119,17 @@ def plan_kv_cache(
         return plan(cache.kv_cache_memory // per_block, f"kv_cache_memory {cache.kv_cache_memory / 2**30:.2f} GiB")
     blocks_per_seq = -(-sched.max_model_len // cache.block_size) + 1
     demand = sched.max_num_seqs * blocks_per_seq
-    free = available_memory(device)
-    cap = int(free * cache.memory_fraction) // per_block
     work = f"max_num_seqs {sched.max_num_seqs} x max_model_len {sched.max_model_len}"
+    free = available_memory(device)
+    fraction = (cache.memory_fraction or DEFAULT_MEMORY_FRACTION) * cache.share
+    caps = [(int(free * fraction) // per_block, f"memory_fraction {fraction:g} of {free / 2**30:.1f} GiB available")]
+    if device.type == "cpu" and cache.memory_fraction is None:
+        host = int(HOST_KV_DEFAULT * cache.share)
+        caps.append((host // per_block, f"the host default {host / 2**30:.2f} GiB (--kv-cache-memory or --memory-fraction to change)"))
+    cap, why = min(caps)
     if demand <= cap:
         return plan(demand, work)
-    return plan(cap, f"{work} capped at memory_fraction {cache.memory_fraction} of {free / 2**30:.1f} GiB available")
+    return plan(cap, f"{work} capped at {why}")
 
 
 def plan_num_blocks(
@@ -183,6 +198,8 @@ class ModelRunner(Runner):
         else:
             self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(model_config.num_layers)]
         self.kv_cache_bytes = sum(t.numel() * t.element_size() for t in self.kv_caches)
+        self.kv_block_bytes = self.kv_plan.block_bytes
+        self._resident: tuple[float, int, int] = (float("-inf"), -1, 0)  # (when measured, blocks touched, bytes)
         self.weight_bytes = self.model.weight_bytes
         logger.info("%s", self.memory_summary())
 
@@ -195,6 +212,19 @@ class ModelRunner(Runner):
             return huge_page_zeros(shape, self.kv_dtype)
         two, kvh, nb, bs, d = shape
         return huge_page_zeros((two, nb, kvh, bs, d), self.kv_dtype).permute(0, 2, 1, 3, 4)
+
+    def kv_cache_resident_bytes(self, touched_blocks: int) -> int:
+        """Bytes of a host KV cache committed now (`mincore` over its pages: 4 ms for a 22 GiB pool), re-read when
+        the blocks ever used grew past the last reading or RESIDENT_EVERY_S passed; a device cache is all allocated."""
+        if self.device.type != "cpu":
+            return self.kv_cache_bytes
+        when, touched, value = self._resident
+        now = time.monotonic()
+        if touched != touched_blocks or now - when >= RESIDENT_EVERY_S:
+            sizes = [resident_range_bytes(t) for t in self.kv_caches]
+            value = sum(x for x in sizes if x is not None) if all(x is not None for x in sizes) else self.kv_cache_bytes
+            self._resident = (now, touched_blocks, value)
+        return value
 
     def memory_summary(self) -> str:
         """Weights as held, the KV cache as planned, and the process's resident memory now and at its peak."""

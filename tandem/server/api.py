@@ -39,7 +39,7 @@ from tandem.server.engine_client import (
     RequestRefused,
     RequestStream,
 )
-from tandem.server.metrics import CONTENT_TYPE, EngineStatsCollector, ServerMetrics
+from tandem.server.metrics import CONTENT_TYPE, EngineStatsCollector, ServerMetrics, memory_detail
 from tandem.server.protocol import (
     APIError,
     ChatCompletionChoice,
@@ -447,7 +447,7 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
                                            "new requests go elsewhere", 503, type="server_error", code="draining"))
         return JSONResponse({"status": "ok", "engine_core_pid": client.core_pid, "engine_core_pids": client.core_pids,
                              "in_flight": client.num_in_flight, "replicas": client.replica_states,
-                             "engine_restarts": client.restarts})
+                             "engine_restarts": client.restarts, "memory": memory_detail(client.stats, client.core_pids)})
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

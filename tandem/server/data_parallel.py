@@ -254,7 +254,7 @@ def replica_kwargs(engine_kwargs: Mapping[str, Any], size: int) -> list[dict[str
         device = str(kw.get("device", "cpu"))
         if device.startswith("cpu"):
             # the replicas share the host's memory: each sizes its default KV cache from its share of it
-            kw["memory_fraction"] = float(kw.get("memory_fraction") or 0.5) / size
+            kw["kv_share"] = 1.0 / size
             if kw.get("cpu_cores") is None and len(cores) >= size:
                 start, end = even_split(len(cores), size, i)
                 kw["cpu_cores"] = tuple(cores[start:end])

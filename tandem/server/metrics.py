@@ -8,6 +8,7 @@ whatever the engine reports) is exported as `tandem_engine_<key>`. Each server o
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -27,6 +28,12 @@ _KNOWN_STATS: dict[str, tuple[str, str]] = {
     "num_waiting": ("tandem_num_requests_waiting", "Sequences waiting in the engine's queue"),
     "kv_cache_usage": ("tandem_kv_cache_usage_ratio", "Fraction of KV cache blocks held by requests"),
     "kv_num_blocks": ("tandem_kv_cache_num_blocks", "KV cache size in blocks"),
+    "kv_pool_reserved_bytes": ("tandem_kv_pool_reserved_bytes", "KV pool planned at start (bytes; host pages committed on first use)"),
+    "kv_pool_touched_bytes": ("tandem_kv_pool_touched_bytes", "KV pool blocks ever used (bytes): what the pool can hold resident"),
+    "kv_pool_used_bytes": ("tandem_kv_pool_used_bytes", "KV pool blocks held by requests now (bytes)"),
+    "kv_pool_retained_bytes": ("tandem_kv_pool_retained_bytes", "KV pool blocks kept by the prefix cache alone (bytes)"),
+    "kv_pool_resident_bytes": ("tandem_kv_pool_resident_bytes", "KV pool memory resident now (bytes, measured)"),
+    "prefix_cache_retained_blocks": ("tandem_prefix_cache_retained_blocks", "Cached blocks no request holds (evictable)"),
     "prefix_cache_queries": ("tandem_prefix_cache_queries", "Prompt blocks looked up in the prefix cache (cumulative)"),
     "prefix_cache_hits": ("tandem_prefix_cache_hits", "Prompt blocks found in the prefix cache (cumulative)"),
     "steps_scheduled_ahead": ("tandem_steps_scheduled_ahead", "Steps scheduled while the previous forward ran (cumulative)"),
@@ -112,6 +119,18 @@ def _flatten(stats: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, 
             yield key, float(v)
         elif isinstance(v, Mapping):
             yield from _flatten(v, f"{key}_")
+
+
+KV_POOL_KEYS = ("kv_pool_reserved_bytes", "kv_pool_touched_bytes", "kv_pool_used_bytes", "kv_pool_retained_bytes",
+                "kv_pool_resident_bytes", "prefix_cache_retained_blocks")
+
+
+def memory_detail(stats: Mapping[str, Any], core_pids: list[int]) -> dict[str, Any]:
+    """/health's memory detail: the KV pool's figures from the latest engine stats (summed over replicas) and the
+    resident memory of the HTTP process and of each engine core, in bytes."""
+    pool = {key.removeprefix("kv_pool_"): int(stats[key]) for key in KV_POOL_KEYS if key in stats}
+    cores = {str(pid): core_rss_bytes(pid) for pid in core_pids}
+    return {"kv_pool": pool, "rss_bytes": {"http": core_rss_bytes(os.getpid()), "engine_cores": cores}}
 
 
 def core_rss_bytes(pid: int | None) -> int | None:

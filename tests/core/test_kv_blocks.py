@@ -40,6 +40,30 @@ def test_allocate_and_free_returns_all_blocks() -> None:
     assert bm.num_free_blocks == 8 and bm.usage == 0.0
 
 
+def test_free_blocks_are_reused_lowest_first_so_the_touched_blocks_stay_at_the_peak() -> None:
+    """1,000 requests of 3 blocks, 4 at a time, no prefix cache: the blocks ever used stay the 12 of the peak (a FIFO
+    free list walked the whole pool: every page of a host KV cache committed in turn)."""
+    bm = BlockManager(num_blocks=1000, block_size=BS, enable_prefix_caching=False)
+    live: list[Request] = []
+    for i in range(1000):
+        req = make_request(f"r{i}", prefix(40, base=i))
+        assert bm.admit(req)
+        live.append(req)
+        if len(live) == 4:
+            bm.free(live.pop(0))
+        assert bm.num_used_blocks == 3 * len(live)
+    assert bm.num_touched == 12 and bm.num_retained_blocks == 0
+
+
+def test_retained_blocks_are_the_prefix_caches_own() -> None:
+    bm = BlockManager(num_blocks=16, block_size=BS)
+    req = make_request("a", prefix(40))
+    assert bm.admit(req)
+    compute_all(bm, req)
+    bm.free(req)
+    assert (bm.num_used_blocks, bm.num_retained_blocks, bm.num_touched) == (0, 2, 3)  # 2 full blocks kept, 3 written
+
+
 def test_admit_allocates_only_first_chunk_and_ensure_slots_grows() -> None:
     bm = BlockManager(num_blocks=8, block_size=BS)
     req = make_request("a", prefix(100))

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from tandem.config import CacheConfig, ConfigError, ModelConfig, SchedulerConfig
-from tandem.runner.memory import huge_page_zeros, resident_bytes
+from tandem.runner.memory import huge_page_zeros, resident_bytes, resident_range_bytes
 from tandem.runner.runner import kv_block_bytes, plan_kv_cache
 
 CFG = ModelConfig.from_hf({
@@ -36,6 +36,24 @@ def test_kv_cache_is_capped_by_the_memory_fraction(monkeypatch: pytest.MonkeyPat
     plan = plan_kv_cache(CFG, CacheConfig(memory_fraction=0.1), SchedulerConfig(max_num_seqs=64, max_model_len=4096),
                          torch.bfloat16, CPU)
     assert plan.num_blocks == 100 and "capped at memory_fraction 0.1" in plan.reason
+    half = plan_kv_cache(CFG, CacheConfig(memory_fraction=0.1, share=0.5), SchedulerConfig(max_num_seqs=64, max_model_len=4096),
+                         torch.bfloat16, CPU)
+    assert half.num_blocks == 50  # a data-parallel replica's share of the host
+
+
+def test_host_default_kv_pool_is_capped_at_4_gib(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a size or a fraction the host pool stops at HOST_KV_DEFAULT (vLLM's CPU default), however much memory
+    is free; an explicit fraction lifts it, and an accelerator keeps half of its free memory."""
+    import tandem.runner.runner as runner
+
+    monkeypatch.setattr(runner, "available_memory", lambda device: 64 << 30)
+    big = SchedulerConfig(max_num_seqs=8192, max_model_len=4096)  # 64 GiB of work
+    per_block = kv_block_bytes(CFG, 16, torch.bfloat16)
+    plan = plan_kv_cache(CFG, CacheConfig(), big, torch.bfloat16, CPU)
+    assert plan.num_blocks == runner.HOST_KV_DEFAULT // per_block and "host default 4.00 GiB" in plan.describe()
+    assert plan_kv_cache(CFG, CacheConfig(share=0.5), big, torch.bfloat16, CPU).num_blocks == plan.num_blocks // 2
+    assert plan_kv_cache(CFG, CacheConfig(memory_fraction=0.5), big, torch.bfloat16, CPU).num_blocks == (32 << 30) // per_block
+    assert plan_kv_cache(CFG, CacheConfig(), big, torch.bfloat16, torch.device("meta")).num_blocks == (32 << 30) // per_block
 
 
 def test_explicit_kv_size_wins() -> None:
@@ -57,6 +75,14 @@ def test_host_kv_memory_is_committed_where_written() -> None:
     touched, _ = resident_bytes()
     assert touched - before < 24 << 20
     assert cache.data_ptr() % (2 << 20) == 0
+
+
+def test_resident_bytes_of_a_host_kv_cache_follow_its_written_blocks() -> None:
+    cache = huge_page_zeros((2, 64, 8, 16, 128), torch.float32)  # 128 MiB, block-major: 64 KiB per block and K/V
+    assert resident_range_bytes(cache) == 0
+    cache[:, :8].fill_(1.0)  # 8 blocks of K and of V: 1 MiB written
+    measured = resident_range_bytes(cache)
+    assert measured is not None and 1 << 20 <= measured <= 4 << 20  # K's and V's part each at most one 2 MiB page
 
 
 def _write_model(folder: Path, layers: int = 4, hidden: int = 512, vocab: int = 8192) -> int:

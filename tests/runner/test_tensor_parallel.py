@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tandem import LLM, SamplingParams, StructuredOutputsParams
-from tandem.config import CacheConfig, ModelConfig, SchedulerConfig
+from tandem.config import CacheConfig, ConfigError, ModelConfig, SchedulerConfig
 from tandem.core.plan import ScheduledRequest, StepPlan
 from tandem.layers.parallel import TensorParallel, even_split
 from tandem.layers.quant import quantize_int8
@@ -135,6 +135,32 @@ def test_tp2_demo_model_structured_and_ngram_match_tp1(demo_model_dir: Path) -> 
     assert any(v > 0 for k, v in stats.items() if "draft" in k and isinstance(v, (int, float)))  # speculation ran
     if outs[0].outputs[0].finish_reason == "stop":  # finished inside the budget: the schema's JSON
         assert {"name", "age"} <= set(json.loads(outs[0].outputs[0].text))
+
+
+def test_more_ranks_than_kv_heads_replicate_each_kv_head() -> None:
+    """6 query heads over 2 kv heads at TP=4: ranks 0-1 hold kv head 0, ranks 2-3 kv head 1; each kv head's 3 query
+    heads are split 2 + 1 among its ranks; the query shards still rebuild q, the k shards repeat per replica."""
+    cfg = ModelConfig(family="llama", vocab_size=11, hidden_size=8, intermediate_size=6, num_layers=1, num_heads=6,
+                      num_kv_heads=2, head_dim=4)
+    ranks = [TensorParallel(r, 4) for r in range(4)]
+    assert [tp.kv_heads(cfg) for tp in ranks] == [(0, 1), (0, 1), (1, 2), (1, 2)]
+    assert [tp.q_heads(cfg) for tp in ranks] == [(0, 2), (2, 3), (3, 5), (5, 6)]
+    assert {tp.shard_config(cfg).num_kv_heads for tp in ranks} == {1}
+    q, k = torch.randn(24, 8), torch.randn(8, 8)
+    assert torch.equal(torch.cat([WeightShard(cfg, tp).cut("l.q_proj.weight", q) for tp in ranks]), q)  # type: ignore[list-item]
+    ks = [WeightShard(cfg, tp).cut("l.k_proj.weight", k) for tp in ranks]
+    assert torch.equal(ks[0], k[:4]) and torch.equal(ks[1], k[:4]) and torch.equal(ks[3], k[4:])  # type: ignore[arg-type]
+    for bad in (3, 8):  # not a multiple of the kv heads; more ranks than query heads
+        with pytest.raises(ConfigError, match="kv heads"):
+            TensorParallel(0, bad).kv_heads(cfg)
+
+
+def test_tp4_with_2_kv_heads_matches_tp1(tmp_path: Path) -> None:
+    """kv-head replication end to end: 4 ranks over gloo, 6 query heads on 2 kv heads (uneven query split), biases."""
+    model = tiny_model("llama", attention_bias=True, num_attention_heads=6, num_key_value_heads=2, hidden_size=48)
+    folder = str(save_tiny(tmp_path / "tiny-gqa", model))
+    one = _tokens(folder, 1, PROMPTS, GREEDY)
+    assert _tokens(folder, 4, PROMPTS, GREEDY) == one
 
 
 def test_tp2_on_a_local_ray_cluster_matches_tp1(tmp_path: Path) -> None:

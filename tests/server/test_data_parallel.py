@@ -62,7 +62,7 @@ def test_prefix_key_only_for_prompts_long_enough_to_share() -> None:
 def test_replicas_split_the_cores() -> None:
     cores = sorted(os.sched_getaffinity(0))
     kws = replica_kwargs({"device": "cpu", "memory_fraction": 0.6}, 2)
-    assert [kw["memory_fraction"] for kw in kws] == [0.3, 0.3]  # the host's memory is shared too
+    assert [kw["kv_share"] for kw in kws] == [0.5, 0.5]  # the host's memory (and its default KV pool) is shared too
     if len(cores) >= 2:
         assert sorted(c for kw in kws for c in kw["cpu_cores"]) == cores
     assert [kw["device"] for kw in replica_kwargs({"device": "cuda", "tensor_parallel_size": 2}, 2)] == ["cuda:0", "cuda:2"]

@@ -307,6 +307,22 @@ def test_32_concurrent_streams_all_complete(server: Server) -> None:
 
 
 @demo
+def test_kv_pool_figures_in_metrics_and_health(server: Server) -> None:
+    """The pool's reserved / touched / used / retained / resident bytes agree with its 160 blocks: idle, nothing is
+    used, the prefix cache retains what the earlier requests left, and what was touched is at most what is reserved."""
+    chat(server, "Count to three.", max_tokens=4, temperature=0)
+    m = _wait_idle(server)
+    reserved = m["tandem_kv_pool_reserved_bytes"]
+    assert reserved > 0 and m["tandem_kv_cache_num_blocks"] == 160 and m["tandem_kv_pool_used_bytes"] == 0
+    assert 0 < m["tandem_kv_pool_retained_bytes"] <= m["tandem_kv_pool_touched_bytes"] <= reserved
+    assert m["tandem_prefix_cache_retained_blocks"] * reserved / 160 == m["tandem_kv_pool_retained_bytes"]
+    assert 0 < m["tandem_kv_pool_resident_bytes"] <= m["tandem_engine_kv_cache_bytes"]  # measured: the pages written
+    memory = httpx.get(f"{server.url}/health").json()["memory"]
+    assert memory["kv_pool"]["reserved_bytes"] == reserved and memory["kv_pool"]["used_bytes"] == 0
+    assert memory["rss_bytes"]["http"] > 0 and all(v > 0 for v in memory["rss_bytes"]["engine_cores"].values())
+
+
+@demo
 def test_metrics_parse_and_count(server: Server) -> None:
     """The counters move by exactly the traffic this test sends (whatever other tests sent before it)."""
     ok, missing = "tandem_requests_total{endpoint=/v1/chat/completions,status=200}", "tandem_requests_total{endpoint=/v1/chat/completions,status=404}"

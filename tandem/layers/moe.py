@@ -1,0 +1,82 @@
+"""Mixture-of-experts MLP: a router picks k experts per token; each expert a step needs runs once, over all its tokens.
+
+Routing, as transformers computes it for Qwen3-MoE and Mixtral: logits = router(h) in the model dtype, a float32
+softmax over every expert, the top k kept (`torch.topk`'s order), renormalized to sum to 1 where the family does
+(`norm_topk_prob`), then cast to the model dtype. An expert is the dense MLP's shape, down(silu(gate(x)) * up(x)), with
+gate and up fused into one projection, so every expert is a `Projection` of the existing kernels (the bf16 GEMM,
+quantized blocks kept as stored, AMX where the plan chose it) and keeps their promise: a row's result does not depend on
+the other rows beside it. A step's (token, expert) pairs are sorted by expert: an expert no token chose is never read,
+one chosen by several tokens of a batch (prefill, batched decode, verification) is read once for all of them, so decode
+at batch 1 streams only k experts' weights per layer. The outputs are summed expert by expert in ascending expert
+order, each scaled by its routing weight (the order transformers adds them in).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from tandem.layers.linear import Projection
+
+
+@dataclass
+class Expert:
+    gate_up: Projection  # [n, hidden] -> [n, 2 I]
+    down: Projection  # [n, I] -> [n, hidden]
+
+    @property
+    def nbytes(self) -> int:
+        return self.gate_up.nbytes + self.down.nbytes
+
+
+class MoeMlp:
+    """One layer's experts and router. Call with the step's normed hidden states and the ops' silu_mul."""
+
+    def __init__(self, router: Projection, experts: list[Expert], top_k: int, renormalize: bool) -> None:
+        if not 0 < top_k <= len(experts):
+            raise ValueError(f"top_k must be in [1, {len(experts)}], got {top_k}")
+        self.router = router  # [T, hidden] -> [T, E]
+        self.experts = experts
+        self.top_k = top_k
+        self.renormalize = renormalize
+
+    @property
+    def nbytes(self) -> int:
+        return self.router.nbytes + sum(e.nbytes for e in self.experts)
+
+    @property
+    def active_params(self) -> int:
+        """Parameters multiplied per token: the router and k experts."""
+        e = self.experts[0]
+        per_expert = e.gate_up.out_features * e.gate_up.in_features + e.down.out_features * e.down.in_features
+        return self.router.out_features * self.router.in_features + self.top_k * per_expert
+
+    def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """h [T, hidden] -> (weights [T, k] in h's dtype, expert ids [T, k] int64)."""
+        logits = self.router(h)  # [T, E] in the model dtype
+        probs = torch.softmax(logits.float(), dim=-1)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(logits.dtype), ids
+
+    def __call__(self, h: torch.Tensor, silu_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """h [T, hidden] (model dtype) -> the weighted sum of each token's k experts [T, hidden] (model dtype)."""
+        weights, ids = self.route(h)
+        flat = ids.reshape(-1)  # [T k]: pair p is token p // k's (p % k)-th choice
+        order = torch.argsort(flat, stable=True)  # pairs grouped by expert, ascending
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        tokens = order // self.top_k  # [T k] the token of each sorted pair
+        scale = weights.reshape(-1)[order]  # [T k]
+        out = torch.zeros_like(h)
+        start = 0
+        for expert, n in zip(self.experts, counts):
+            if n == 0:
+                continue
+            rows = tokens[start : start + n]  # [n]
+            y = expert.down(silu_mul(expert.gate_up(h[rows])))  # [n, hidden]
+            out.index_add_(0, rows, y * scale[start : start + n, None])
+            start += n
+        return out

@@ -1,0 +1,198 @@
+"""Mixtures of experts (Qwen3-MoE, Mixtral) against transformers on tiny random-weight checkpoints: logits of a
+prefill, a chunk over the cache and decodes; one step holding requests that route to different experts; greedy
+generation through the engine, also with n-gram speculation and a grammar, and over 2 tensor-parallel ranks;
+each active expert read once per step."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+
+from tandem import LLM, SamplingParams, StructuredOutputsParams
+from tandem.config import CacheConfig, ModelConfig, SchedulerConfig
+from tandem.core.plan import ScheduledRequest, StepPlan
+from tandem.layers.linear import DenseProjection
+from tandem.layers.moe import Expert, MoeMlp
+from tandem.models.loader import load_checkpoint
+from tandem.runner.runner import ModelRunner
+from tests.tiny import perturb_norms, save_tiny
+
+TINY: dict[str, Any] = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                            num_key_value_heads=2, max_position_embeddings=256)
+
+
+def _tiny_moe(arch: str) -> transformers.PreTrainedModel:
+    torch.manual_seed(0)
+    if arch == "qwen3-moe":  # the real model's routing: top 2 of 8, renormalized
+        cfg: Any = transformers.Qwen3MoeConfig(**TINY, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                                               moe_intermediate_size=32, norm_topk_prob=True)
+        model: transformers.PreTrainedModel = transformers.Qwen3MoeForCausalLM(cfg)
+    elif arch == "qwen3-moe-mixed":  # layer 1 dense (mlp_only_layers), raw top-3 softmax weights
+        cfg = transformers.Qwen3MoeConfig(**TINY, head_dim=16, num_experts=6, num_experts_per_tok=3, moe_intermediate_size=24,
+                                          norm_topk_prob=False, mlp_only_layers=[1])
+        model = transformers.Qwen3MoeForCausalLM(cfg)
+    elif arch == "mixtral":
+        model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**TINY, num_local_experts=4, num_experts_per_tok=2))
+    else:
+        raise AssertionError(arch)
+    return perturb_norms(model)
+
+
+def _runner(folder: Path, kernels: bool, blocks: int = 64) -> ModelRunner:
+    ckpt = load_checkpoint(folder, torch.float32, progress=False)
+    return ModelRunner(ckpt.config, ckpt.weights, torch.float32, "cpu", CacheConfig(block_size=4, num_blocks=blocks),
+                       SchedulerConfig(max_model_len=64), use_kernels=kernels)
+
+
+def test_configs_name_their_experts(tmp_path: Path) -> None:
+    for arch, layers, names in [("qwen3-moe", (0, 1, 2), "qwen"), ("qwen3-moe-mixed", (0, 2), "qwen"), ("mixtral", (0, 1, 2), "mixtral")]:
+        cfg = ModelConfig.from_hf(_tiny_moe(arch).config.to_dict())
+        assert cfg.is_moe and cfg.moe_layers == layers and cfg.expert_names == names
+    assert not ModelConfig.from_hf(transformers.Qwen3Config(**TINY).to_dict()).is_moe
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["tandem-cpu-kernels", "torch-ops"])
+@pytest.mark.parametrize("arch", ["qwen3-moe", "qwen3-moe-mixed", "mixtral"])
+def test_logits_match_transformers(arch: str, kernels: bool, tmp_path: Path) -> None:
+    """30 positions: a prefill chunk, a chunk over the cache, decodes (one token: only k experts run)."""
+    ref = _tiny_moe(arch)
+    ref.save_pretrained(tmp_path, safe_serialization=True)
+    runner = _runner(tmp_path, kernels)
+    ids = torch.randint(0, 128, (1, 30), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = ref(ids).logits[0]  # [30, V]
+    table, tok = list(range(8)), ids[0].tolist()
+    got = [runner.execute(StepPlan(0, [ScheduledRequest("a", tok[:11], 0, table, all_logits=True)])),
+           runner.execute(StepPlan(1, [ScheduledRequest("a", tok[11:27], 11, table, all_logits=True)]))]
+    for p in range(27, 30):
+        got.append(runner.execute(StepPlan(2, [ScheduledRequest("a", [tok[p]], p, table)])))
+    torch.testing.assert_close(torch.cat(got), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["qwen3-moe", "mixtral"])
+def test_a_mixed_batch_routes_each_request_as_alone(arch: str, tmp_path: Path) -> None:
+    """A prefill, two decodes and a 4-token verify chunk in one step, their tokens spread over the experts: each
+    row's logits are transformers' for that sequence alone."""
+    ref = _tiny_moe(arch)
+    ref.save_pretrained(tmp_path, safe_serialization=True)
+    runner = _runner(tmp_path, kernels=True)
+    g = torch.Generator().manual_seed(2)
+    seqs = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (9, 14, 21, 12)]
+    tables = [list(range(i * 8, i * 8 + 8)) for i in range(4)]
+    with torch.no_grad():
+        expected = [ref(torch.tensor([s])).logits[0] for s in seqs]
+    first = [ScheduledRequest(f"r{i}", s[:-4], 0, tables[i]) for i, s in enumerate(seqs[1:], 1)]
+    runner.execute(StepPlan(0, first))
+    step = [ScheduledRequest("r0", seqs[0], 0, tables[0]),  # prefill: last row
+            ScheduledRequest("r1", [seqs[1][-4]], len(seqs[1]) - 4, tables[1]),
+            ScheduledRequest("r2", [seqs[2][-4]], len(seqs[2]) - 4, tables[2]),
+            ScheduledRequest("r3", seqs[3][-4:], len(seqs[3]) - 4, tables[3], 3)]  # verify: 4 rows
+    got = runner.execute(StepPlan(1, step))
+    want = torch.cat([expected[0][-1:], expected[1][-4:-3], expected[2][-4:-3], expected[3][-4:]])
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    moe = runner.model.layers[0].moe
+    assert moe is not None and len(set(moe.route(torch.randn(64, 64))[1].flatten().tolist())) > 2  # routes spread
+
+
+class _Counting(DenseProjection):
+    calls: list[int]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.append(x.shape[0])
+        return super().__call__(x)
+
+
+def test_each_chosen_expert_runs_once_per_step_and_the_others_never() -> None:
+    torch.manual_seed(3)
+    experts, calls = [], []
+    for _ in range(6):
+        up = _Counting(torch.randn(16, 8), None)
+        up.calls = []
+        calls.append(up.calls)
+        experts.append(Expert(up, DenseProjection(torch.randn(8, 8), None)))
+    moe = MoeMlp(DenseProjection(torch.randn(6, 8), None), experts, top_k=2, renormalize=True)
+    h = torch.randn(5, 8)
+    weights, ids = moe.route(h)
+    out = moe(h, lambda x: torch.nn.functional.silu(x[:, :8]) * x[:, 8:])
+    chosen = set(ids.flatten().tolist())
+    assert all((len(c) == 1) == (e in chosen) for e, c in enumerate(calls))  # once, or never
+    assert sum(c[0] for c in calls if c) == 10  # every (token, expert) pair once
+    ref = torch.zeros_like(h)
+    for t in range(5):  # token by token, expert by expert
+        for w, e in zip(weights[t], ids[t]):
+            x = experts[int(e)].gate_up(h[t : t + 1])
+            ref[t] += w * experts[int(e)].down(torch.nn.functional.silu(x[:, :8]) * x[:, 8:])[0]
+    torch.testing.assert_close(out, ref)
+    assert torch.allclose(weights.sum(-1), torch.ones(5))
+
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+PROMPTS = ["t1 t2 t3 t4 t1 t2 t3 t4 t1 t2", "t5 t9 t20 t30 t31 t40", "t7"]
+
+
+def _generate(folder: str, prompts: list[str], params: SamplingParams | list[SamplingParams], **kw: Any) -> list[list[int]]:
+    llm = LLM(folder, dtype="float32", kv_cache_memory=4 << 20, progress=False, **kw)
+    try:
+        return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe_folder(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(save_tiny(tmp_path_factory.mktemp("tiny-qwen3-moe"), _tiny_moe("qwen3-moe")))
+
+
+def test_engine_greedy_equals_transformers_generate(qwen3_moe_folder: str) -> None:
+    ref = transformers.AutoModelForCausalLM.from_pretrained(qwen3_moe_folder, dtype=torch.float32)
+    tok = transformers.AutoTokenizer.from_pretrained(qwen3_moe_folder)
+    want = []
+    for p in PROMPTS:
+        ids = tok(p, return_tensors="pt").input_ids
+        out = ref.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False)
+        want.append(out[0, ids.shape[1]:].tolist())
+    assert _generate(qwen3_moe_folder, PROMPTS, GREEDY) == want
+
+
+def test_speculation_and_tensor_parallel_keep_the_tokens(qwen3_moe_folder: str) -> None:
+    """n-gram drafts verified, and 2 ranks (each a slice of every expert): the plain engine's greedy tokens."""
+    plain = _generate(qwen3_moe_folder, PROMPTS, GREEDY)
+    assert _generate(qwen3_moe_folder, PROMPTS, GREEDY, speculative_config={"method": "ngram", "num_speculative_tokens": 3}) == plain
+    assert _generate(qwen3_moe_folder, PROMPTS, GREEDY, tensor_parallel_size=2) == plain
+
+
+def test_json_schema_on_a_moe_model_over_the_gpt2_vocabulary(tmp_path: Path, shared_data: Path) -> None:
+    """A random Qwen3-MoE over GPT-2's real vocabulary (its logits noise, the grammar does the work): the answer is
+    the schema's JSON, and the same with n-gram drafts (lossless: identical tokens)."""
+    import shutil
+
+    from tandem.tokenizer import Tokenizer
+
+    for name in ("vocab.json", "merges.txt"):
+        shutil.copy(shared_data / "tokenizers" / "gpt2" / name, tmp_path / name)
+    tok = Tokenizer.from_path(tmp_path).hf
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3MoeConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, head_dim=8,
+                                      num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                                      moe_intermediate_size=16, max_position_embeddings=512, eos_token_id=tok.eos_token_id)
+    transformers.Qwen3MoeForCausalLM(cfg).save_pretrained(tmp_path, safe_serialization=True)
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    p = SamplingParams(max_tokens=60, temperature=0.0, structured_outputs=StructuredOutputsParams(json=schema))
+    outs = []
+    for spec in (None, {"method": "ngram", "num_speculative_tokens": 3}):
+        llm = LLM(str(tmp_path), dtype="float32", kv_cache_memory=16 << 20, max_model_len=512, progress=False, speculative_config=spec)
+        try:
+            outs.append(llm.generate(["My record:"], p, use_tqdm=False)[0].outputs[0])
+        finally:
+            llm.shutdown()
+    assert outs[0].token_ids == outs[1].token_ids
+    if outs[0].finish_reason == "stop":
+        assert set(json.loads(outs[0].text)) == {"name", "age"}
+    else:  # cut by max_tokens inside the JSON: still a prefix of one
+        assert outs[0].finish_reason == "length" and outs[0].text.startswith("{")
