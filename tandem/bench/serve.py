@@ -45,6 +45,7 @@ from tandem.bench.load import (
     httpx,
     percentile,
     process_rss_bytes,
+    process_tree,
     send_one,
 )
 from tandem.bench.schemas import distinct_schemas
@@ -154,23 +155,9 @@ RssSample = tuple[float, dict[str, int]]  # (seconds since start, {"http" | "eng
 
 def tree_rss_bytes(pid: int) -> int | None:
     """VmRSS of `pid` plus its descendants (Linux /proc), or None when `pid` is gone."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            stat = Path(f"/proc/{entry}/stat").read_text()
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            children.setdefault(ppid, []).append(int(entry))
-    total, todo, found = 0, [pid], False
-    while todo:
-        p = todo.pop()
-        rss = process_rss_bytes(p)
-        if rss is not None:
-            total += rss
-            found = found or p == pid
-        todo.extend(children.get(p, []))
-    return total if found else None
+    if process_rss_bytes(pid) is None:
+        return None
+    return sum(process_rss_bytes(p) or 0 for p in process_tree(pid))
 
 
 def proc_rss_sample(http_pid: int, core_pid: int | None) -> dict[str, int] | None:

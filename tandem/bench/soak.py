@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from tandem.bench.load import (
     httpx,
     percentile,
     process_rss_bytes,
+    process_tree,
     send_one,
 )
 from tandem.bench.schemas import describe, distinct_schemas
@@ -80,22 +80,6 @@ def soak_workload(n: int, functions: Sequence[dict[str, Any]], max_tokens: int, 
 
 
 # ------------------------------------------------------------------------------------------------------ sampling
-def process_tree(pid: int) -> list[int]:
-    """`pid` and its descendants (Linux /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError, ValueError, IndexError):
-                ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
-                children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo.extend(children.get(p, []))
-    return out
-
-
 def tree_rss(http_pid: int, core_pid: int | None) -> dict[str, int]:
     """RSS by process: "http", "engine_core", "others" (workers, helpers), and their "total"."""
     rss = {"http": 0, "engine_core": 0, "others": 0}
