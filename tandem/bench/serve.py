@@ -464,6 +464,10 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     """Run the load (launching the server first with --launch); print the report; exit 1 when every request failed."""
     if not 0.0 <= args.json_share + args.copy_share + args.tool_share <= 1.0:
         raise SystemExit("--json-share + --copy-share + --tool-share must be within [0, 1]")
+    if args.soak is not None and args.soak < 1:
+        raise SystemExit(f"--soak must be >= 1 requests, got {args.soak}")
+    if args.soak_mark is not None and not (args.soak and 1 <= args.soak_mark <= args.soak):
+        raise SystemExit(f"--soak-mark must be within [1, --soak], got {args.soak_mark}")
     if args.distinct_schemas < 0:
         raise SystemExit(f"--distinct-schemas must be >= 0 (0: one shared schema), got {args.distinct_schemas}")
     if args.kill_core_after is not None and args.kill_core_after < 0:

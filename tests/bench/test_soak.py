@@ -27,6 +27,16 @@ def test_every_soak_request_is_distinct() -> None:
     assert len(schemas) == 200 and len(tools) == 100
 
 
+def test_bad_soak_sizes_are_refused() -> None:
+    from tandem.bench.serve import run_bench_serve
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    for argv, msg in ((["--soak", "0"], "--soak must be"), (["--soak", "10", "--soak-mark", "11"], "--soak-mark must be")):
+        with pytest.raises(SystemExit, match=msg):
+            run_bench_serve(p.parse_args(argv))
+
+
 def _sample(t: float, done: int, total_mb: int, resident_mb: int) -> SoakSample:
     mb = 2**20
     return SoakSample(t, done, {"total": total_mb * mb, "engine_core": (total_mb - 300) * mb, "http": 300 * mb},

@@ -14,7 +14,7 @@ import torch
 import transformers
 
 from tandem import LLM, SamplingParams, StructuredOutputsParams
-from tandem.config import CacheConfig, ModelConfig, SchedulerConfig
+from tandem.config import CacheConfig, ConfigError, ModelConfig, SchedulerConfig
 from tandem.core.plan import ScheduledRequest, StepPlan
 from tandem.layers.linear import DenseProjection
 from tandem.layers.moe import Expert, MoeMlp
@@ -54,6 +54,9 @@ def test_configs_name_their_experts(tmp_path: Path) -> None:
         cfg = ModelConfig.from_hf(_tiny_moe(arch).config.to_dict())
         assert cfg.is_moe and cfg.moe_layers == layers and cfg.expert_names == names
     assert not ModelConfig.from_hf(transformers.Qwen3Config(**TINY).to_dict()).is_moe
+    bad = {**_tiny_moe("mixtral").config.to_dict(), "num_experts_per_tok": 9}
+    with pytest.raises(ConfigError, match="num_experts_per_tok"):
+        ModelConfig.from_hf(bad)
 
 
 @pytest.mark.parametrize("kernels", [True, False], ids=["tandem-cpu-kernels", "torch-ops"])
