@@ -235,6 +235,71 @@ def _llama_cpp_generate(
     return res
 
 
+def llama_cpp_batched(
+    gguf_path: Path, prompts: Sequence[list[int]], max_tokens: int, threads: int, name: str = "llama.cpp -np N",
+) -> tuple[RunResult, list[list[int]]]:
+    """llama.cpp serving all `prompts` at once as `llama-server -np N` does (N = len(prompts)): one context with N
+    sequences, their prompts prefilled together in 512-token batches, then one llama_decode a step holding every
+    sequence's next token; greedy, fixed lengths (EOS ignored); in its own process. Returns the figures and each
+    prompt's tokens."""
+    return in_subprocess(_llama_cpp_batched, gguf_path, [list(p) for p in prompts], max_tokens, threads, name)
+
+
+def _llama_cpp_batched(
+    gguf_path: Path, prompts: list[list[int]], max_tokens: int, threads: int, name: str
+) -> tuple[RunResult, list[list[int]]]:
+    import llama_cpp as lc
+
+    from tandem.runner.memory import resident_bytes
+
+    before, _ = resident_bytes()
+    lc.llama_backend_init()
+    model = lc.llama_model_load_from_file(str(gguf_path).encode(), lc.llama_model_default_params())
+    n, per_seq = len(prompts), max(len(p) for p in prompts) + max_tokens + 8
+    cp = lc.llama_context_default_params()
+    cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = n * per_seq, 512, 512, n
+    cp.n_threads = cp.n_threads_batch = threads
+    ctx = lc.llama_init_from_model(model, cp)
+    vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(model))
+    batch = lc.llama_batch_init(512, 0, 1)
+    after, _ = resident_bytes()
+
+    def decode(items: list[tuple[int, int, int, bool]]) -> list[int]:
+        """(token, position, sequence, wants logits) per row -> the greedy next token of each row that wants one."""
+        batch.n_tokens = len(items)
+        for i, (tok, pos, seq, logits) in enumerate(items):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = tok, pos, 1, logits
+            batch.seq_id[i][0] = seq
+        if lc.llama_decode(ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed")
+        return [int(np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, i), shape=(vocab,)).argmax())
+                for i, item in enumerate(items) if item[3]]
+
+    res = RunResult(name, n, 0, 0.0)
+    t0 = time.perf_counter()
+    rows = [(t, pos, s, pos == len(p) - 1) for s, p in enumerate(prompts) for pos, t in enumerate(p)]
+    nexts: list[int] = []
+    for c in range(0, len(rows), 512):
+        nexts += decode(rows[c : c + 512])
+    first = time.perf_counter()
+    res.ttft_s = [first - t0] * n
+    outputs = [[t] for t in nexts]
+    for step in range(1, max_tokens):
+        nexts = decode([(t, len(p) + step - 1, s, True) for s, (t, p) in enumerate(zip(nexts, prompts))])
+        for out, t in zip(outputs, nexts):
+            out.append(t)
+    res.wall_s = time.perf_counter() - t0
+    res.output_tokens = n * max_tokens
+    res.tpot_s = [(res.wall_s - (first - t0)) / max(1, max_tokens - 1)] * n
+    _, peak = resident_bytes()
+    res.extra = {"rss_load_mib": round(after / 2**20), "rss_peak_mib": round(peak / 2**20),
+                 "model_mib": round((after - before) / 2**20)}
+    lc.llama_batch_free(batch)
+    lc.llama_free(ctx)
+    lc.llama_model_free(model)
+    return res, outputs
+
+
 def hf_structured(engine, prompts: Sequence[list[int]], schema: dict | None, max_tokens: int) -> RunResult:  # type: ignore[no-untyped-def,type-arg]
     """HF `generate` with xgrammar's logits processor (the usual way to guide transformers), batch 1, greedy."""
     import json

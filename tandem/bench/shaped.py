@@ -45,7 +45,7 @@ def run_format(
     args: argparse.Namespace, fmt: str, levels: list[int], prompts: list[list[list[int]]], threads: int,
     peaks: dict[str, float], engine_kw: dict[str, Any],
 ) -> list[dict[str, Any]]:
-    from tandem.bench.peers import in_subprocess, llama_cpp_available, llama_cpp_generate
+    from tandem.bench.peers import in_subprocess, llama_cpp_available, llama_cpp_batched, llama_cpp_generate
     from tandem.models.gguf_writer import shaped_model
 
     path = shaped_model(args.shape, "hf" if fmt.startswith("hf") else fmt)
@@ -60,8 +60,11 @@ def run_format(
         tres.extra.update(runs["memory"])
         tres.extra["matmul_frac"] = round(matmul_rate(runs["params"], prompt_set, tres) / (peaks[kind] * 1e9), 3)
         rows = [tres]
-        if "llama.cpp" in args.peers and level == 1 and llama_cpp_available():
-            rows.append(llama_cpp_generate(peer_path, prompt_set, args.output_len, True, threads, ()))
+        if "llama.cpp" in args.peers and llama_cpp_available():
+            if level == 1:
+                rows.append(llama_cpp_generate(peer_path, prompt_set, args.output_len, True, threads, ()))
+            elif len(prompt_set) == level:  # all at once, as llama-server -np <level> serves them
+                rows.append(llama_cpp_batched(peer_path, prompt_set, args.output_len, threads, f"llama.cpp -np {level}")[0])
         for r in rows:
             row = {"model": f"{args.shape} {fmt}", "concurrency": level, **r.row()}
             row["vs_tandem"] = round(tres.tok_per_s / r.tok_per_s, 2) if r.tok_per_s else None

@@ -69,6 +69,12 @@ def add_parser(bsub: Any) -> None:
     p.add_argument("--distinct-schemas", type=int, default=0, metavar="N",
                    help="instead: N distinct schemas per backend, submitted at once, cold then warm, vs text at equal lengths")
     p.add_argument("--backends", default="auto,llguidance,xgrammar", help="with --distinct-schemas")
+    p.add_argument("--input-len", type=int, default=0, metavar="N",
+                   help="with --distinct-schemas: each prompt carries ~N tokens of context before its request")
+    p.add_argument("--solo", type=int, default=8, metavar="N",
+                   help="with --distinct-schemas: the batch-1 row's number of schemas (0: no batch-1 row)")
+    p.add_argument("--answer-records", type=int, default=0, metavar="N",
+                   help="with --distinct-schemas: each schema asks for a list of at least N of its records (long answers)")
     p.add_argument("--crossover", action="store_true", help="only the backend crossover table (compile vs fill costs)")
     p.add_argument("--think-budget", type=int, default=None, metavar="N",
                    help="a reasoning model's traffic: each prompt opens a think block, every request (guided or not) "
@@ -105,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     counts = (counts + [counts[-1]] * len(levels))[: len(levels)]
     kw = engine_kwargs(args)
     kw["max_num_seqs"] = max(max(levels), kw["max_num_seqs"])
-    kw["max_model_len"] = kw["max_model_len"] or 2048
+    kw["max_model_len"] = kw["max_model_len"] or max(2048, args.input_len + args.output_len + 256)
     if args.think_budget is not None:
         kw["reasoning_parser"] = kw.get("reasoning_parser") or "generic"
     engine = build_engine(args.model, **kw)
@@ -246,9 +252,10 @@ def run_distinct(engine: LLMEngine, args: argparse.Namespace, levels: list[int])
     for b, backend in enumerate(args.backends.split(",")):
         schemas = distinct_schemas(n, seed=7 + 1000 * b)  # new schemas per backend: its first run is cold
         for phase in ("cold", "warm"):
-            rows.append(_distinct_row(engine, schemas, backend, phase, max(levels), args.output_len))
-        solo = distinct_schemas(8, seed=99 + 1000 * b)
-        rows.append(_distinct_row(engine, solo, backend, "batch 1 (cold)", 1, args.output_len))
+            rows.append(_distinct_row(engine, schemas, backend, phase, max(levels), args))
+        if args.solo:
+            solo = distinct_schemas(args.solo, seed=99 + 1000 * b)
+            rows.append(_distinct_row(engine, solo, backend, "batch 1 (cold)", 1, args))
         print_table(rows[-3:])
     print()
     print_table(rows, title=f"tandem bench structured --distinct-schemas {n} (ratio = guided / text tok/s, equal lengths)")
@@ -258,11 +265,38 @@ def run_distinct(engine: LLMEngine, args: argparse.Namespace, levels: list[int])
     return 0
 
 
+def _long_form(schema: dict[str, Any], records: int) -> dict[str, Any]:
+    """`schema` as a list of at least `records` of its records (an answer that runs long, the grammar throughout)."""
+    if records <= 0:
+        return schema
+    return {"type": "object", "title": schema.get("title", "records"), "required": ["records"],
+            "properties": {"records": {"type": "array", "items": schema, "minItems": records}}}
+
+
+def _context(engine: LLMEngine, n_tokens: int, seed: int) -> str:
+    """About `n_tokens` of real prompt text (MT-Bench, HumanEval and GSM8K, rotated by `seed`) to put before a request."""
+    if n_tokens <= 0:
+        return ""
+    texts = load_prompts("mixed", 240)
+    out: list[str] = []
+    used = 0
+    for i in range(len(texts)):
+        text = texts[(seed * 7 + i) % len(texts)]
+        used += len(engine.tokenizer.encode(text, add_special_tokens=False))
+        out.append(text)
+        if used >= n_tokens:
+            break
+    return "Context:\n" + "\n\n".join(out) + "\n\nTask: "
+
+
 def _distinct_row(
-    engine: LLMEngine, schemas: list[dict[str, Any]], backend: str, phase: str, concurrency: int, out_len: int
+    engine: LLMEngine, schemas: list[dict[str, Any]], backend: str, phase: str, concurrency: int, args: argparse.Namespace
 ) -> dict[str, Any]:
-    tok = engine.tokenizer
-    prompts = [tok.apply_chat_template([{"role": "user", "content": describe(s)}]) for s in schemas]
+    tok, out_len = engine.tokenizer, args.output_len
+    many = f" Give at least {args.answer_records} of them as a list under \"records\"." if args.answer_records else ""
+    prompts = [tok.apply_chat_template([{"role": "user", "content": _context(engine, args.input_len, i) + describe(s) + many}])
+               for i, s in enumerate(schemas)]
+    schemas = [_long_form(s, args.answer_records) for s in schemas]
     guided = [SamplingParams(temperature=0.0, max_tokens=out_len,
                              structured_outputs=StructuredOutputsParams(json=s, backend=backend)) for s in schemas]
     # the prompts' prefixes cached first (untimed), so neither run below pays prefills the other skips
@@ -273,6 +307,7 @@ def _distinct_row(
     outs: dict[int, Any] = {}
     res = drive(engine, prompts, guided, concurrency, f"g-{backend}-{phase}",
                 on_output=lambda o: outs.__setitem__(int(o.request_id.rsplit("-", 1)[1]), o))
+    mid = engine.get_stats()
     lengths = {i: len(o.outputs[0].token_ids) for i, o in outs.items() if o.outputs[0].finish_reason != "error"}
     failed = [o.error for o in outs.values() if o.outputs[0].finish_reason == "error"] + res.refused
     text = [SamplingParams(temperature=0.0, max_tokens=lengths[i], min_tokens=lengths[i], ignore_eos=True) for i in sorted(lengths)]
@@ -287,6 +322,11 @@ def _distinct_row(
         row[f"served {b}"] = int(served1.get(f"grammar_served_{b}", 0) - served0.get(f"grammar_served_{b}", 0))
         if new:
             row[f"compile ms {b} p50/p99"] = f"{1e3 * percentile(new, 50):.1f}/{1e3 * percentile(new, 99):.1f}"
+    # the guided run's steps: host time the forward waited for grammar work, mask fills, the forward itself
+    steps = max(1, int(mid["num_steps"] - served0["num_steps"]))
+    for key, name in (("grammar_exposed_s", "exposed ms/step"), ("grammar_mask_fill_s", "fill ms/step"),
+                      ("forward_s", "forward ms/step"), ("sample_s", "sample ms/step")):
+        row[name] = round(1e3 * (mid.get(key, 0) - served0.get(key, 0)) / steps, 2)
     # guided rows sampled without a mask fill (unmasked greedy rows), argmaxes the grammar rejected, masks refilled
     for key, name in (("guided_tokens", "guided tokens"), ("guided_unmasked_rows", "unmasked rows"),
                       ("guided_unmasked_rejected", "rejected"), ("guided_refills", "refilled")):

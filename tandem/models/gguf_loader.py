@@ -6,6 +6,12 @@ tandem's kernels run (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) stay in th
 F32 / F16 / BF16 ones become dense tensors in the load dtype, and any other quantized type is dequantized with
 `gguf.quants.dequantize`. `quantization="none"` dequantizes everything (`WeightStore.stored`).
 
+Mixtures of experts (`qwen3moe`; `llama` with `expert_count`, i.e. Mixtral): each layer's experts are stored as one
+3-D tensor per projection (`ffn_gate_exps` / `ffn_up_exps` / `ffn_down_exps`, [E, rows, cols] in HF order, experts
+one after another), which is split here into E per-expert entries at their byte offsets, each read (and kept in its
+blocks) on its own; the router `ffn_gate_inp` is F32 (llama.cpp never quantizes it). Older Mixtral files with one
+tensor per expert (`ffn_gate.E`) load too.
+
 llama.cpp's converter permutes the rows of `attn_q` / `attn_k` for the `llama` architecture (HF rotate-half pairs
 (i, i + D/2) -> interleaved pairs (2i, 2i+1)); we undo it so weights match HF's layout. Qwen2/Qwen3 GGUFs are not
 permuted (llama.cpp runs them with NeoX-style rotary, which is HF's layout).
@@ -32,6 +38,7 @@ from tandem.models.checkpoint import (
     WeightStore,
     file_cache_key,
     interleaved_to_rotate_half,
+    moe_weight_names,
     read_at,
     write_folder_atomically,
     write_hf_folder,
@@ -45,9 +52,15 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
-# architectures whose q/k rows llama.cpp permuted to interleaved RoPE pairs
-_PERMUTED_QK = {"llama"}
+# a GGUF architecture with experts -> (HF architecture, model_type, HF names of the experts: "qwen" | "mixtral")
+_MOE_ARCHITECTURES: dict[str, tuple[str, str, str]] = {
+    "llama": ("MixtralForCausalLM", "mixtral", "mixtral"),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe", "qwen"),
+}
+# model types whose q/k rows llama.cpp permuted to interleaved RoPE pairs (GGUF architecture `llama`)
+_PERMUTED_QK = {"llama", "mixtral"}
 
 # GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.")
 _LAYER_TENSORS: dict[str, str] = {
@@ -71,13 +84,38 @@ _GLOBAL_TENSORS: dict[str, str] = {
 _SKIPPED_TENSORS = {"rope_freqs.weight"}  # folded into the config's rope_scaling (Llama 3)
 
 
+# expert tensors: GGUF projection -> (index in moe_weight_names' (gate, up, down), the stacked name's projection)
+_EXPERT_TENSORS: dict[str, int] = {"ffn_gate_exps": 0, "ffn_up_exps": 1, "ffn_down_exps": 2}
+_PER_EXPERT_TENSORS: dict[str, int] = {"ffn_gate": 0, "ffn_up": 1, "ffn_down": 2}  # old Mixtral files: blk.N.ffn_gate.E
+
+
 def hf_tensor_name(gguf_name: str) -> str | None:
-    """HF parameter name of a GGUF tensor ("blk.3.attn_q.weight" -> "model.layers.3.self_attn.q_proj.weight")."""
+    """HF parameter name of a GGUF tensor ("blk.3.attn_q.weight" -> "model.layers.3.self_attn.q_proj.weight");
+    experts and routers are named by `expert_tensor_names`."""
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
     parts = gguf_name.split(".")
     if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_TENSORS:
         return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{parts[3]}"
+    return None
+
+
+def expert_tensor_names(gguf_name: str, config: ModelConfig) -> list[str] | None:
+    """The HF names a mixture-of-experts GGUF tensor holds: [router] for `ffn_gate_inp`, E names (expert order) for a
+    stacked `ffn_*_exps`, one for an old per-expert `ffn_gate.E`; None for any other tensor."""
+    parts = gguf_name.split(".")
+    if not config.is_moe or parts[0] != "blk" or parts[-1] != "weight":
+        return None
+    layer = int(parts[1])
+    if layer not in config.moe_layers:
+        return None
+    router, experts = moe_weight_names(config, layer)
+    if len(parts) == 4 and parts[2] == "ffn_gate_inp":
+        return [router]
+    if len(parts) == 4 and parts[2] in _EXPERT_TENSORS:
+        return [expert[_EXPERT_TENSORS[parts[2]]] for expert in experts]
+    if len(parts) == 5 and parts[2] in _PER_EXPERT_TENSORS:
+        return [experts[int(parts[3])][_PER_EXPERT_TENSORS[parts[2]]]]
     return None
 
 
@@ -173,6 +211,7 @@ def gguf_hf_config(reader: GGUFReader, path: Path) -> dict[str, Any]:
     }
     if arch == "qwen2":
         cfg["attention_bias"] = True  # Qwen2ForCausalLM always has q/k/v biases
+    cfg.update(_moe_config(meta, arch, tensors, cfg["num_hidden_layers"]))
     for key, hf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
         value = meta.get(f"tokenizer.ggml.{key}")
         if value is not None:
@@ -184,6 +223,27 @@ def gguf_hf_config(reader: GGUFReader, path: Path) -> dict[str, Any]:
     if rope_scaling is not None:
         cfg["rope_scaling"] = rope_scaling
     return cfg
+
+
+def _moe_config(meta: GGUFMetadata, arch: str, tensors: Mapping[str, ReaderTensor], layers: int) -> dict[str, Any]:
+    """The HF mixture-of-experts fields of a GGUF with `{arch}.expert_count` ({} for a dense model): the experts' width
+    from `expert_feed_forward_length` (Mixtral's is the feed-forward length), top k from `expert_used_count`, the
+    top-k weights renormalized as llama.cpp runs these architectures (`expert_weights_norm` where written), and the
+    layers without a router as dense ones (Qwen3-MoE's `mlp_only_layers`)."""
+    experts = int(meta.get(f"{arch}.expert_count", 0) or 0)
+    if experts <= 0:
+        return {}
+    if arch not in _MOE_ARCHITECTURES:
+        raise ConfigError(f"{meta.path}: experts in a {arch!r} GGUF are not supported; with experts: {sorted(_MOE_ARCHITECTURES)}")
+    hf_arch, model_type, _ = _MOE_ARCHITECTURES[arch]
+    out: dict[str, Any] = {"architectures": [hf_arch], "model_type": model_type,
+                           "num_experts_per_tok": int(meta.require(f"{arch}.expert_used_count"))}
+    if model_type == "mixtral":
+        return {**out, "num_local_experts": experts}
+    dense = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensors]
+    width = meta.get(f"{arch}.expert_feed_forward_length") or meta.require(f"{arch}.feed_forward_length")
+    return {**out, "num_experts": experts, "moe_intermediate_size": int(width), "mlp_only_layers": dense,
+            "norm_topk_prob": bool(meta.get(f"{arch}.expert_weights_norm", True)), "decoder_sparse_step": 1}
 
 
 def _rope_scaling(
@@ -295,11 +355,17 @@ def _dense(raw: torch.Tensor, kind: GGMLQuantizationType, shape: tuple[int, ...]
 
 
 def gguf_weight_entries(reader: GGUFReader, cfg: Mapping[str, Any]) -> dict[str, _GGUFEntry]:
-    """HF name -> where and how the GGUF stores it, for every model tensor (unknown tensors are logged and skipped)."""
+    """HF name -> where and how the GGUF stores it, for every model tensor (unknown tensors are logged and skipped);
+    a stacked expert tensor gives one entry per expert."""
     arch = str(cfg["model_type"])
     heads, kv_heads = int(cfg["num_attention_heads"]), int(cfg["num_key_value_heads"])
+    config = ModelConfig.from_hf(cfg)
     out: dict[str, _GGUFEntry] = {}
     for t in reader.tensors:
+        experts = expert_tensor_names(t.name, config)
+        if experts is not None:
+            out.update(_expert_entries(t, experts))
+            continue
         name = hf_tensor_name(t.name)
         if name is None:
             if t.name not in _SKIPPED_TENSORS:
@@ -313,6 +379,18 @@ def gguf_weight_entries(reader: GGUFReader, cfg: Mapping[str, Any]) -> dict[str,
         shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims innermost first
         out[name] = _GGUFEntry(t.name, t.tensor_type, shape, int(t.data_offset), int(t.n_bytes), permute)
     return out
+
+
+def _expert_entries(t: ReaderTensor, names: list[str]) -> dict[str, _GGUFEntry]:
+    """One entry per name over a tensor holding len(names) equal slabs one after another ([E, rows, cols] in HF
+    order; a router or a single expert: one slab)."""
+    shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims innermost first
+    slab_shape = shape[1:] if len(shape) == 3 else shape
+    if len(shape) == 3 and shape[0] != len(names):
+        raise ConfigError(f"{t.name}: {shape[0]} experts stored, the config has {len(names)}")
+    slab = int(t.n_bytes) // len(names)
+    return {name: _GGUFEntry(t.name, t.tensor_type, slab_shape, int(t.data_offset) + e * slab, slab, 0)
+            for e, name in enumerate(names)}
 
 
 def dequantized_tensor(t: ReaderTensor) -> torch.Tensor:

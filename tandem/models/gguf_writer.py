@@ -6,7 +6,9 @@ vocabulary), and each tensor in a type: BF16 / F16 / Q8_0 / Q4_0 / Q4_1 / Q5_0 /
 quantizers, Q4_K and Q6_K with the ones here (min-max per sub-block, scales rounded to their 6 / 8 bits: simple, and
 valid blocks; llama.cpp's own search finds slightly smaller errors), and the mixes llama.cpp names Q4_K_M (its
 `llama_tensor_get_type`: Q6_K for the output matrix and for attn_v / ffn_down of the layers `use_more_bits` picks,
-Q4_K elsewhere, Q5_0 / Q8_0 where a row is not a multiple of 256).
+Q4_K elsewhere, Q5_0 / Q8_0 where a row is not a multiple of 256). A mixture of experts is written as the converter
+writes it: per layer one [E, rows, cols] tensor per projection (`ffn_gate_exps`, `ffn_up_exps`, `ffn_down_exps`,
+quantized expert by expert as the arrays arrive) and the router `ffn_gate_inp` in F32 (llama.cpp never quantizes it).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ def tensor_type(file_type: str, gguf_name: str, cols: int, n_layers: int, tied: 
         layer = int(gguf_name.split(".")[1]) if gguf_name.startswith("blk.") else -1
         if gguf_name == "output.weight" or (tied and gguf_name == "token_embd.weight"):
             kind = Q.Q6_K if cols % 256 == 0 else Q.Q8_0
-        elif (".attn_v." in gguf_name or ".ffn_down." in gguf_name) and use_more_bits(layer, n_layers):
+        elif (".attn_v." in gguf_name or ".ffn_down" in gguf_name) and use_more_bits(layer, n_layers):
             kind = Q.Q6_K
     block = gguf.GGML_QUANT_SIZES[kind][0]
     if cols % block:
@@ -138,12 +140,38 @@ def permute_for_llama_cpp(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+_ARCHS = {"llama": gguf.MODEL_ARCH.LLAMA, "mixtral": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2,
+          "qwen3": gguf.MODEL_ARCH.QWEN3, "qwen3moe": gguf.MODEL_ARCH.QWEN3MOE}
+_PERMUTED = {"llama", "mixtral"}  # the families llama.cpp's `llama` architecture runs with interleaved RoPE pairs
+
+
 def _file_form(hf_name: str, array: np.ndarray, shape: ModelShape) -> np.ndarray:
-    if shape.family == "llama" and ".q_proj." in hf_name:
+    if shape.family in _PERMUTED and ".q_proj." in hf_name:
         return permute_for_llama_cpp(array, shape.heads)
-    if shape.family == "llama" and ".k_proj." in hf_name:
+    if shape.family in _PERMUTED and ".k_proj." in hf_name:
         return permute_for_llama_cpp(array, shape.kv_heads)
     return array
+
+
+def file_tensors(shape: ModelShape) -> list[tuple[str, tuple[int, ...], list[str]]]:
+    """The GGUF tensors of a shape in file order: (GGUF name, size in HF order, the HF weights it holds in order);
+    an expert projection holds its E experts' matrices stacked, size (E, rows, cols)."""
+    from tandem.models.shapes import weight_shapes
+
+    arch = _ARCHS[shape.family]
+    out: list[tuple[str, tuple[int, ...], list[str]]] = []
+    for hf_name, size in weight_shapes(shape):
+        if ".experts." not in hf_name:
+            out.append((gguf_tensor_name(hf_name, arch, shape.layers), size, [hf_name]))
+            continue
+        base, _, proj = hf_name.rpartition(".experts.")
+        stacked = gguf_tensor_name(f"{base}.experts.{proj.split('.', 1)[1]}", arch, shape.layers)
+        if out and out[-1][0] == stacked:
+            out[-1][2].append(hf_name)
+            out[-1] = (stacked, (len(out[-1][2]), *size), out[-1][2])
+        else:
+            out.append((stacked, (1, *size), [hf_name]))
+    return out
 
 
 def write_gguf(
@@ -154,26 +182,28 @@ def write_gguf(
     the tokenizer metadata comes from `tokenizer_gguf` (none when None: tandem loads such a file, llama.cpp not)."""
     if file_type not in FILE_TYPES:
         raise ConfigError(f"unknown GGUF file type {file_type!r}; known: {', '.join(FILE_TYPES)}")
-    from tandem.models.shapes import weight_shapes
-
-    arch = gguf.MODEL_ARCH.QWEN2 if shape.family == "qwen2" else gguf.MODEL_ARCH.LLAMA
     tmp = path.with_name(path.name + ".tmp")
-    writer = gguf.GGUFWriter(str(tmp), gguf.MODEL_ARCH_NAMES[arch])
+    writer = gguf.GGUFWriter(str(tmp), gguf.MODEL_ARCH_NAMES[_ARCHS[shape.family]])
     _write_metadata(writer, shape, file_type, tokenizer_gguf)
-    plan: list[tuple[str, Q]] = []
-    for hf_name, size in weight_shapes(shape):
-        name = gguf_tensor_name(hf_name, arch, shape.layers)
-        kind = Q.F32 if len(size) == 1 else tensor_type(file_type, name, size[-1], shape.layers, shape.tied)
+    plan: list[tuple[list[str], Q]] = []
+    for name, size, hf_names in file_tensors(shape):
+        router = name.endswith(".ffn_gate_inp.weight")
+        kind = Q.F32 if len(size) == 1 or router else tensor_type(file_type, name, size[-1], shape.layers, shape.tied)
         _add_tensor_info(writer, name, size, kind)
-        plan.append((hf_name, kind))
+        plan.append((hf_names, kind))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
-    for (hf_name, kind), (got, array) in zip(plan, weights):
-        if got != hf_name:
-            raise ConfigError(f"weights out of order: expected {hf_name}, got {got}")
-        data = quantize(_file_form(hf_name, array, shape), kind) if array.ndim == 2 else array.astype(np.float32)
-        writer.write_tensor_data(data)
+    it = iter(weights)
+    for hf_names, kind in plan:
+        parts = []
+        for hf_name in hf_names:  # one matrix at a time: an expert tensor is its experts' blocks one after another
+            got, array = next(it)
+            if got != hf_name:
+                raise ConfigError(f"weights out of order: expected {hf_name}, got {got}")
+            dense = array.ndim == 1 or kind == Q.F32
+            parts.append(array.astype(np.float32) if dense else quantize(_file_form(hf_name, array, shape), kind))
+        writer.write_tensor_data(parts[0] if len(parts) == 1 else np.concatenate(parts))
     writer.close()
     tmp.rename(path)
     return path
@@ -202,6 +232,14 @@ def _write_metadata(writer: gguf.GGUFWriter, shape: ModelShape, file_type: str, 
     writer.add_layer_norm_rms_eps(shape.rms_eps)
     writer.add_rope_dimension_count(shape.head_dim)
     writer.add_vocab_size(shape.vocab)
+    if shape.qk_norm:
+        writer.add_key_length(shape.head_dim)
+        writer.add_value_length(shape.head_dim)
+    if shape.experts:
+        writer.add_expert_count(shape.experts)
+        writer.add_expert_used_count(shape.experts_used)
+        if shape.family == "qwen3moe":
+            writer.add_expert_feed_forward_length(shape.expert_intermediate)
     writer.add_file_type(FILE_TYPES[file_type][0])
     if tokenizer_gguf is not None:
         copy_tokenizer(writer, tokenizer_gguf, shape.vocab)

@@ -8,7 +8,9 @@ unused tokens so the embedding and output matrices keep the architecture's true 
 (it changes no cost). Files live under `tandem_home()/test-models/<shape>/`, built once, never in the repository.
 
 Shapes: smollm2-135m (the demo model's), smollm2-360m, smollm2-1.7b, llama3.2-1b, qwen2.5-0.5b, llama3.1-8b (for
-memory checks; its Q4_K_M GGUF is ~4.9 GB).
+memory checks; its Q4_K_M GGUF is ~4.9 GB). Mixtures of experts: qwen3-30b-a3b (48 layers, 128 experts, 8 active;
+its Q4_K_M GGUF is ~18 GB), mixtral-8x7b (32 layers, 8 experts, 2 active), and layer-reduced variants of both
+(`-l8`, `-l4`: the same layers, fewer of them) for benchmarks that must write and read the file in minutes.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ class ModelShape:
     """The sizes that decide a decoder's cost."""
 
     name: str
-    family: str  # "llama" | "qwen2"
+    family: str  # "llama" | "qwen2" | "qwen3" | "qwen3moe" | "mixtral"
     hidden: int
     intermediate: int
     layers: int
@@ -48,10 +50,24 @@ class ModelShape:
     rope_theta: float = 10000.0
     max_position: int = 8192
     rms_eps: float = 1e-5
+    head_size: int = 0  # 0: hidden / heads
+    experts: int = 0  # a mixture of experts in every layer (0: dense)
+    experts_used: int = 0
+    expert_intermediate: int = 0
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.head_size or self.hidden // self.heads
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.family in ("qwen3", "qwen3moe")
+
+    @property
+    def active_params(self) -> int:
+        """Parameters multiplied per token (the router and the experts_used experts in a mixture of experts)."""
+        unused = (self.experts - self.experts_used) * 3 * self.hidden * self.expert_intermediate * self.layers
+        return self.num_params - unused
 
     @property
     def num_params(self) -> int:
@@ -59,8 +75,8 @@ class ModelShape:
 
     def hf_config(self) -> dict[str, Any]:
         cfg: dict[str, Any] = {
-            "architectures": ["Qwen2ForCausalLM" if self.family == "qwen2" else "LlamaForCausalLM"],
-            "model_type": self.family,
+            "architectures": [_HF_ARCHITECTURES[self.family]],
+            "model_type": _HF_MODEL_TYPES.get(self.family, self.family),
             "hidden_size": self.hidden,
             "intermediate_size": self.intermediate,
             "num_hidden_layers": self.layers,
@@ -79,7 +95,19 @@ class ModelShape:
         }
         if self.family == "qwen2":
             cfg["attention_bias"] = True
+        if self.family == "mixtral":
+            cfg.update(num_local_experts=self.experts, num_experts_per_tok=self.experts_used)
+        elif self.family == "qwen3moe":
+            cfg.update(num_experts=self.experts, num_experts_per_tok=self.experts_used, norm_topk_prob=True,
+                       moe_intermediate_size=self.expert_intermediate, decoder_sparse_step=1, mlp_only_layers=[])
         return cfg
+
+
+_HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                     "qwen3moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+_HF_MODEL_TYPES = {"qwen3moe": "qwen3_moe"}
+_QWEN3_30B_A3B = dict(head_size=128, experts=128, experts_used=8, expert_intermediate=768)
+_MIXTRAL_8X7B = dict(experts=8, experts_used=2, expert_intermediate=14336)
 
 
 SHAPES: dict[str, ModelShape] = {
@@ -91,6 +119,10 @@ SHAPES: dict[str, ModelShape] = {
         ModelShape("llama3.2-1b", "llama", 2048, 8192, 16, 32, 8, 128256, True, 500000.0),
         ModelShape("qwen2.5-0.5b", "qwen2", 896, 4864, 24, 14, 2, 151936, True, 1000000.0, 32768, 1e-6),
         ModelShape("llama3.1-8b", "llama", 4096, 14336, 32, 32, 8, 128256, False, 500000.0),
+        ModelShape("qwen3-30b-a3b", "qwen3moe", 2048, 6144, 48, 32, 4, 151936, False, 1e6, 40960, 1e-6, **_QWEN3_30B_A3B),
+        ModelShape("qwen3-30b-a3b-l8", "qwen3moe", 2048, 6144, 8, 32, 4, 151936, False, 1e6, 40960, 1e-6, **_QWEN3_30B_A3B),
+        ModelShape("mixtral-8x7b", "mixtral", 4096, 14336, 32, 32, 8, 32000, False, 1e6, 32768, **_MIXTRAL_8X7B),
+        ModelShape("mixtral-8x7b-l4", "mixtral", 4096, 14336, 4, 32, 8, 32000, False, 1e6, 32768, **_MIXTRAL_8X7B),
     )
 }
 
@@ -115,10 +147,29 @@ def weight_shapes(shape: ModelShape) -> list[tuple[str, tuple[int, ...]]]:
         if shape.family == "qwen2":
             out += [(p + "self_attn.q_proj.bias", (q,)), (p + "self_attn.k_proj.bias", (kv,)),
                     (p + "self_attn.v_proj.bias", (kv,))]
-        out += [(p + "mlp.gate_proj.weight", (i, h)), (p + "mlp.up_proj.weight", (i, h)), (p + "mlp.down_proj.weight", (h, i))]
+        if shape.qk_norm:
+            out += [(p + "self_attn.q_norm.weight", (d,)), (p + "self_attn.k_norm.weight", (d,))]
+        if shape.experts:
+            out += _expert_shapes(shape, p)
+        else:
+            out += [(p + "mlp.gate_proj.weight", (i, h)), (p + "mlp.up_proj.weight", (i, h)), (p + "mlp.down_proj.weight", (h, i))]
     out.append(("model.norm.weight", (h,)))
     if not shape.tied:
         out.append(("lm_head.weight", (shape.vocab, h)))
+    return out
+
+
+def _expert_shapes(shape: ModelShape, p: str) -> list[tuple[str, tuple[int, ...]]]:
+    """A layer's router and experts under the family's HF names: the router, then every expert's gate, every up, every
+    down (the order a GGUF stacks them in: one [E, rows, cols] tensor per projection)."""
+    h, i, n = shape.hidden, shape.expert_intermediate, shape.experts
+    if shape.family == "mixtral":
+        b, names = p + "block_sparse_moe.", ("w1", "w3", "w2")
+    else:
+        b, names = p + "mlp.", ("gate_proj", "up_proj", "down_proj")
+    out: list[tuple[str, tuple[int, ...]]] = [(b + "gate.weight", (n, h))]
+    for proj, size in zip(names, ((i, h), (i, h), (h, i))):
+        out += [(f"{b}experts.{e}.{proj}.weight", size) for e in range(n)]
     return out
 
 
@@ -142,8 +193,10 @@ def shape_dir(shape: ModelShape) -> Path:
     return tandem_home() / "test-models" / shape.name
 
 
-def write_hf_model(shape: ModelShape, out_dir: Path, seed: int = 0, shard_bytes: int = 2 << 30) -> Path:
-    """An HF folder of the shape: config.json, bf16 safetensors (shards of at most `shard_bytes`), the demo tokenizer."""
+def write_hf_model(shape: ModelShape, out_dir: Path, seed: int = 0, shard_bytes: int = 2 << 30,
+                   weights: Iterator[tuple[str, np.ndarray]] | None = None) -> Path:
+    """An HF folder of the shape: config.json, bf16 safetensors (shards of at most `shard_bytes`), the demo tokenizer;
+    the weights `random_weights(shape, seed)` unless given (HF names, float32, in `weight_shapes` order)."""
     from tandem.models.demo import find_demo_gguf
     from tandem.models.gguf_loader import gguf_tokenizer_folder
 
@@ -159,7 +212,7 @@ def write_hf_model(shape: ModelShape, out_dir: Path, seed: int = 0, shard_bytes:
             weight_map.update({k: file for k in shard})
             shard.clear()
 
-        for name, array in random_weights(shape, seed):
+        for name, array in weights if weights is not None else random_weights(shape, seed):
             t = torch.from_numpy(array).to(torch.bfloat16)
             if shard and size + t.numel() * 2 > shard_bytes:
                 flush()

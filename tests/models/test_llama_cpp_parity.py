@@ -125,3 +125,31 @@ def test_llama_cpp_quantized_demo_matches_llama_cpp(file_type: str, demo_tokeniz
     bf16 = write_bf16_gguf(_demo_gguf(), folder / "SmolLM2-135M-Instruct.bf16.gguf")
     path = llama_cpp_quantize(bf16, folder / f"SmolLM2-135M-Instruct.{file_type}.gguf", file_type)
     assert assert_matches_llama_cpp(path, demo_tokenizer, peer) >= len(PROMPTS) * NEW_TOKENS // 2
+
+
+@pytest.mark.parametrize("file_type", ["Q8_0", "Q4_K_M"])
+@pytest.mark.parametrize("family", ["qwen3moe", "mixtral"])
+def test_mixture_of_experts_matches_llama_cpp(family: str, file_type: str, demo_tokenizer: Path, peer: str,
+                                              tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A small Qwen3-MoE (`qwen3moe`) and Mixtral (`llama` with experts), written by tandem's GGUF writer with
+    stacked expert tensors: batch 1 greedy tokens and teacher-forced logits against llama.cpp's, on the same file;
+    the three prompts route to different experts."""
+    from tests.models.test_moe_gguf import write_tiny_moe
+
+    path = write_tiny_moe(tmp_path_factory.mktemp(f"moe-{family}-{file_type}"), family, file_type)
+    assert assert_matches_llama_cpp(path, demo_tokenizer, peer) >= len(PROMPTS) * NEW_TOKENS // 2
+
+
+def test_batched_peer_is_llama_cpp_one_request_at_a_time(demo_tokenizer: Path, peer: str) -> None:
+    """The benchmarks' `llama-server -np N` stand-in (one context, every sequence's token in one llama_decode) gives
+    the greedy tokens llama.cpp gives each prompt alone, on the demo model (llama.cpp's batched and single sums
+    differ only at near ties)."""
+    from tandem.bench.peers import llama_cpp_batched, llama_cpp_greedy
+    from tandem.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_path(demo_tokenizer)
+    prompts = [tok.encode(t) for t in PROMPTS]
+    res, batched = llama_cpp_batched(_demo_gguf(), prompts, 8, 0)
+    alone = llama_cpp_greedy(_demo_gguf(), prompts, 8)
+    assert res.output_tokens == 24 and res.wall_s > 0
+    assert [b[:4] for b in batched] == [list(a[:4]) for a, _ in alone], peer

@@ -312,12 +312,17 @@ RESPONSES_WEATHER = {"type": "function", "name": "get_weather", "description": "
 def test_responses_text_stream_and_structured_output(srv: Srv) -> None:
     c = srv.client()
     kw: dict[str, Any] = {"model": MODEL, "input": "Say hello.", "max_output_tokens": 20, "temperature": 0}
+    # the prompt's first run computes it whole, later ones find it in the prefix cache; in bfloat16 the two attention
+    # paths round differently, and on an AVX2-only CPU this prompt's second token is a near tie between them (measured:
+    # float32 runs agree), so the runs compared below both find the prompt cached
+    c.responses.create(**kw, instructions="You are brief.")
     r = c.responses.create(**kw, instructions="You are brief.")
     assert r.status in ("completed", "incomplete") and r.output_text and r.usage is not None and r.usage.output_tokens > 0
     events = list(c.responses.create(**kw, instructions="You are brief.", stream=True))
     kinds = [e.type for e in events]
     assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] in ("response.completed", "response.incomplete")
-    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
+    streamed = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert streamed == events[-1].response.output_text == r.output_text
     assert [e.sequence_number for e in events] == list(range(1, len(events) + 1))
     parsed = c.responses.parse(model=MODEL, input="What is the weather in Paris?", text_format=Weather, max_output_tokens=80,
                                temperature=0)
