@@ -65,6 +65,8 @@ class MoeMlp:
     def __call__(self, h: torch.Tensor, silu_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """h [T, hidden] (model dtype) -> the weighted sum of each token's k experts [T, hidden] (model dtype)."""
         weights, ids = self.route(h)
+        if h.shape[0] == 1:
+            return self._one_token(h, weights[0], ids[0], silu_mul)
         flat = ids.reshape(-1)  # [T k]: pair p is token p // k's (p % k)-th choice
         order = torch.argsort(flat, stable=True)  # pairs grouped by expert, ascending
         counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
@@ -79,4 +81,15 @@ class MoeMlp:
             y = expert.down(silu_mul(expert.gate_up(h[rows])))  # [n, hidden]
             out.index_add_(0, rows, y * scale[start : start + n, None])
             start += n
+        return out
+
+    def _one_token(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                   silu_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """A decode at batch 1: h [1, hidden], its k weights and expert ids [k] -> [1, hidden]; the same sums in the
+        same order as the grouped path (ascending expert order from zero), without its sorting and scattering
+        (measured: ~1.5 ms of a 4.5 ms Qwen3-30B-A3B-shaped layer on two AVX2 cores)."""
+        out = torch.zeros_like(h)
+        for w, e in sorted(zip(weights.tolist(), ids.tolist()), key=lambda p: p[1]):
+            expert = self.experts[e]
+            out += expert.down(silu_mul(expert.gate_up(h))) * w
         return out
