@@ -420,7 +420,8 @@ class LLMEngine:
 
     def _observe_ahead(self, flight: _InFlight) -> None:
         """Adaptive K learns the step's cost: the forward's tokens and device time (drafting ran beside it)."""
-        self.speculation.observe_step(flight.plan.num_tokens, flight.handle.finished_at - flight.launched_at, 0.0)
+        self.speculation.observe_step(flight.plan.num_tokens, flight.handle.finished_at - flight.launched_at, 0.0,
+                                      shared_cores=self.runner.forward_uses_host_cores)
 
     def _schedule_ahead(self, running: frozenset[str], parked: frozenset[str] = frozenset()) -> StepPlan:
         """The next plan, accounted before it runs; `running` (the plan in flight) is never preempted for it,

@@ -44,6 +44,7 @@ from tandem.spec_decode.proposer import DraftRequest, Drafts, Proposer
 logger = logging.getLogger("tandem")
 PROPOSE_CHUNK = 16  # a cheap proposer is asked this many requests at a time, the deadline checked between chunks
 CATCH_UP_TOKENS = 4  # a proposal that feeds a request more new tokens than this is not timed (ahead policy)
+PROMPT_CATCH_UP_TOKENS = 64  # a cheap proposer fed this many new tokens (a prompt) works long enough to slow a forward
 MaxDrafts = Callable[[Request], int]  # drafts a request may take this step (max_tokens / max_model_len room)
 
 
@@ -149,8 +150,9 @@ class Speculation(ABC):
         """Learn one verification of `drafts` that emitted `emitted`; returns how many drafts were accepted."""
 
     @abstractmethod
-    def observe_step(self, num_tokens: int, seconds: float, draft_seconds: float) -> None:
-        """Learn one step's cost: tokens run, forward seconds, seconds the device waited for drafting."""
+    def observe_step(self, num_tokens: int, seconds: float, draft_seconds: float, shared_cores: bool = False) -> None:
+        """Learn one step's cost: tokens run, forward seconds, seconds the device waited for drafting;
+        `shared_cores`: the forward ran on the host's cores beside the drafting of the next plan (scheduled ahead)."""
 
     @abstractmethod
     def release(self, request_id: str) -> None:
@@ -190,7 +192,7 @@ class NoSpeculation(Speculation):
     def observe(self, req: Request, drafts: Sequence[int], emitted: Sequence[int]) -> int:
         return 0
 
-    def observe_step(self, num_tokens: int, seconds: float, draft_seconds: float) -> None:
+    def observe_step(self, num_tokens: int, seconds: float, draft_seconds: float, shared_cores: bool = False) -> None:
         pass
 
     def release(self, request_id: str) -> None:
@@ -239,6 +241,10 @@ class SpeculativeDecoder(Speculation):
         self._asked: dict[str, int] = {}  # request -> the step a cheap proposer was last asked for it
         self._empty: dict[str, int] = {}  # request -> its consecutive empty proposals
         self._past_drafts: dict[str, tuple[list[int], int]] = {}  # request -> (its drafts, the guess after them)
+        # scheduling ahead, a cheap proposer caught up on many tokens (a new request's prompt) beside the forward
+        # in flight: on a forward sharing the host's cores that slowed it (a first 5-token verify measured 35 ms,
+        # 17 ms after), so its time does not teach adaptive K the cost of its size
+        self._caught_up = False
 
     # ------------------------------------------------------------------------------------------------ drafting
     def draft(self, running: Sequence[Request], allowed: MaxDrafts) -> None:
@@ -414,6 +420,9 @@ class SpeculativeDecoder(Speculation):
             if deadline is not None and i and time.perf_counter() >= deadline:
                 break
             chunk = batch[i : i + PROPOSE_CHUNK]
+            for dr in chunk:
+                self._caught_up |= len(dr.token_ids) - self._drafted.get(dr.request_id, 0) > PROMPT_CATCH_UP_TOKENS
+                self._drafted[dr.request_id] = len(dr.token_ids)
             future: Future[dict[str, Drafts]] = Future()
             future.set_result(self._propose(chunk))
             for dr in chunk:
@@ -581,12 +590,13 @@ class SpeculativeDecoder(Speculation):
         self._guess.pop(req.request_id, None)
         return accepted
 
-    def observe_step(self, num_tokens: int, seconds: float, draft_seconds: float) -> None:
+    def observe_step(self, num_tokens: int, seconds: float, draft_seconds: float, shared_cores: bool = False) -> None:
         self.stats.num_steps += 1
         if self.policy is not None:
             self.policy.observe_forward(seconds)
-        if self.adaptive is not None:
-            self.adaptive.observe_step(num_tokens, seconds, draft_seconds)
+        if self.adaptive is not None:  # (0 tokens: the step counts, its time teaches no size's cost)
+            self.adaptive.observe_step(0 if self._caught_up and shared_cores else num_tokens, seconds, draft_seconds)
+        self._caught_up = False
 
     def release(self, request_id: str) -> None:
         self._drafted.pop(request_id, None)

@@ -36,6 +36,7 @@ class _RequestStats:
 class _Bucket:
     num_tokens: float  # EWMA of the token counts that fell in this bucket
     seconds: float  # EWMA of their verify seconds
+    seen: int = 0  # the step it was last observed at
 
 
 @dataclass
@@ -49,6 +50,8 @@ class AdaptiveK:
     min_gain: float = 0.03  # K > 0 needs throughput >= (1 + min_gain) * throughput(K = 0)
     probe_interval: int = 64  # steps at K = 0 before probing with K = 1 (0: never probe)
     buckets_per_octave: int = 4  # resolution of the verify-time table in log2(num_tokens)
+    # a bucket not observed for this many steps no longer shapes the verify time (see `verify_seconds`)
+    stale_after: int = 16
     guard_window: int = 0  # steps per goodput measurement (0: no guard; the engine enables it for draft models)
     guard_period: int = 512  # steps between the starts of two measurements
     # [k_max] acceptance over all requests: the prior of a new request and of the probe decision
@@ -56,6 +59,7 @@ class AdaptiveK:
     _requests: dict[str, _RequestStats] = field(init=False, repr=False, default_factory=dict)
     _verify: dict[int, _Bucket] = field(init=False, repr=False, default_factory=dict)
     _draft_per_token: float = field(init=False, repr=False, default=0.0)
+    _num_steps: int = field(init=False, repr=False, default=0)
     _drafts_since_step: int = field(init=False, repr=False, default=0)
     _guard_step: int = field(init=False, repr=False, default=0)  # steps since the last measurement began
     _guard_on: list[float] = field(init=False, repr=False, default_factory=lambda: [0.0, 0.0])  # tokens, seconds
@@ -84,14 +88,16 @@ class AdaptiveK:
     def observe_step(self, num_tokens: int, seconds: float, draft_seconds: float) -> None:
         """Record one step: the forward over `num_tokens` tokens took `seconds`, drafting took `draft_seconds`
         (the time not hidden behind the forward) for the drafts chosen since the previous step."""
+        self._num_steps += 1
         if num_tokens > 0:
             key = self._bucket_key(num_tokens)
             bucket = self._verify.get(key)
-            if bucket is None:
-                self._verify[key] = _Bucket(float(num_tokens), float(seconds))
+            if bucket is None or self._num_steps - bucket.seen >= self.stale_after:  # a stale bucket starts anew
+                self._verify[key] = _Bucket(float(num_tokens), float(seconds), self._num_steps)
             else:
                 bucket.num_tokens += self.cost_alpha * (num_tokens - bucket.num_tokens)
                 bucket.seconds += self.cost_alpha * (seconds - bucket.seconds)
+                bucket.seen = self._num_steps
         if self._drafts_since_step > 0:
             per_token = draft_seconds / self._drafts_since_step
             self._draft_per_token += self.cost_alpha * (per_token - self._draft_per_token)
@@ -177,10 +183,20 @@ class AdaptiveK:
 
         Piecewise linear through the buckets' (tokens, seconds), made non-decreasing; flat below the smallest,
         and above the largest continued with the last segment's slope (flat when only one bucket is known).
+
+        Only buckets observed within the last `stale_after` steps count (at least the two seen last): a step size
+        that the choice stopped using is never re-measured, so one slow measurement of it (a forward on the host's
+        cores beside a burst of host work) kept K below it for good. Measured: the demo model with suffix drafts,
+        copy task at batch 1 scheduled ahead, a 5-token forward taken once at 35 ms (23.6 ms synchronously) held K
+        at 1 for the whole run, 1.83 tokens a step against 3.07 synchronously. Forgotten, the next choice
+        extrapolates from the recent sizes and measures that size again (a stale bucket's next observation
+        replaces it rather than averaging with it).
         """
         if not self._verify:
             return 1.0
-        points = sorted((b.num_tokens, b.seconds) for b in self._verify.values())
+        recent = sorted(self._verify.values(), key=lambda b: b.seen, reverse=True)
+        fresh = [b for b in recent if self._num_steps - b.seen < self.stale_after] or recent
+        points = sorted((b.num_tokens, b.seconds) for b in (fresh if len(fresh) >= 2 else recent[:2]))
         xs = [x for x, _ in points]
         ys: list[float] = []
         for _, y in points:

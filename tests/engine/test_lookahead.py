@@ -8,6 +8,8 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
 
+import pytest
+
 from tandem.engine.speculation import SpeculativeDecoder
 from tandem.params import SamplingParams
 from tandem.request import Request
@@ -106,3 +108,25 @@ def test_fresh_proposal_whose_first_draft_missed_is_not_used() -> None:
     _emit(req, [42])  # decoded 42, not the proposal's 6: miss again, nothing used
     spec.draft([req], lambda r: 8)
     assert req.draft_token_ids == [] and spec.stats.lookahead_misses == 2
+
+
+class _Cheap(_Counting):
+    drafts_concurrently = False
+
+
+def test_a_prompt_caught_up_beside_a_forward_on_the_same_cores_teaches_no_cost() -> None:
+    """Scheduling ahead with a cheap proposer: the step whose drafting fed it a new request's prompt (work beside a
+    forward that shares the host's cores) counts as a step but its time is not a size's cost for adaptive K; the
+    next steps' are, and on an accelerator (no shared cores) every step's is."""
+    for shared in (True, False):
+        spec = SpeculativeDecoder(SpeculativeConfig(method="ngram", num_speculative_tokens=3, adaptive=True), _Cheap(), 4096)
+        req = Request("r", list(range(1, 200)), SamplingParams())
+        req.num_computed_tokens = req.num_tokens - 1
+        assert spec.adaptive is not None
+        spec.draft_ahead([req], lambda r: 8, None)  # a 199-token prompt caught up
+        spec.observe_step(4, 0.050, 0.0, shared_cores=shared)
+        assert bool(spec.adaptive._verify) is not shared
+        _emit(req, [7])
+        spec.draft_ahead([req], lambda r: 8, None)  # one new token: an ordinary step
+        spec.observe_step(4, 0.012, 0.0, shared_cores=shared)
+        assert spec.adaptive.verify_seconds(4) == pytest.approx(0.012 if shared else 0.050 + 0.2 * (0.012 - 0.050))

@@ -181,3 +181,33 @@ def test_guard_keeps_speculation_that_wins() -> None:
     assert not ak.speculation_off
     late = ks[-200:]
     assert sum(1 for k in late if k == 0) <= ak.guard_window  # off only while measuring the baseline
+
+
+def test_a_stale_slow_measurement_stops_holding_k_down() -> None:
+    """A 5- and a 9-token forward measured slow once (a burst of host work beside them on the same cores) hold K
+    below them while fresh; after `stale_after` steps without those sizes the choice extrapolates from the sizes
+    measured since, tries the longer drafts again and keeps them at their real cost."""
+    def true_cost(n: int) -> float:
+        return 0.012 + 0.0008 * n
+
+    ak = AdaptiveK(k_max=8, stale_after=16, probe_interval=0)
+    feed_acceptance(ak, "r", accepted=8)
+    ak.observe_step(9, 0.080, 0.0)
+    ak.observe_step(5, 0.070, 0.0)
+    ak.observe_step(2, true_cost(2), 0.0)
+    ak.observe_step(1, true_cost(1), 0.0)
+    chosen = []
+    for _ in range(48):
+        k = ak.choose("r", 1)
+        chosen.append(k)
+        ak.observe_step(1 + k, true_cost(1 + k), 0.0)
+    assert max(chosen[:8]) <= 1  # held down by the slow measurements while they are fresh
+    assert min(chosen[-16:]) >= 6  # then the real costs: long drafts pay at this acceptance
+    fresh = AdaptiveK(k_max=8, stale_after=10**9, probe_interval=0)  # never forgetting: held down for good
+    feed_acceptance(fresh, "r", accepted=8)
+    for n, s in ((9, 0.080), (5, 0.070), (2, true_cost(2)), (1, true_cost(1))):
+        fresh.observe_step(n, s, 0.0)
+    for _ in range(48):
+        k = fresh.choose("r", 1)
+        fresh.observe_step(1 + k, true_cost(1 + k), 0.0)
+    assert k <= 1
