@@ -24,17 +24,18 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3",
     "MixtralForCausalLM": "llama",
+    "GptOssForCausalLM": "gpt_oss",
 }
 SUPPORTED_MODEL_TYPES: dict[str, str] = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-                                         "qwen3_moe": "qwen3", "mixtral": "llama"}
+                                         "qwen3_moe": "qwen3", "mixtral": "llama", "gpt_oss": "gpt_oss"}
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a Llama-family decoder (Llama 2/3, Mistral, TinyLlama, SmolLM, Qwen2/2.5, Qwen3), its MLP
-    dense or a mixture of experts in `moe_layers` (Qwen3-MoE, Mixtral)."""
+    """Architecture of a Llama-family decoder (Llama 2/3, Mistral, TinyLlama, SmolLM, Qwen2/2.5, Qwen3, gpt-oss), its
+    MLP dense or a mixture of experts in `moe_layers` (Qwen3-MoE, Mixtral, gpt-oss)."""
 
-    family: str  # "llama" | "qwen2" | "qwen3"
+    family: str  # "llama" | "qwen2" | "qwen3" | "gpt_oss"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -47,7 +48,9 @@ class ModelConfig:
     rope_scaling: Mapping[str, Any] | None = None
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
-    attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2, gpt-oss)
+    output_bias: bool = False  # o_proj carries a bias (gpt-oss)
+    attention_sinks: bool = False  # a learned logit per query head joins each softmax's denominator (gpt-oss)
     qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
     sliding_window: int | None = None  # keys a query sees in the layers below (itself and the window - 1 before it)
     sliding_window_layers: tuple[int, ...] = ()  # the layers that attend through `sliding_window`; the others see all
@@ -60,6 +63,9 @@ class ModelConfig:
     norm_topk_prob: bool = True  # the k routing weights renormalized to sum to 1 (Mixtral always; Qwen3-MoE by config)
     moe_layers: tuple[int, ...] = ()
     expert_names: str = "qwen"  # checkpoint naming: "qwen" (mlp.experts.E.gate_proj ...) | "mixtral" (block_sparse_moe.experts.E.w1 ...)
+    # | "gpt_oss" (mlp.router with a bias; mlp.experts.gate_up_proj [E, hidden, 2 I] stacked, gate / up interleaved)
+    swiglu_alpha: float = 1.702  # gpt-oss experts: out = (clamp(up) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)
+    swiglu_limit: float = 7.0
 
     @property
     def is_moe(self) -> bool:
@@ -86,13 +92,7 @@ class ModelConfig:
             heads = int(cfg["num_attention_heads"])
             eos = cfg.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-            rope_scaling = cfg.get("rope_scaling")
-            rope_theta = cfg.get("rope_theta")
-            rope_params = cfg.get("rope_parameters")  # transformers >= 5 keeps theta and scaling here
-            if isinstance(rope_params, Mapping):
-                rope_theta = rope_theta or rope_params.get("rope_theta")
-                if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
-                    rope_scaling = dict(rope_params)
+            rope_theta, rope_scaling = _rope(cfg)
             num_layers = int(cfg["num_hidden_layers"])
             sliding, sliding_layers = _sliding_window(cfg, family, num_layers)
             return cls(
@@ -105,11 +105,13 @@ class ModelConfig:
                 num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
                 head_dim=int(cfg.get("head_dim") or hidden // heads),
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(rope_theta or 10000.0),
+                rope_theta=float(rope_theta or (150000.0 if family == "gpt_oss" else 10000.0)),
                 rope_scaling=dict(rope_scaling) if rope_scaling else None,
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                attention_bias=bool(cfg.get("attention_bias", family == "qwen2")),
+                attention_bias=bool(cfg.get("attention_bias", family in ("qwen2", "gpt_oss"))),
+                output_bias=family == "gpt_oss" and bool(cfg.get("attention_bias", True)),
+                attention_sinks=family == "gpt_oss",
                 qk_norm=family == "qwen3",
                 sliding_window=sliding,
                 sliding_window_layers=sliding_layers,
@@ -136,6 +138,21 @@ class ModelConfig:
             raise ConfigError(f"{p} is not valid JSON: {e}") from e
 
 
+def _rope(cfg: Mapping[str, Any]) -> tuple[Any, Any]:
+    """(rope_theta, rope_scaling) from `rope_theta` / `rope_scaling` or transformers >= 5's `rope_parameters`; a
+    top-level `original_max_position_embeddings` joins the scaling as transformers moves it there."""
+    rope_scaling = cfg.get("rope_scaling")
+    rope_theta = cfg.get("rope_theta")
+    rope_params = cfg.get("rope_parameters")
+    if isinstance(rope_params, Mapping):
+        rope_theta = rope_theta or rope_params.get("rope_theta")
+        if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
+            rope_scaling = dict(rope_params)
+    if rope_scaling and cfg.get("original_max_position_embeddings"):
+        rope_scaling = {**rope_scaling, "original_max_position_embeddings": cfg["original_max_position_embeddings"]}
+    return rope_theta, rope_scaling
+
+
 def _moe_fields(cfg: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
     """The mixture-of-experts fields as transformers reads them: Qwen3-MoE (`num_experts` or `num_local_experts`, `moe_intermediate_size`,
     `norm_topk_prob`, experts in every `decoder_sparse_step`-th layer not in `mlp_only_layers`), Mixtral
@@ -146,6 +163,8 @@ def _moe_fields(cfg: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
         return {"num_experts": int(cfg["num_local_experts"]), "experts_per_token": int(cfg["num_experts_per_tok"]),
                 "moe_intermediate_size": int(cfg["intermediate_size"]), "norm_topk_prob": True,
                 "moe_layers": tuple(range(num_layers)), "expert_names": "mixtral"}
+    if cfg.get("model_type") == "gpt_oss" or "GptOssForCausalLM" in (cfg.get("architectures") or []):
+        return _gpt_oss_moe(cfg, num_layers)
     experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)  # transformers >= 5 writes the latter
     if experts <= 0:
         return {}
@@ -158,18 +177,31 @@ def _moe_fields(cfg: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
             "moe_layers": layers, "expert_names": "qwen"}
 
 
+def _gpt_oss_moe(cfg: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
+    """gpt-oss: experts in every layer, each `intermediate_size` wide; the top k router logits softmaxed."""
+    experts, k = int(cfg["num_local_experts"]), int(cfg["num_experts_per_tok"])
+    if not 0 < k <= experts:
+        raise ConfigError(f"num_experts_per_tok must be in [1, {experts}] (num_local_experts), got {k}")
+    return {"num_experts": experts, "experts_per_token": k, "moe_intermediate_size": int(cfg["intermediate_size"]),
+            "norm_topk_prob": True, "moe_layers": tuple(range(num_layers)), "expert_names": "gpt_oss",
+            "swiglu_alpha": float(cfg.get("swiglu_alpha", 1.702)), "swiglu_limit": float(cfg.get("swiglu_limit", 7.0))}
+
+
 def _sliding_window(cfg: Mapping[str, Any], family: str, num_layers: int) -> tuple[int | None, tuple[int, ...]]:
     """The sliding window and the layers that use it, as transformers reads the config: Mistral (family "llama"):
     every layer when `sliding_window` is set; Qwen2 / Qwen3: only with `use_sliding_window`, the layers `layer_types`
-    marks "sliding_attention" (transformers >= 4.53 writes it), else those from `max_window_layers` on."""
+    marks "sliding_attention" (transformers >= 4.53 writes it), else those from `max_window_layers` on; gpt-oss: the
+    layers `layer_types` marks, else every even one (transformers' default)."""
     window = cfg.get("sliding_window")
-    if not window or not cfg.get("use_sliding_window", family == "llama"):
+    if not window or not cfg.get("use_sliding_window", family in ("llama", "gpt_oss")):
         return None, ()
     if family == "llama":
         return int(window), tuple(range(num_layers))
     types = cfg.get("layer_types")
     if isinstance(types, list) and len(types) == num_layers:
         layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    elif family == "gpt_oss":
+        layers = tuple(range(0, num_layers, 2))
     else:
         layers = tuple(range(int(cfg.get("max_window_layers", 28)), num_layers))
     return (int(window), layers) if layers else (None, ())

@@ -12,6 +12,11 @@ These torch paths keep a float32 cache on the CPU (the decode group runs as two 
 kernels (`ops.py`) read a cache in the model dtype and do the same float32 math without the gather. On CUDA the
 decode group reads the paged cache with FlexAttention (`paged_decode.py`: no key gather, no float mask; the
 gathered SDPA path stays as the fallback, `TANDEM_DECODE_ATTENTION=gather`).
+
+Attention sinks (gpt-oss): a learned logit per query head joins each softmax's denominator with no value, so every
+query's weights sum to less than one. Prefill SDPA gets them as one more key (zeros, with a zero value) whose logit the
+additive mask sets to the head's sink; the gathered decode group appends them as a column of its scores. FlexAttention
+decode and tandem's CPU kernels have none: a model with sinks runs these torch paths (`ops.select_ops`).
 """
 
 from __future__ import annotations
@@ -188,23 +193,23 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
 
 def paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-    window: int | None = None,
+    window: int | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of this step's queries over everything cached for their requests (the last `window` keys
-    of each query's position with a sliding window).
+    of each query's position with a sliding window; `sinks` [H] float32: each head's sink logit).
 
     q [T, H, D]; k, v [T, KVH, D] (already written to `kv_cache`); returns [T, H * D] in q's dtype.
     """
     T, H, D = q.shape
     g = meta.decode
     if g is not None and g.dense:
-        return _decode_attention(q, kv_cache, g, scale, window).view(T, H * D)
+        return _decode_attention(q, kv_cache, g, scale, window, sinks).view(T, H * D)
     out = torch.empty_like(q)
     for p in meta.prefills:
         s = p.token_slice
-        out[s] = prefill_attention(q[s], k[s], v[s], kv_cache, p, scale, window=window)
+        out[s] = prefill_attention(q[s], k[s], v[s], kv_cache, p, scale, window=window, sinks=sinks)
     if g is not None:
-        o = _decode_attention(q, kv_cache, g, scale, window)  # [B * q_max, H, D]
+        o = _decode_attention(q, kv_cache, g, scale, window, sinks)  # [B * q_max, H, D]
         out[g.out_rows] = o.index_select(0, g.flat_index)
     return out.view(T, H * D)
 
@@ -212,16 +217,23 @@ def paged_attention(
 def prefill_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, p: PrefillSeq, scale: float,
     k_transposed: bool = False, window: int | None = None, math_dtype: torch.dtype | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One request's chunk: q [n, H, D] -> [n, H, D]. `k_transposed`: the cache's K blocks are [D, block_size]
     (tandem's CPU kernels), not [block_size, D]. `window`: each query sees only the last `window` keys.
-    `math_dtype`: the dtype SDPA runs in (default float32 on the CPU, the cache's on an accelerator)."""
+    `math_dtype`: the dtype SDPA runs in (default float32 on the CPU, the cache's on an accelerator).
+    `sinks` [H]: each head's sink logit in the softmax's denominator."""
     n = q.shape[0]
     positions = torch.arange(p.start_pos, p.start_pos + n, device=q.device)
     # the math runs in one dtype on every path and reads K/V as the cache holds them, so a prefix-cache hit changes
     # nothing
     dt = math_dtype or (torch.float32 if kv_cache.device.type == "cpu" else kv_cache.dtype)
     qh = q.transpose(0, 1).unsqueeze(0).to(dt)  # [1, H, n, D]
+    if sinks is not None:
+        keys, values = (k, v) if p.key_blocks is None else _cached_kv(kv_cache, p, k_transposed, n)
+        visible = window_mask(positions, keys.shape[0], window)  # [n, L]
+        o = _sink_attention(qh, keys.to(dt), values.to(dt), visible, sinks, scale)
+        return o[0].transpose(0, 1).to(q.dtype)
     if p.key_blocks is None:
         o = F.scaled_dot_product_attention(
             qh, k.transpose(0, 1).unsqueeze(0).to(dt), v.transpose(0, 1).unsqueeze(0).to(dt),
@@ -243,8 +255,41 @@ def prefill_attention(
     return o[0].transpose(0, 1).to(q.dtype)
 
 
+def _cached_kv(kv_cache: torch.Tensor, p: PrefillSeq, k_transposed: bool, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A chunk's keys and values from its blocks: K, V [start_pos + n, KVH, D] in the cache's dtype."""
+    assert p.key_blocks is not None
+    kv = kv_cache.index_select(2, p.key_blocks)  # [2, KVH, nb, BS, D]
+    if k_transposed:
+        _, KVH, nb, BS, D = kv.shape
+        kv = torch.stack([kv[0].view(KVH, nb, D, BS).transpose(-1, -2), kv[1]])
+    kv = kv.flatten(2, 3)[:, :, : p.start_pos + n].transpose(1, 2)  # [2, total, KVH, D]
+    return kv[0], kv[1]
+
+
+def _sink_attention(
+    qh: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, sinks: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """SDPA with sinks: qh [1, H, n, D]; k, v [L, KVH, D]; visible [n, L] bool; sinks [H] -> [1, H, n, D]. The sink
+    is one more key of zeros (logit 0) with a zero value, its logit raised to the head's sink by the additive mask."""
+    _, H, n, _ = qh.shape
+    L = k.shape[0]
+    zero = k.new_zeros(1, *k.shape[1:])
+    keys = torch.cat([k, zero]).transpose(0, 1).unsqueeze(0)  # [1, KVH, L + 1, D]
+    values = torch.cat([v, zero]).transpose(0, 1).unsqueeze(0)
+    bias = torch.zeros(n, L, dtype=qh.dtype, device=qh.device).masked_fill_(~visible, float("-inf"))
+    mask = torch.cat([bias.expand(H, n, L), sinks.to(qh.dtype).view(H, 1, 1).expand(H, n, 1)], dim=-1)
+    return F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask.unsqueeze(0), scale=scale, enable_gqa=True)
+
+
+def _softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """softmax over the last dim with one more logit per row, `sinks` (broadcast to scores[..., :1]), then dropped."""
+    column = sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
+
+
 def _decode_attention(
-    q: torch.Tensor, kv_cache: torch.Tensor, g: DecodeGroup, scale: float, window: int | None = None
+    q: torch.Tensor, kv_cache: torch.Tensor, g: DecodeGroup, scale: float, window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Few queries per request against its gathered keys, all requests at once -> [B * q_max, H, D].
 
@@ -257,9 +302,11 @@ def _decode_attention(
     G = H // KVH
     qb = q if g.dense else q.index_select(0, g.token_index)  # [B * q_max, H, D]
     if g.paged is not None:
+        if sinks is not None:
+            raise ValueError("attention sinks need the gathered decode path (LayerOps.use_gathered_decode)")
         return paged_decode_attention(qb, kv_cache, g.paged, scale, window)
     kv = kv_cache.index_select(2, g.key_blocks).view(2, KVH, B, L, D)
-    if q.is_cuda:
+    if q.is_cuda and sinks is None:
         qs = qb.view(B, q_max, H, D).transpose(1, 2)  # [B, H, q_max, D]
         keys = kv[0].transpose(0, 1)  # [B, KVH, L, D]
         mask = _windowed_bias(g, window).view(B, 1, q_max, L)
@@ -268,7 +315,11 @@ def _decode_attention(
     qs = qb.view(B, q_max, KVH, G, D).permute(2, 0, 1, 3, 4).reshape(KVH, B, q_max * G, D).to(kv.dtype)
     scores = torch.matmul(qs, kv[0].transpose(-1, -2)).mul_(scale)  # [KVH, B, q_max * G, L]
     scores.view(KVH, B, q_max, G, L).add_(_windowed_bias(g, window).view(1, B, q_max, 1, L))
-    o = torch.matmul(torch.softmax(scores, dim=-1), kv[1])  # [KVH, B, q_max * G, D]
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:  # query head kvh * G + g: its sink broadcast over the batch and the queries
+        probs = _softmax_with_sinks(scores.view(KVH, B, q_max, G, L), sinks.view(KVH, 1, 1, G, 1)).view(scores.shape)
+    o = torch.matmul(probs, kv[1])  # [KVH, B, q_max * G, D]
     return o.view(KVH, B, q_max, G, D).permute(1, 2, 0, 3, 4).reshape(B * q_max, H, D).to(q.dtype)
 
 

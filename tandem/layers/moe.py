@@ -9,6 +9,11 @@ the other rows beside it. A step's (token, expert) pairs are sorted by expert: a
 one chosen by several tokens of a batch (prefill, batched decode, verification) is read once for all of them, so decode
 at batch 1 streams only k experts' weights per layer. The outputs are summed expert by expert in ascending expert
 order, each scaled by its routing weight (the order transformers adds them in).
+
+gpt-oss (`GptOssMoe`) differs in the router and the activation only: the router has a bias, the top k of its logits
+are softmaxed among themselves (in the model dtype, as transformers does), and an expert's fused gate / up output goes
+through a clamped SwiGLU, (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = min(gate, limit). Its
+experts carry biases, which their projections add after the matmul (`make_linear(weight, bias)`).
 """
 
 from __future__ import annotations
@@ -62,6 +67,10 @@ class MoeMlp:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(logits.dtype), ids
 
+    def activation(self, gu: torch.Tensor, silu_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """An expert's fused gate / up output gu [n, 2 I] -> [n, I]: silu(gate) * up (the ops' kernel)."""
+        return silu_mul(gu)
+
     def __call__(self, h: torch.Tensor, silu_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """h [T, hidden] (model dtype) -> the weighted sum of each token's k experts [T, hidden] (model dtype)."""
         weights, ids = self.route(h)
@@ -78,7 +87,7 @@ class MoeMlp:
             if n == 0:
                 continue
             rows = tokens[start : start + n]  # [n]
-            y = expert.down(silu_mul(expert.gate_up(h[rows])))  # [n, hidden]
+            y = expert.down(self.activation(expert.gate_up(h[rows]), silu_mul))  # [n, hidden]
             out.index_add_(0, rows, y * scale[start : start + n, None])
             start += n
         return out
@@ -91,5 +100,27 @@ class MoeMlp:
         out = torch.zeros_like(h)
         for w, e in sorted(zip(weights.tolist(), ids.tolist()), key=lambda p: p[1]):
             expert = self.experts[e]
-            out += expert.down(silu_mul(expert.gate_up(h))) * w
+            out += expert.down(self.activation(expert.gate_up(h), silu_mul)) * w
         return out
+
+
+class GptOssMoe(MoeMlp):
+    """gpt-oss's experts: softmax over the top k router logits, the clamped SwiGLU (see the module's docstring)."""
+
+    def __init__(self, router: Projection, experts: list[Expert], top_k: int, alpha: float, limit: float) -> None:
+        super().__init__(router, experts, top_k, renormalize=True)
+        self.alpha = alpha
+        self.limit = limit
+
+    def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """h [T, hidden] -> (softmax of the top k logits [T, k] in h's dtype, expert ids [T, k] int64)."""
+        logits = self.router(h)  # [T, E] in the model dtype, the router's bias added
+        top, ids = torch.topk(logits, self.top_k, dim=-1)
+        return torch.softmax(top, dim=-1, dtype=top.dtype), ids
+
+    def activation(self, gu: torch.Tensor, silu_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """gu [n, 2 I] (gate | up, de-interleaved at load) -> [n, I]."""
+        gate, up = gu.chunk(2, dim=-1)
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))

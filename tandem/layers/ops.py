@@ -58,10 +58,11 @@ class LayerOps(ABC):
     @abstractmethod
     def attention(
         self, qk: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, num_heads: int,
-        scale: float, dtype: torch.dtype, window: int | None = None,
+        scale: float, dtype: torch.dtype, window: int | None = None, sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Causal attention of the step's queries (qk[:, :H]) over their requests' cached keys -> [T, H * D] in `dtype`;
-        with a sliding `window` each query sees only the last `window` keys (itself included)."""
+        with a sliding `window` each query sees only the last `window` keys (itself included); `sinks` [H] float32:
+        each head's sink logit joins its softmax's denominator (gpt-oss; the torch operations only)."""
 
     @abstractmethod
     def silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
@@ -103,10 +104,10 @@ class TorchOps(LayerOps):
 
     def attention(
         self, qk: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, num_heads: int,
-        scale: float, dtype: torch.dtype, window: int | None = None,
+        scale: float, dtype: torch.dtype, window: int | None = None, sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         q, k = qk[:, :num_heads], qk[:, num_heads:]
-        return paged_attention(q, k, v, kv_cache, meta, scale, window).to(dtype)
+        return paged_attention(q, k, v, kv_cache, meta, scale, window, sinks).to(dtype)
 
     def silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
         g, u = gu.chunk(2, dim=-1)
@@ -164,8 +165,10 @@ class CpuKernelOps(LayerOps):
 
     def attention(
         self, qk: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, num_heads: int,
-        scale: float, dtype: torch.dtype, window: int | None = None,
+        scale: float, dtype: torch.dtype, window: int | None = None, sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if sinks is not None:  # the C++ decode kernel has no sinks: `select_ops` gives such a model TorchOps
+            raise ValueError("tandem's CPU kernels have no attention sinks; build the model's ops with sinks=True")
         T, _, D = qk.shape
         q = qk[:, :num_heads]  # [T, H, D] float32, rows strided
         out = torch.empty(T, num_heads * D, dtype=dtype)
@@ -200,8 +203,17 @@ def prefill_attention_dtype(cache_dtype: torch.dtype) -> torch.dtype:
     return torch.float32
 
 
-def select_ops(device: torch.device, cos_half: torch.Tensor, sin_half: torch.Tensor, dtype: torch.dtype, use_kernels: bool) -> LayerOps:
-    """The fused CPU kernels on a CPU when wanted and buildable; torch operations otherwise."""
+def select_ops(
+    device: torch.device, cos_half: torch.Tensor, sin_half: torch.Tensor, dtype: torch.dtype, use_kernels: bool,
+    sinks: bool = False,
+) -> LayerOps:
+    """The fused CPU kernels on a CPU when wanted and buildable; torch operations otherwise. A model with attention
+    `sinks` (gpt-oss) gets the torch operations with the gathered decode path: the C++ attention kernels and
+    FlexAttention decode have no sinks."""
+    if sinks:
+        ops = select_ops(device, cos_half, sin_half, dtype, use_kernels=False)
+        ops.use_gathered_decode()
+        return ops
     if use_kernels and device.type == "cpu":
         from tandem.layers.kernels import load_cpu_kernels
 

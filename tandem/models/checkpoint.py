@@ -104,7 +104,8 @@ class TensorDict(WeightStore):
 def is_matrix_weight(name: str) -> bool:
     """Projection and embedding matrices (what `quantization="int8"` quantizes); norms, biases and routers stay dense
     (a router's few rows decide which experts run: vLLM and llama.cpp keep them unquantized too)."""
-    return name.endswith(".weight") and "norm" not in name and not name.endswith((".mlp.gate.weight", "block_sparse_moe.gate.weight"))
+    return name.endswith(".weight") and "norm" not in name and not name.endswith(
+        (".mlp.gate.weight", "block_sparse_moe.gate.weight", ".mlp.router.weight"))
 
 
 def check_quantization(quantization: str | None) -> str:
@@ -159,13 +160,19 @@ def expected_weight_names(config: ModelConfig) -> list[str]:
         p = f"model.layers.{i}."
         names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
         names += [f"{p}self_attn.{x}_proj.weight" for x in ("q", "k", "v", "o")]
-        if i in config.moe_layers:
+        if i in config.moe_layers and config.expert_names == "gpt_oss":
+            names += list(stacked_moe_names(i))
+        elif i in config.moe_layers:
             router, experts = moe_weight_names(config, i)
             names += [router, *(n for expert in experts for n in expert)]
         else:
             names += [f"{p}mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
         if config.attention_bias:
             names += [f"{p}self_attn.{x}_proj.bias" for x in ("q", "k", "v")]
+        if config.output_bias:
+            names.append(p + "self_attn.o_proj.bias")
+        if config.attention_sinks:
+            names.append(p + "self_attn.sinks")
         if config.qk_norm:
             names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
     return names
@@ -181,6 +188,29 @@ def moe_weight_names(config: ModelConfig, layer: int) -> tuple[str, list[tuple[s
     b = p + "mlp."
     return b + "gate.weight", [tuple(f"{b}experts.{e}.{x}_proj.weight" for x in ("gate", "up", "down"))  # type: ignore[misc]
                                for e in range(config.num_experts)]
+
+
+@dataclass(frozen=True)
+class StackedMoeNames:
+    """HF names of one gpt-oss mixture-of-experts layer, every expert in one tensor per part."""
+
+    router: str  # [E, hidden]
+    router_bias: str  # [E]
+    gate_up: str  # [E, hidden, 2 I]: x @ gate_up[e]; columns 2j (gate) and 2j + 1 (up) interleaved
+    gate_up_bias: str  # [E, 2 I], interleaved as well
+    down: str  # [E, I, hidden]: y @ down[e]
+    down_bias: str  # [E, hidden]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter((self.router, self.router_bias, self.gate_up, self.gate_up_bias, self.down, self.down_bias))
+
+
+def stacked_moe_names(layer: int) -> StackedMoeNames:
+    """gpt-oss's expert names in layer `layer` (MXFP4 checkpoints store gate_up / down as `_blocks` + `_scales`,
+    which the safetensors reader serves under these names)."""
+    m = f"model.layers.{layer}.mlp."
+    return StackedMoeNames(m + "router.weight", m + "router.bias", m + "experts.gate_up_proj", m + "experts.gate_up_proj_bias",
+                           m + "experts.down_proj", m + "experts.down_proj_bias")
 
 
 def interleaved_to_rotate_half(w: torch.Tensor, num_heads: int) -> torch.Tensor:

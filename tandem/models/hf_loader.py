@@ -3,7 +3,8 @@
 
 The safetensors header (8 bytes of length, then JSON: name -> dtype, shape, byte range) is parsed here and each tensor
 is read with a plain read when the model asks for it (`SafetensorsWeights`), so no file mapping keeps its pages in the
-process and no dict holds every tensor at once.
+process and no dict holds every tensor at once. A gpt-oss weight stored as MXFP4 (`W_blocks` + `W_scales`,
+`models/mxfp4.py`) is served under its plain name `W`, dequantized to the load dtype when read.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from tandem.models.checkpoint import (
     read_at,
     read_chat_template,
 )
+from tandem.models.mxfp4 import BLOCKS_SUFFIX, SCALES_SUFFIX, dequantize_mxfp4
 
 _ST_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -49,17 +51,31 @@ class SafetensorsWeights(WeightStore):
         self.dtype = dtype
         self.quantization = quantization
         self._entries: dict[str, _Entry] = {}
+        packed: dict[str, _Entry] = {}  # MXFP4 parts, by their own names
         for file in files:
             for name, entry in read_safetensors_header(file).items():
                 if wanted is None or name in wanted:
                     self._entries[name] = entry
+                elif name.endswith((BLOCKS_SUFFIX, SCALES_SUFFIX)):
+                    packed[name] = entry
+        self._mxfp4: dict[str, tuple[_Entry, _Entry]] = {}  # plain name -> (blocks, scales)
+        for name in list(packed):
+            base = name.removesuffix(BLOCKS_SUFFIX)
+            if name.endswith(BLOCKS_SUFFIX) and base + SCALES_SUFFIX in packed and (wanted is None or base in wanted):
+                self._mxfp4[base] = (packed[name], packed[base + SCALES_SUFFIX])
 
     def names(self) -> list[str]:
-        return list(self._entries)
+        return list(self._entries) + [n for n in self._mxfp4 if n not in self._entries]
 
     def read(self, name: str) -> torch.Tensor:
-        e = self._entries[name]
-        return read_at(e.file, e.offset, e.nbytes).view(e.dtype).reshape(e.shape)
+        if name not in self._entries and name in self._mxfp4:
+            blocks, scales = (_read_entry(e) for e in self._mxfp4[name])
+            return dequantize_mxfp4(blocks, scales, self.dtype)
+        return _read_entry(self._entries[name])
+
+
+def _read_entry(e: _Entry) -> torch.Tensor:
+    return read_at(e.file, e.offset, e.nbytes).view(e.dtype).reshape(e.shape)
 
 
 def read_safetensors_header(file: Path) -> dict[str, _Entry]:

@@ -1,5 +1,8 @@
-"""The Llama-family decoder (Llama 2/3, Mistral, TinyLlama, SmolLM/SmolLM2, Qwen2/2.5, Qwen3), switched by config; its
-MLP dense, or a mixture of experts (Qwen3-MoE, Mixtral: `layers/moe.py`) in the layers the config names.
+"""The Llama-family decoder (Llama 2/3, Mistral, TinyLlama, SmolLM/SmolLM2, Qwen2/2.5, Qwen3, gpt-oss), switched by
+config; its MLP dense, or a mixture of experts (Qwen3-MoE, Mixtral, gpt-oss: `layers/moe.py`) in the layers the config
+names. gpt-oss adds attention sinks (a learned logit per query head), an o_proj bias, alternating sliding-window
+layers, YaRN RoPE (its attention factor scales cos / sin) and stacked experts with biases (MXFP4 in the released
+checkpoints, dequantized by the reader).
 
 Weights are fused at load time (q/k/v -> one projection, gate/up -> one) and held as plain tensors and projections
 (`layers/linear.py`), not `nn.Module`s: the per-layer loop is one Python function with no module dispatch or hooks.
@@ -12,6 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -19,11 +23,11 @@ import torch.nn.functional as F
 from tandem.config import ConfigError, ModelConfig
 from tandem.layers.attention import AttentionMetadata
 from tandem.layers.linear import DenseProjection, Projection, Weight, make_linear
-from tandem.layers.moe import Expert, MoeMlp
+from tandem.layers.moe import Expert, GptOssMoe, MoeMlp
 from tandem.layers.ops import LayerOps, select_ops
 from tandem.layers.parallel import TensorParallel
 from tandem.layers.quant import QuantizedTensor
-from tandem.models.checkpoint import WeightStore, moe_weight_names
+from tandem.models.checkpoint import WeightStore, moe_weight_names, stacked_moe_names
 from tandem.models.sharding import WeightShard
 
 
@@ -38,6 +42,7 @@ class _Layer:
     q_norm: torch.Tensor | None  # [D] (Qwen3)
     k_norm: torch.Tensor | None
     moe: MoeMlp | None = None  # instead of gate_up / down in a mixture-of-experts layer
+    sinks: torch.Tensor | None = None  # [H] float32: each head's sink logit (gpt-oss)
 
     @property
     def projections(self) -> list[Projection]:
@@ -72,7 +77,7 @@ class ModelWeights:
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [D / 2] of rotary embeddings, with Llama 3 / linear scaling applied."""
+    """Inverse frequencies [D / 2] of rotary embeddings, with Llama 3 / linear / YaRN scaling applied."""
     d = cfg.head_dim
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
     rs = dict(cfg.rope_scaling or {})
@@ -92,7 +97,44 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
         mid = (1 - smooth) * scaled / factor + smooth * scaled
         is_mid = (wavelen >= high_wl) & (wavelen <= low_wl)
         return torch.where(is_mid, mid, scaled).float()
-    raise ConfigError(f"rope_scaling type {kind!r} is not supported; supported: default, linear, llama3")
+    if kind == "yarn":
+        return _yarn(cfg, rs)[0]
+    raise ConfigError(f"rope_scaling type {kind!r} is not supported; supported: default, linear, llama3, yarn")
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """The factor cos and sin are multiplied by: YaRN's attention scaling, 1 for the other kinds."""
+    rs = dict(cfg.rope_scaling or {})
+    return _yarn(cfg, rs)[1] if rs.get("rope_type", rs.get("type")) == "yarn" else 1.0
+
+
+def _yarn(cfg: ModelConfig, rs: Mapping[str, Any]) -> tuple[torch.Tensor, float]:
+    """YaRN's inverse frequencies [D / 2] and attention factor, as transformers' `_compute_yarn_parameters` computes
+    them (float32, `truncate` true unless the config says otherwise)."""
+    base, dim = cfg.rope_theta, cfg.head_dim
+    original = float(rs.get("original_max_position_embeddings") or cfg.max_position_embeddings)
+    factor = float(rs.get("factor") or cfg.max_position_embeddings / original)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = rs.get("attention_factor")
+    if attention is None:
+        m, m_all = rs.get("mscale"), rs.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(float(rs.get("beta_fast") or 32)), correction_dim(float(rs.get("beta_slow") or 1))
+    if rs.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / ((high + 0.001 if low == high else high) - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    extrapolation = 1 - ramp
+    inv = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv, float(attention)
 
 
 class LlamaModel:
@@ -109,6 +151,9 @@ class LlamaModel:
         the OS there (a 1.7B model's load peaked at 1.26x its final RSS with one trim at the end, 1.04x with one per
         layer)."""
         self.tp = tp or TensorParallel()
+        if self.tp.enabled and cfg.attention_sinks:
+            raise ConfigError("gpt-oss (attention sinks, stacked experts with biases) runs at tensor_parallel_size 1 "
+                              f"only, got {self.tp.size}")
         self.vocab_size = cfg.vocab_size
         shard = WeightShard(cfg, self.tp) if self.tp.enabled else None
         cfg = self.tp.shard_config(cfg)
@@ -129,7 +174,10 @@ class LlamaModel:
                 after_layer()
         self.windows = [cfg.layer_window(i) for i in range(cfg.num_layers)]  # sliding-window attention per layer
         freqs = torch.outer(torch.arange(cfg.max_position_embeddings, dtype=torch.float32), rope_inv_freq(cfg))  # [max_pos, D / 2]
-        self.ops: LayerOps = select_ops(device, freqs.cos(), freqs.sin(), dtype, use_kernels)
+        a = rope_attention_factor(cfg)  # YaRN's scaling of cos / sin, in float32 before any rounding (as transformers)
+        cos, sin = (freqs.cos() * a, freqs.sin() * a) if a != 1.0 else (freqs.cos(), freqs.sin())
+        # attention sinks (gpt-oss) run the torch operations: the fused C++ attention kernels have none
+        self.ops: LayerOps = select_ops(device, cos, sin, dtype, use_kernels, sinks=cfg.attention_sinks)
 
     def _head_and_embedding(self, w: ModelWeights) -> tuple[Projection, Projection]:
         """The output projection and the embedding table; tied, they share one storage when the projection can hand
@@ -157,7 +205,7 @@ class LlamaModel:
         qkv_b = o_b = None
         if self.cfg.attention_bias or (a + "q_proj.bias") in w.names:
             qkv_b = torch.cat([w.vector(a + f"{x}_proj.bias") for x in "qkv"])
-        if (a + "o_proj.bias") in w.names:
+        if self.cfg.output_bias or (a + "o_proj.bias") in w.names:
             o_b = w.vector(a + "o_proj.bias")
         k, dt = self.use_kernels, self.dtype
         moe = self._moe(w, i) if i in self.cfg.moe_layers else None
@@ -172,15 +220,37 @@ class LlamaModel:
             q_norm=w.vector(a + "q_norm.weight").to(dt) if self.cfg.qk_norm else None,
             k_norm=w.vector(a + "k_norm.weight").to(dt) if self.cfg.qk_norm else None,
             moe=moe,
+            # sinks rounded to the model dtype as the reference holds them, float32 for the softmax
+            sinks=w.vector(a + "sinks").float() if self.cfg.attention_sinks else None,
         )
 
     def _moe(self, w: ModelWeights, i: int) -> MoeMlp:
         """Layer i's router (dense, in the model dtype) and experts, each expert's gate and up fused as in the MLP."""
+        if self.cfg.expert_names == "gpt_oss":
+            return self._gpt_oss_moe(w, i)
         k, dt = self.use_kernels, self.dtype
         router, names = moe_weight_names(self.cfg, i)
         experts = [Expert(make_linear([w.matrix(g), w.matrix(u)], None, k, dt), make_linear(w.matrix(d), None, k, dt))
                    for g, u, d in names]
         return MoeMlp(DenseProjection(w.vector(router), None), experts, self.cfg.experts_per_token, self.cfg.norm_topk_prob)
+
+    def _gpt_oss_moe(self, w: ModelWeights, i: int) -> MoeMlp:
+        """Layer i's router (with its bias) and experts cut out of the stacked tensors: gate_up [E, hidden, 2 I] with
+        gate / up interleaved becomes each expert's [gate; up] rows [2 I, hidden] (bias alike), down [E, I, hidden]
+        its [hidden, I]; every expert a projection of the existing kernels, its bias added after the matmul."""
+        k, dt = self.use_kernels, self.dtype
+        n = stacked_moe_names(i)
+        gate_up, gate_up_b = w.matrix(n.gate_up), w.vector(n.gate_up_bias)  # [E, hidden, 2 I], [E, 2 I]
+        down, down_b = w.matrix(n.down), w.vector(n.down_bias)  # [E, I, hidden], [E, hidden]
+        assert isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)  # stacked: read dense
+        experts = []
+        for e in range(self.cfg.num_experts):
+            gu = gate_up[e].t()  # [2 I, hidden], rows gate0, up0, gate1, ...
+            fused = make_linear([gu[0::2].contiguous(), gu[1::2].contiguous()], torch.cat([gate_up_b[e, 0::2], gate_up_b[e, 1::2]]), k, dt)
+            experts.append(Expert(fused, make_linear(down[e].t().contiguous(), down_b[e].contiguous(), k, dt)))
+        del gate_up, down
+        router = DenseProjection(w.vector(n.router), w.vector(n.router_bias))
+        return GptOssMoe(router, experts, self.cfg.experts_per_token, self.cfg.swiglu_alpha, self.cfg.swiglu_limit)
 
     @property
     def matmul_params(self) -> int:
@@ -193,7 +263,8 @@ class LlamaModel:
     def weight_bytes(self) -> int:
         """Bytes the model's weights occupy as held (packed, quantized or dense; a shared table counted once)."""
         projections = {id(p): p for p in [self.lm_head, self.embed] + [x for la in self.layers for x in la.projections]}
-        vectors = [self.norm] + [t for la in self.layers for t in (la.input_norm, la.post_norm, la.q_norm, la.k_norm) if t is not None]
+        vectors = [self.norm] + [t for la in self.layers for t in (la.input_norm, la.post_norm, la.q_norm, la.k_norm, la.sinks)
+                                 if t is not None]
         return sum(p.nbytes for p in projections.values()) + sum(t.numel() * t.element_size() for t in vectors)
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
@@ -217,7 +288,7 @@ class LlamaModel:
                     [F.rms_norm(qk[:, :H], (D,), layer.q_norm, eps), F.rms_norm(qk[:, H:], (D,), layer.k_norm, eps)], dim=1
                 )
             qk = ops.rope_write_kv(qk, v, rope, kv_cache, meta, H)  # [T, H + KVH, D], k and v now in the cache
-            attn = ops.attention(qk, v, kv_cache, meta, H, self.scale, dt, window)  # [T, H D]
+            attn = ops.attention(qk, v, kv_cache, meta, H, self.scale, dt, window, layer.sinks)  # [T, H D]
             h = ops.add_rms_norm(x, self.tp.all_reduce(layer.o(attn)), layer.post_norm, eps, dt)
             delta = self.tp.all_reduce(self._mlp(layer, h))  # [T, hidden], summed over ranks
         return ops.add_rms_norm(x, delta, self.norm, eps, dt)
