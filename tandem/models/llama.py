@@ -151,9 +151,6 @@ class LlamaModel:
         the OS there (a 1.7B model's load peaked at 1.26x its final RSS with one trim at the end, 1.04x with one per
         layer)."""
         self.tp = tp or TensorParallel()
-        if self.tp.enabled and cfg.attention_sinks:
-            raise ConfigError("gpt-oss (attention sinks, stacked experts with biases) runs at tensor_parallel_size 1 "
-                              f"only, got {self.tp.size}")
         self.vocab_size = cfg.vocab_size
         shard = WeightShard(cfg, self.tp) if self.tp.enabled else None
         cfg = self.tp.shard_config(cfg)

@@ -2,7 +2,9 @@
 and vocabulary ids are its own): column-parallel weights (q/k/v, gate/up, embedding, LM head) by output rows,
 row-parallel ones (o, down) by input columns; norms replicated; the o bias on rank 0 only (added once to the sum).
 A mixture of experts: every expert's gate / up by its output rows and its down by input columns (each rank a slice of
-every expert's width, so routing needs no communication), the router replicated."""
+every expert's width, so routing needs no communication), the router replicated. gpt-oss: the sinks by query heads,
+the stacked experts by their intermediate features (gate_up's interleaved gate / up column pairs 2j, 2j + 1 together),
+the down bias on rank 0 only."""
 
 from __future__ import annotations
 
@@ -36,12 +38,19 @@ class WeightShard:
         self.expert_rules: dict[str, tuple[int, tuple[int, int]]] = {
             "gate_proj": (0, width), "up_proj": (0, width), "down_proj": (1, width), "w1": (0, width), "w3": (0, width), "w2": (1, width),
         }
+        pairs = (2 * width[0], 2 * width[1])
+        # gpt-oss, by the name's last part: sinks [H], gate_up [E, hidden, 2 I] / its bias [E, 2 I], down [E, I, hidden]
+        self.named_rules: dict[str, tuple[int, tuple[int, int]]] = {
+            "sinks": (0, (q0, q1)), "gate_up_proj": (2, pairs), "gate_up_proj_bias": (1, pairs), "down_proj": (1, width),
+        }
 
     def cut(self, name: str, w: Stored) -> Stored:
         """This rank's part of the tensor `name` (the whole tensor when it is replicated)."""
         parts = name.split(".")
+        if parts[-1] == "down_proj_bias":  # gpt-oss: added once, after the sum
+            return w if self.rank == 0 else torch.zeros_like(w)  # type: ignore[arg-type]
         rules = self.expert_rules if ".experts." in name else self.rules
-        rule = rules.get(parts[-2]) if len(parts) >= 2 else None
+        rule = self.named_rules.get(parts[-1]) or (rules.get(parts[-2]) if len(parts) >= 2 else None)
         if rule is None:
             return w
         dim, (start, end) = rule

@@ -20,8 +20,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from tandem.config import CacheConfig, ConfigError, ModelConfig, SchedulerConfig
 from tandem.core.plan import ScheduledRequest, StepPlan
-from tandem.layers.parallel import TensorParallel
-from tandem.models.llama import LlamaModel, rope_attention_factor, rope_inv_freq
+from tandem.models.llama import rope_attention_factor, rope_inv_freq
 from tandem.models.loader import load_checkpoint
 from tandem.models.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from tandem.runner.runner import ModelRunner
@@ -152,10 +151,10 @@ def test_engine_greedy_equals_transformers_generate(gpt_oss_folder: str) -> None
     assert _generate(gpt_oss_folder, PROMPTS, GREEDY) == want
 
 
-def test_tensor_parallel_is_refused_by_name(gpt_oss_folder: str) -> None:
-    ckpt = load_checkpoint(gpt_oss_folder, torch.float32, progress=False)
-    with pytest.raises(ConfigError, match="tensor_parallel_size 1"):
-        LlamaModel(ckpt.config, ckpt.weights, torch.float32, torch.device("cpu"), tp=TensorParallel(rank=0, size=2))
+def test_tensor_parallel_keeps_the_tokens(gpt_oss_folder: str) -> None:
+    """2 ranks, each 2 query heads with their sinks, 1 kv head and half of every expert's width (the down bias on
+    rank 0): the single-rank engine's greedy tokens."""
+    assert _generate(gpt_oss_folder, PROMPTS, GREEDY, tensor_parallel_size=2) == _generate(gpt_oss_folder, PROMPTS, GREEDY)
 
 
 def _write_mxfp4(dense: Path, out: Path) -> None:
