@@ -54,10 +54,10 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
 }
-# a GGUF architecture with experts -> (HF architecture, model_type, HF names of the experts: "qwen" | "mixtral")
-_MOE_ARCHITECTURES: dict[str, tuple[str, str, str]] = {
-    "llama": ("MixtralForCausalLM", "mixtral", "mixtral"),
-    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe", "qwen"),
+# a GGUF architecture with experts -> (HF architecture, model_type)
+_MOE_ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "llama": ("MixtralForCausalLM", "mixtral"),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
 }
 # model types whose q/k rows llama.cpp permuted to interleaved RoPE pairs (GGUF architecture `llama`)
 _PERMUTED_QK = {"llama", "mixtral"}
@@ -84,7 +84,7 @@ _GLOBAL_TENSORS: dict[str, str] = {
 _SKIPPED_TENSORS = {"rope_freqs.weight"}  # folded into the config's rope_scaling (Llama 3)
 
 
-# expert tensors: GGUF projection -> (index in moe_weight_names' (gate, up, down), the stacked name's projection)
+# expert tensors: GGUF projection -> its index in moe_weight_names' (gate, up, down)
 _EXPERT_TENSORS: dict[str, int] = {"ffn_gate_exps": 0, "ffn_up_exps": 1, "ffn_down_exps": 2}
 _PER_EXPERT_TENSORS: dict[str, int] = {"ffn_gate": 0, "ffn_up": 1, "ffn_down": 2}  # old Mixtral files: blk.N.ffn_gate.E
 
@@ -235,7 +235,7 @@ def _moe_config(meta: GGUFMetadata, arch: str, tensors: Mapping[str, ReaderTenso
         return {}
     if arch not in _MOE_ARCHITECTURES:
         raise ConfigError(f"{meta.path}: experts in a {arch!r} GGUF are not supported; with experts: {sorted(_MOE_ARCHITECTURES)}")
-    hf_arch, model_type, _ = _MOE_ARCHITECTURES[arch]
+    hf_arch, model_type = _MOE_ARCHITECTURES[arch]
     out: dict[str, Any] = {"architectures": [hf_arch], "model_type": model_type,
                            "num_experts_per_tok": int(meta.require(f"{arch}.expert_used_count"))}
     if model_type == "mixtral":
