@@ -62,3 +62,15 @@ def save_tiny(folder: Path, model: transformers.PreTrainedModel) -> Path:
     save_wordlevel_tokenizer(folder, model.config.vocab_size, eos_id=model.config.eos_token_id
                              if isinstance(model.config.eos_token_id, int) else None)
     return folder
+
+
+def hf_greedy(folder: str, prompts: list[str], max_new_tokens: int = 12) -> list[list[int]]:
+    """transformers' own greedy continuation (float32, exactly `max_new_tokens`) of each prompt: the reference."""
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    want = []
+    for p in prompts:
+        ids = tok(p, return_tensors="pt").input_ids
+        out = ref.generate(ids, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False)
+        want.append(out[0, ids.shape[1]:].tolist())
+    return want

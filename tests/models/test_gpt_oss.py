@@ -24,8 +24,8 @@ from tandem.models.llama import rope_attention_factor, rope_inv_freq
 from tandem.models.loader import load_checkpoint
 from tandem.models.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from tandem.runner.runner import ModelRunner
-from tests.models.test_moe import GREEDY, _generate, _runner
-from tests.tiny import perturb_norms, save_tiny
+from tests.models.test_moe import GREEDY, generate_tokens, tiny_runner
+from tests.tiny import hf_greedy, perturb_norms, save_tiny
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
         "original_max_position_embeddings": 64, "rope_theta": 150000.0}
@@ -83,7 +83,7 @@ def test_logits_match_transformers(kernels: bool, tmp_path: Path) -> None:
     With the kernels the projections run tandem's kernels and the attention the torch operations (sinks)."""
     ref = _tiny()
     ref.save_pretrained(tmp_path, safe_serialization=True)
-    runner = _runner(tmp_path, kernels)
+    runner = tiny_runner(tmp_path, kernels)
     assert runner.model.ops.name == "torch" and runner.model.layers[0].sinks is not None
     ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -114,7 +114,7 @@ def test_a_mixed_batch_routes_each_request_as_alone(tmp_path: Path) -> None:
     """A prefill, two decodes and a 4-token verify chunk in one step: each row is transformers' for its sequence."""
     ref = _tiny()
     ref.save_pretrained(tmp_path, safe_serialization=True)
-    runner = _runner(tmp_path, kernels=True)
+    runner = tiny_runner(tmp_path, kernels=True)
     g = torch.Generator().manual_seed(2)
     seqs = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (9, 14, 21, 12)]
     tables = [list(range(i * 8, i * 8 + 8)) for i in range(4)]
@@ -141,22 +141,16 @@ def gpt_oss_folder(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 def test_engine_greedy_equals_transformers_generate(gpt_oss_folder: str) -> None:
     """12 new tokens past prompts of 1-12 tokens (past the window of 8): one request at a time and all in one batch."""
-    ref = transformers.AutoModelForCausalLM.from_pretrained(gpt_oss_folder, dtype=torch.float32)
-    tok = transformers.AutoTokenizer.from_pretrained(gpt_oss_folder)
-    want = []
-    for p in PROMPTS:
-        ids = tok(p, return_tensors="pt").input_ids
-        out = ref.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False)
-        want.append(out[0, ids.shape[1]:].tolist())
+    want = hf_greedy(gpt_oss_folder, PROMPTS)
     assert len({t for w in want for t in w}) > 12  # not one short loop for every prompt
-    assert _generate(gpt_oss_folder, PROMPTS, GREEDY, max_num_seqs=1) == want
-    assert _generate(gpt_oss_folder, PROMPTS, GREEDY) == want
+    assert generate_tokens(gpt_oss_folder, PROMPTS, GREEDY, max_num_seqs=1) == want
+    assert generate_tokens(gpt_oss_folder, PROMPTS, GREEDY) == want
 
 
 def test_tensor_parallel_keeps_the_tokens(gpt_oss_folder: str) -> None:
     """2 ranks, each 2 query heads with their sinks, 1 kv head and half of every expert's width (the down bias on
     rank 0): the single-rank engine's greedy tokens."""
-    assert _generate(gpt_oss_folder, PROMPTS, GREEDY, tensor_parallel_size=2) == _generate(gpt_oss_folder, PROMPTS, GREEDY)
+    assert generate_tokens(gpt_oss_folder, PROMPTS, GREEDY, tensor_parallel_size=2) == generate_tokens(gpt_oss_folder, PROMPTS, GREEDY)
 
 
 def _write_mxfp4(dense: Path, out: Path) -> None:
@@ -195,7 +189,7 @@ def test_mxfp4_checkpoint_loads_to_its_dequantized_weights(tmp_path: Path) -> No
     with torch.no_grad():
         expected = ref(ids).logits[0]
     plan = StepPlan(0, [ScheduledRequest("a", ids[0].tolist(), 0, list(range(8)), all_logits=True)])
-    got = {name: _runner(tmp_path / name, kernels=True).execute(plan) for name in ("dense", "mxfp4")}
+    got = {name: tiny_runner(tmp_path / name, kernels=True).execute(plan) for name in ("dense", "mxfp4")}
     assert torch.equal(got["dense"], got["mxfp4"])
     torch.testing.assert_close(got["mxfp4"], expected, rtol=1e-4, atol=1e-4)
     bf16 = []

@@ -20,7 +20,7 @@ from tandem.layers.linear import DenseProjection
 from tandem.layers.moe import Expert, MoeMlp
 from tandem.models.loader import load_checkpoint
 from tandem.runner.runner import ModelRunner
-from tests.tiny import perturb_norms, save_tiny
+from tests.tiny import hf_greedy, perturb_norms, save_tiny
 
 TINY: dict[str, Any] = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
                             num_key_value_heads=2, max_position_embeddings=256)
@@ -43,7 +43,7 @@ def _tiny_moe(arch: str) -> transformers.PreTrainedModel:
     return perturb_norms(model)
 
 
-def _runner(folder: Path, kernels: bool, blocks: int = 64) -> ModelRunner:
+def tiny_runner(folder: Path, kernels: bool, blocks: int = 64) -> ModelRunner:
     ckpt = load_checkpoint(folder, torch.float32, progress=False)
     return ModelRunner(ckpt.config, ckpt.weights, torch.float32, "cpu", CacheConfig(block_size=4, num_blocks=blocks),
                        SchedulerConfig(max_model_len=64), use_kernels=kernels)
@@ -65,7 +65,7 @@ def test_logits_match_transformers(arch: str, kernels: bool, tmp_path: Path) -> 
     """30 positions: a prefill chunk, a chunk over the cache, decodes (one token: only k experts run)."""
     ref = _tiny_moe(arch)
     ref.save_pretrained(tmp_path, safe_serialization=True)
-    runner = _runner(tmp_path, kernels)
+    runner = tiny_runner(tmp_path, kernels)
     ids = torch.randint(0, 128, (1, 30), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = ref(ids).logits[0]  # [30, V]
@@ -83,7 +83,7 @@ def test_a_mixed_batch_routes_each_request_as_alone(arch: str, tmp_path: Path) -
     row's logits are transformers' for that sequence alone."""
     ref = _tiny_moe(arch)
     ref.save_pretrained(tmp_path, safe_serialization=True)
-    runner = _runner(tmp_path, kernels=True)
+    runner = tiny_runner(tmp_path, kernels=True)
     g = torch.Generator().manual_seed(2)
     seqs = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (9, 14, 21, 12)]
     tables = [list(range(i * 8, i * 8 + 8)) for i in range(4)]
@@ -138,7 +138,7 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 PROMPTS = ["t1 t2 t3 t4 t1 t2 t3 t4 t1 t2", "t5 t9 t20 t30 t31 t40", "t7"]
 
 
-def _generate(folder: str, prompts: list[str], params: SamplingParams | list[SamplingParams], **kw: Any) -> list[list[int]]:
+def generate_tokens(folder: str, prompts: list[str], params: SamplingParams | list[SamplingParams], **kw: Any) -> list[list[int]]:
     llm = LLM(folder, dtype="float32", kv_cache_memory=4 << 20, progress=False, **kw)
     try:
         return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
@@ -152,21 +152,15 @@ def qwen3_moe_folder(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def test_engine_greedy_equals_transformers_generate(qwen3_moe_folder: str) -> None:
-    ref = transformers.AutoModelForCausalLM.from_pretrained(qwen3_moe_folder, dtype=torch.float32)
-    tok = transformers.AutoTokenizer.from_pretrained(qwen3_moe_folder)
-    want = []
-    for p in PROMPTS:
-        ids = tok(p, return_tensors="pt").input_ids
-        out = ref.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False)
-        want.append(out[0, ids.shape[1]:].tolist())
-    assert _generate(qwen3_moe_folder, PROMPTS, GREEDY) == want
+    want = hf_greedy(qwen3_moe_folder, PROMPTS)
+    assert generate_tokens(qwen3_moe_folder, PROMPTS, GREEDY) == want
 
 
 def test_speculation_and_tensor_parallel_keep_the_tokens(qwen3_moe_folder: str) -> None:
     """n-gram drafts verified, and 2 ranks (each a slice of every expert): the plain engine's greedy tokens."""
-    plain = _generate(qwen3_moe_folder, PROMPTS, GREEDY)
-    assert _generate(qwen3_moe_folder, PROMPTS, GREEDY, speculative_config={"method": "ngram", "num_speculative_tokens": 3}) == plain
-    assert _generate(qwen3_moe_folder, PROMPTS, GREEDY, tensor_parallel_size=2) == plain
+    plain = generate_tokens(qwen3_moe_folder, PROMPTS, GREEDY)
+    assert generate_tokens(qwen3_moe_folder, PROMPTS, GREEDY, speculative_config={"method": "ngram", "num_speculative_tokens": 3}) == plain
+    assert generate_tokens(qwen3_moe_folder, PROMPTS, GREEDY, tensor_parallel_size=2) == plain
 
 
 def test_json_schema_on_a_moe_model_over_the_gpt2_vocabulary(tmp_path: Path, shared_data: Path) -> None:
