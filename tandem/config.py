@@ -158,9 +158,7 @@ def _moe_fields(cfg: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
     `norm_topk_prob`, experts in every `decoder_sparse_step`-th layer not in `mlp_only_layers`), Mixtral
     (`num_local_experts` in every layer, the top k always renormalized); {} for a dense model."""
     if cfg.get("model_type") == "mixtral" or "MixtralForCausalLM" in (cfg.get("architectures") or []):
-        if not 0 < int(cfg["num_experts_per_tok"]) <= int(cfg["num_local_experts"]):
-            raise ConfigError(f"num_experts_per_tok must be in [1, num_local_experts], got {cfg['num_experts_per_tok']}")
-        return {"num_experts": int(cfg["num_local_experts"]), "experts_per_token": int(cfg["num_experts_per_tok"]),
+        return {"num_experts": int(cfg["num_local_experts"]), "experts_per_token": _top_k(cfg, int(cfg["num_local_experts"])),
                 "moe_intermediate_size": int(cfg["intermediate_size"]), "norm_topk_prob": True,
                 "moe_layers": tuple(range(num_layers)), "expert_names": "mixtral"}
     if cfg.get("model_type") == "gpt_oss" or "GptOssForCausalLM" in (cfg.get("architectures") or []):
@@ -168,21 +166,26 @@ def _moe_fields(cfg: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
     experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)  # transformers >= 5 writes the latter
     if experts <= 0:
         return {}
-    if not 0 < int(cfg["num_experts_per_tok"]) <= experts:
-        raise ConfigError(f"num_experts_per_tok must be in [1, {experts}] (the experts), got {cfg['num_experts_per_tok']}")
     step, dense = int(cfg.get("decoder_sparse_step") or 1), set(cfg.get("mlp_only_layers") or [])
     layers = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
-    return {"num_experts": experts, "experts_per_token": int(cfg["num_experts_per_tok"]),
+    return {"num_experts": experts, "experts_per_token": _top_k(cfg, experts),
             "moe_intermediate_size": int(cfg["moe_intermediate_size"]), "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
             "moe_layers": layers, "expert_names": "qwen"}
 
 
+def _top_k(cfg: Mapping[str, Any], experts: int) -> int:
+    """`num_experts_per_tok`, checked against the layer's `experts` (a named ConfigError at load, not a failure in
+    the router's topk on the first step)."""
+    k = int(cfg["num_experts_per_tok"])
+    if not 0 < k <= experts:
+        raise ConfigError(f"num_experts_per_tok must be in [1, {experts}] (the experts), got {k}")
+    return k
+
+
 def _gpt_oss_moe(cfg: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
     """gpt-oss: experts in every layer, each `intermediate_size` wide; the top k router logits softmaxed."""
-    experts, k = int(cfg["num_local_experts"]), int(cfg["num_experts_per_tok"])
-    if not 0 < k <= experts:
-        raise ConfigError(f"num_experts_per_tok must be in [1, {experts}] (num_local_experts), got {k}")
-    return {"num_experts": experts, "experts_per_token": k, "moe_intermediate_size": int(cfg["intermediate_size"]),
+    experts = int(cfg["num_local_experts"])
+    return {"num_experts": experts, "experts_per_token": _top_k(cfg, experts), "moe_intermediate_size": int(cfg["intermediate_size"]),
             "norm_topk_prob": True, "moe_layers": tuple(range(num_layers)), "expert_names": "gpt_oss",
             "swiglu_alpha": float(cfg.get("swiglu_alpha", 1.702)), "swiglu_limit": float(cfg.get("swiglu_limit", 7.0))}
 

@@ -67,6 +67,7 @@ class AdaptiveK:
     _pending_tokens: int = field(init=False, repr=False, default=0)
     _guard_scale: int = field(init=False, repr=False, default=1)  # period multiplier after repeated verdicts
     _cost_cache: dict[int, list[float]] = field(init=False, repr=False, default_factory=dict)  # see _costs
+    _curve_cache: tuple[list[float], list[float]] | None = field(init=False, repr=False, default=None)  # see _curve
     speculation_off: bool = field(init=False, default=False)  # the guard's verdict until its next measurement
 
     def __post_init__(self) -> None:
@@ -103,6 +104,7 @@ class AdaptiveK:
             self._draft_per_token += self.cost_alpha * (per_token - self._draft_per_token)
         self._drafts_since_step = 0
         self._cost_cache.clear()
+        self._curve_cache = None
         self._guard_observe(seconds + draft_seconds)
 
     def observe_emitted(self, num_tokens: int) -> None:
@@ -194,13 +196,7 @@ class AdaptiveK:
         """
         if not self._verify:
             return 1.0
-        recent = sorted(self._verify.values(), key=lambda b: b.seen, reverse=True)
-        fresh = [b for b in recent if self._num_steps - b.seen < self.stale_after] or recent
-        points = sorted((b.num_tokens, b.seconds) for b in (fresh if len(fresh) >= 2 else recent[:2]))
-        xs = [x for x, _ in points]
-        ys: list[float] = []
-        for _, y in points:
-            ys.append(max(y, ys[-1]) if ys else y)
+        xs, ys = self._curve()
         n = float(num_tokens)
         if n <= xs[0]:
             return ys[0]
@@ -222,6 +218,19 @@ class AdaptiveK:
         if stats is None:
             stats = self._requests[request_id] = _RequestStats(list(self._shared))
         return stats
+
+    def _curve(self) -> tuple[list[float], list[float]]:
+        """The verify-time curve's points (tokens ascending, seconds made non-decreasing) from the buckets that count
+        (see `verify_seconds`), made once per `observe_step`."""
+        if self._curve_cache is None:
+            recent = sorted(self._verify.values(), key=lambda b: b.seen, reverse=True)
+            fresh = [b for b in recent if self._num_steps - b.seen < self.stale_after]
+            points = sorted((b.num_tokens, b.seconds) for b in (fresh if len(fresh) >= 2 else recent[:2]))
+            ys: list[float] = []
+            for _, y in points:
+                ys.append(max(y, ys[-1]) if ys else y)
+            self._curve_cache = ([x for x, _ in points], ys)
+        return self._curve_cache
 
     def _bucket_key(self, num_tokens: int) -> int:
         return round(self.buckets_per_octave * math.log2(num_tokens))

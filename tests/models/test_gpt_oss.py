@@ -24,7 +24,7 @@ from tandem.models.llama import rope_attention_factor, rope_inv_freq
 from tandem.models.loader import load_checkpoint
 from tandem.models.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from tandem.runner.runner import ModelRunner
-from tests.models.test_moe import GREEDY, generate_tokens, tiny_runner
+from tests.models.test_moe import GREEDY, generate_tokens, logits_in_chunks, tiny_runner
 from tests.tiny import hf_greedy, perturb_norms, save_tiny
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
@@ -88,12 +88,8 @@ def test_logits_match_transformers(kernels: bool, tmp_path: Path) -> None:
     ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = ref(ids).logits[0]  # [40, V]
-    table, tok = list(range(10)), ids[0].tolist()
-    got = [runner.execute(StepPlan(0, [ScheduledRequest("a", tok[:13], 0, table, all_logits=True)])),
-           runner.execute(StepPlan(1, [ScheduledRequest("a", tok[13:35], 13, table, all_logits=True)]))]
-    for p in range(35, 40):
-        got.append(runner.execute(StepPlan(2 + p, [ScheduledRequest("a", [tok[p]], p, table)])))
-    torch.testing.assert_close(torch.cat(got), expected, rtol=1e-4, atol=1e-4)
+    got = logits_in_chunks(runner, ids[0].tolist(), 13, 35, list(range(10)))
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 
 def test_sinks_window_and_clamp_are_exercised() -> None:

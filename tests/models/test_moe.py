@@ -69,12 +69,18 @@ def test_logits_match_transformers(arch: str, kernels: bool, tmp_path: Path) -> 
     ids = torch.randint(0, 128, (1, 30), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = ref(ids).logits[0]  # [30, V]
-    table, tok = list(range(8)), ids[0].tolist()
-    got = [runner.execute(StepPlan(0, [ScheduledRequest("a", tok[:11], 0, table, all_logits=True)])),
-           runner.execute(StepPlan(1, [ScheduledRequest("a", tok[11:27], 11, table, all_logits=True)]))]
-    for p in range(27, 30):
-        got.append(runner.execute(StepPlan(2, [ScheduledRequest("a", [tok[p]], p, table)])))
-    torch.testing.assert_close(torch.cat(got), expected, rtol=1e-4, atol=1e-4)
+    got = logits_in_chunks(runner, ids[0].tolist(), 11, 27, list(range(8)))
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def logits_in_chunks(runner: Any, tok: list[int], first: int, second: int, table: list[int]) -> torch.Tensor:
+    """Every position's logits [len(tok), V] as a server computes them: a prefill chunk tok[:first], a chunk over
+    the cache tok[first:second], then one decode step per token."""
+    got = [runner.execute(StepPlan(0, [ScheduledRequest("a", tok[:first], 0, table, all_logits=True)])),
+           runner.execute(StepPlan(1, [ScheduledRequest("a", tok[first:second], first, table, all_logits=True)]))]
+    for p in range(second, len(tok)):
+        got.append(runner.execute(StepPlan(2 + p, [ScheduledRequest("a", [tok[p]], p, table)])))
+    return torch.cat(got)
 
 
 @pytest.mark.parametrize("arch", ["qwen3-moe", "mixtral"])
