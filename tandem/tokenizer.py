@@ -10,6 +10,11 @@
 
 Decoding never applies `clean_up_tokenization_spaces`: the incremental detokenizer decodes short windows of ids, and
 the clean-up rules (" ." -> ".") would give a different text for a window than for the whole output.
+
+Chat prompts go through one seam, the tokenizer's `ChatFormat`: a Jinja chat template (`TemplateChatFormat`, the
+default), or, for a folder whose config.json is gpt-oss's, harmony (`tandem/tools/harmony.py`: rendered by
+openai_harmony, its assistant-action stop tokens `<|return|>` / `<|call|>` added to the EOS ids). A chat template
+given explicitly (`chat_template=`, `set_chat_template`) replaces either.
 """
 
 from __future__ import annotations
@@ -18,11 +23,39 @@ import functools
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from transformers import AutoTokenizer, GPT2Tokenizer, LlamaTokenizer, PreTrainedTokenizerBase
 
-from tandem.config import ConfigError
+from tandem.config import SUPPORTED_ARCHITECTURES, SUPPORTED_MODEL_TYPES, ConfigError
+
+# model families whose chat format is not a template (the format's loader, imported when such a folder is loaded)
+HARMONY_FAMILIES = frozenset({"gpt_oss"})
+
+
+class ChatFormat(Protocol):
+    """How a conversation becomes a prompt: `Tokenizer.apply_chat_template` / `render_chat` call it.
+
+    name              "template" | "harmony"
+    tool_call_parser  the tool-call format this chat format fixes (None: read off the template's text)
+    stop_token_ids    tokens that end an assistant turn besides the tokenizer's EOS (added to its EOS ids)
+    available         whether it can render at all (a template format without a template cannot)
+    """
+
+    name: str
+    tool_call_parser: str | None
+    stop_token_ids: tuple[int, ...]
+
+    @property
+    def available(self) -> bool: ...
+
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kw: Any) -> list[int]:
+        """Prompt token ids of `messages` (nothing added by the tokenizer's post-processor)."""
+        ...
+
+    def render_text(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kw: Any) -> str:
+        """The same prompt as text."""
+        ...
 
 
 class Tokenizer:
@@ -38,6 +71,7 @@ class Tokenizer:
         )  # deduplicated, in order
         self.bos_token_id: int | None = hf.bos_token_id
         self._rust_decode = _rust_decoder(hf)
+        self.chat_format: ChatFormat = TemplateChatFormat(self)
 
     # ---- loading -------------------------------------------------------------------------------------------------
 
@@ -61,6 +95,7 @@ class Tokenizer:
                 tok = cls.from_sentencepiece(p)
             elif p.is_dir():
                 tok = cls._from_folder(p)
+                tok._use_family_format(p)
             else:
                 raise ConfigError(f"tokenizer path {p} is neither a folder, a .gguf file nor a .model file")
         except ConfigError:
@@ -117,11 +152,25 @@ class Tokenizer:
         return cls(hf, extra_eos_token_ids)
 
     def set_chat_template(self, chat_template: str) -> None:
-        """Replace the chat template with `chat_template` (Jinja text, or a path to a file holding it)."""
+        """Replace the chat template with `chat_template` (Jinja text, or a path to a file holding it); prompts are
+        rendered by it from now on, whatever the chat format was."""
         candidate = Path(chat_template) if len(chat_template) < 4096 and "\n" not in chat_template else None
         if candidate is not None and candidate.is_file():
             chat_template = candidate.read_text()
         self.hf.chat_template = chat_template
+        self.chat_format = TemplateChatFormat(self)
+
+    def use_chat_format(self, chat_format: ChatFormat) -> None:
+        """Render prompts with `chat_format`; its stop tokens join the EOS ids."""
+        self.chat_format = chat_format
+        self.eos_token_ids = tuple(dict.fromkeys((*self.eos_token_ids, *chat_format.stop_token_ids)))
+
+    def _use_family_format(self, folder: Path) -> None:
+        """Harmony for a gpt-oss folder (its config.json's family); ConfigError when its vocabulary is missing."""
+        if model_family(folder) in HARMONY_FAMILIES:
+            from tandem.tools.harmony import HarmonyChatFormat
+
+            self.use_chat_format(HarmonyChatFormat.load(self.hf.get_vocab))
 
     # ---- text <-> ids --------------------------------------------------------------------------------------------
 
@@ -146,27 +195,20 @@ class Tokenizer:
 
     @property
     def has_chat_template(self) -> bool:
-        return getattr(self.hf, "chat_template", None) is not None
+        """Whether chats can be rendered (a template, or a chat format that needs none)."""
+        return self.chat_format.available
 
     def render_chat(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True, **kw: Any
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kw: Any
     ) -> str:
-        """The chat template applied to `messages`, as text; ConfigError when the tokenizer has no template."""
-        if not self.has_chat_template:
-            raise ConfigError(
-                "this tokenizer has no chat template; pass chat_template=... (Jinja text or a file path) "
-                "or send a plain completion prompt"
-            )
-        text = self.hf.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=False, **kw
-        )
-        return str(text)
+        """The chat format applied to `messages`, as text; ConfigError when the tokenizer has no template."""
+        return self.chat_format.render_text(messages, add_generation_prompt, **kw)
 
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True, **kw: Any
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kw: Any
     ) -> list[int]:
-        """Token ids of the rendered chat; the template writes its own special tokens, so none are added here."""
-        return self.encode(self.render_chat(messages, add_generation_prompt, **kw), add_special_tokens=False)
+        """Token ids of the rendered chat (the format writes its own special tokens: none are added here)."""
+        return self.chat_format.render(messages, add_generation_prompt, **kw)
 
     @functools.cached_property
     def special_token_ids(self) -> frozenset[int]:
@@ -180,6 +222,52 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer({type(self.hf).__name__}, vocab_size={self.vocab_size}, eos={self.eos_token_ids})"
+
+
+class TemplateChatFormat:
+    """A Jinja chat template (the tokenizer's own, or one given) rendered by transformers."""
+
+    name = "template"
+    tool_call_parser: str | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+
+    @property
+    def available(self) -> bool:
+        return getattr(self._tokenizer.hf, "chat_template", None) is not None
+
+    def render_text(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kw: Any) -> str:
+        """The template applied to `messages`; ConfigError when the tokenizer has none."""
+        if not self.available:
+            raise ConfigError(
+                "this tokenizer has no chat template; pass chat_template=... (Jinja text or a file path) "
+                "or send a plain completion prompt"
+            )
+        hf = self._tokenizer.hf
+        return str(hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False, **kw))
+
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kw: Any) -> list[int]:
+        """The template's text encoded; it writes its own special tokens, so none are added."""
+        return self._tokenizer.encode(self.render_text(messages, add_generation_prompt, **kw), add_special_tokens=False)
+
+
+def model_family(folder: Path) -> str | None:
+    """tandem's family of the model whose config.json is in `folder` (None: no config, or an unknown model)."""
+    f = folder / "config.json"
+    if not f.is_file():
+        return None
+    try:
+        cfg = json.loads(f.read_text())
+    except (json.JSONDecodeError, OSError):
+        return None
+    if not isinstance(cfg, dict):
+        return None
+    for arch in cfg.get("architectures") or []:
+        if arch in SUPPORTED_ARCHITECTURES:
+            return SUPPORTED_ARCHITECTURES[arch]
+    return SUPPORTED_MODEL_TYPES.get(str(cfg.get("model_type", "")))
 
 
 def _generation_config_eos(folder: Path) -> tuple[int, ...]:

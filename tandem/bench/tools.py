@@ -98,7 +98,7 @@ def corpus_requests(engine: LLMEngine, functions: Sequence[dict[str, Any]], mode
     """The requests of `modes` for every definition (every[mode]-th one only, where given), rendered through the
     engine's chat template (or the fallback)."""
     tok = engine.tokenizer
-    parser, native = choose_parser("auto", tok.hf.chat_template)
+    parser, native = choose_parser("auto", tok.hf.chat_template, tok.chat_format.tool_call_parser)
     out = []
     for i, entry in enumerate(functions):
         name = entry["function"]["name"]

@@ -41,7 +41,8 @@ ASKS = ["What's the weather like in Lisbon? Celsius please.", "Book a table for 
 def _request(engine: LLMEngine, i: int, choice: str) -> tuple[ToolPlan, list[int]]:
     """Ask i over a tool set of its own (its function and the next two), rendered as the server renders it."""
     tools = [{"type": "function", "function": FUNCTIONS[(i + k) % len(FUNCTIONS)]} for k in (0, 1, 2)]
-    plan = ToolPlan.build(tools, choice, False, *choose_parser("auto", engine.tokenizer.hf.chat_template))
+    plan = ToolPlan.build(tools, choice, False, *choose_parser("auto", engine.tokenizer.hf.chat_template,
+                                                                   engine.tokenizer.chat_format.tool_call_parser))
     assert plan is not None
     messages = plan.conversation([{"role": "user", "content": ASKS[i % len(ASKS)]}])
     return plan, engine.tokenizer.apply_chat_template(messages, **plan.template_kwargs())

@@ -10,37 +10,24 @@ A `ReasoningParser` is fixed by its markers and one flag:
 
 The starting state comes from the rendered prompt: a prompt that ends with `start` (Qwen3.5 / 3.6, DeepSeek-R1's
 updated template: "<think>\\n") thinks; one that ends with `end` (an empty block: `enable_thinking=False`) answers.
-Everything here is plain data built once per engine from its tokenizer; `ThinkingState` (state.py) follows one
-sequence. Parsers are registered by name (`register_reasoning_parser`), vLLM's names where vLLM has them.
+Everything here is plain data built once per engine from its tokenizer; a `ThinkingState` (state.py) follows one
+sequence, made by the parser (`start_state`: a `MarkerThinking` here, harmony's own for gpt-oss). Parsers are
+registered by name (`register_reasoning_parser`), vLLM's names where vLLM has them.
 """
 
 from __future__ import annotations
 
 import abc
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
-PROMPT_TAIL_TOKENS = 16  # the prompt's last tokens decoded to tell whether it opens or closes the block
+from tandem.reasoning.state import Decode, Encode, MarkerThinking, ReasoningMarkers, ThinkingState
 
-Encode = Callable[[str], list[int]]
-Decode = Callable[[Sequence[int]], str]
+PROMPT_TAIL_TOKENS = 16  # the prompt's last tokens decoded to tell whether it opens or closes the block
 
 
 class ReasoningError(ValueError):
     """An unknown parser name or markers that this tokenizer cannot spell."""
-
-
-@dataclass(frozen=True)
-class ReasoningMarkers:
-    """A parser's markers in one tokenizer's ids (plain data: it crosses process boundaries)."""
-
-    start: str
-    end: str
-    end_ids: tuple[int, ...]
-    implicit_end_ids: tuple[tuple[int, ...], ...]  # each ends the thinking; its tokens are the answer's first
-    end_text: str  # `end` as the decoded output shows it ("" when the tokenizer skips it as a special token)
-    start_text: str
 
 
 class ReasoningParser(abc.ABC):
@@ -61,6 +48,11 @@ class ReasoningParser(abc.ABC):
         start_ids = encode(self.start) if self.start else []
         return ReasoningMarkers(self.start, self.end, end_ids, implicit, decode(end_ids),
                                 decode(start_ids) if start_ids else "")
+
+    def start_state(self, markers: ReasoningMarkers, prompt_ids: Sequence[int], budget: int | None,
+                    decode: Decode) -> ThinkingState:
+        """The state of a sequence about to generate after `prompt_ids`."""
+        return MarkerThinking(markers, self.starts_thinking(prompt_ids, decode), budget)
 
     def starts_thinking(self, prompt_ids: Sequence[int], decode: Decode) -> bool:
         """Whether the first generated token is thinking, from the end of the rendered prompt."""

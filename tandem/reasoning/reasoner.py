@@ -30,4 +30,4 @@ class Reasoner:
 
     def start(self, prompt_ids: Sequence[int], budget: int | None) -> ThinkingState:
         """The state of a sequence about to generate after `prompt_ids`."""
-        return ThinkingState(self.markers, self.parser.starts_thinking(prompt_ids, self.decode), budget)
+        return self.parser.start_state(self.markers, prompt_ids, budget, self.decode)

@@ -1,5 +1,8 @@
 """One sequence's thinking, token by token: where it ends, its budget, and how its text splits.
 
+`ThinkingState` is the engine's view of it (one abstract base); `MarkerThinking` follows an end marker of fixed
+token ids (Qwen3, DeepSeek-R1, generic), harmony's (gpt-oss) follows its channels (reasoning/harmony.py).
+
 The engine calls, per step and sequence (plain Python, no tensors):
 
     limit(tokens, decode)   right after sampling: the step's emitted tokens as they may stand. Tokens after the
@@ -20,18 +23,61 @@ whole UTF-8 character (as llama.cpp's reasoning budget waits), so a forced end n
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import abc
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-
-from tandem.reasoning.parsers import Decode, ReasoningMarkers
 
 REPLACEMENT = "\ufffd"  # what a decode of a cut UTF-8 sequence ends with
 UTF8_TAIL = 4  # tokens decoded to tell whether the output ends inside a character
 
+Encode = Callable[[str], list[int]]
+Decode = Callable[[Sequence[int]], str]
+
+
+@dataclass(frozen=True)
+class ReasoningMarkers:
+    """A parser's markers in one tokenizer's ids (plain data: it crosses process boundaries)."""
+
+    start: str
+    end: str
+    end_ids: tuple[int, ...]
+    implicit_end_ids: tuple[tuple[int, ...], ...]  # each ends the thinking; its tokens are the answer's first
+    end_text: str  # `end` as the decoded output shows it ("" when the tokenizer skips it as a special token)
+    start_text: str
+
+
+class ThinkingState(abc.ABC):
+    """One sequence's thinking as the engine sees it (see the module docstring). Invariants every state keeps:
+    `thinking` only goes from True to False, at the token `feed` reports; `limit` never changes the state; the
+    tokens a state sees are emitted ones (never a draft), so rollbacks need nothing from it."""
+
+    thinking: bool  # False: it answers from here on (its grammar, if any, takes the tokens)
+    num_reasoning_tokens: int  # thinking tokens emitted, the end of the thinking included
+    text_end: int | None  # output tokens that are thinking text (None: not ended, or never thought)
+
+    @abc.abstractmethod
+    def limit(self, tokens: list[int], decode: Decode) -> list[int]:
+        """The tokens of this step that may be emitted: a prefix of `tokens` ending at the end of the thinking, its
+        last one possibly replaced by a token the spent budget forces."""
+
+    @abc.abstractmethod
+    def feed(self, tokens: Sequence[int]) -> int | None:
+        """Advance over emitted tokens (every one, thinking or not); the index in `tokens` where the answer starts
+        if the thinking ended in them, else None."""
+
+    @abc.abstractmethod
+    def split(self, text: str, finished: bool) -> tuple[str | None, str | None]:
+        """(thinking, answer) of the output `text` while the thinking has not ended: the answer None until it
+        begins."""
+
+    @abc.abstractmethod
+    def split_marked(self, text: str, marked_len: int) -> tuple[str | None, str | None]:
+        """(thinking, answer) once the thinking ended: `marked_len` is the text's length at `text_end`."""
+
 
 @dataclass
-class ThinkingState:
-    """The thinking of one sequence (see the module docstring). `thinking` False: it answers from here on."""
+class MarkerThinking(ThinkingState):
+    """The thinking of one sequence closed by an end marker of fixed ids (see the module docstring)."""
 
     markers: ReasoningMarkers
     thinking: bool
@@ -109,8 +155,8 @@ class ThinkingState:
             return None
         return self.markers.end_ids[self._matched]
 
-    def _clone(self) -> ThinkingState:
-        twin = ThinkingState(self.markers, self.thinking, self.budget, self.num_reasoning_tokens)
+    def _clone(self) -> MarkerThinking:
+        twin = MarkerThinking(self.markers, self.thinking, self.budget, self.num_reasoning_tokens)
         twin._matched, twin._implicit, twin._tail = self._matched, list(self._implicit), list(self._tail)
         return twin
 

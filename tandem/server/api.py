@@ -78,7 +78,7 @@ from tandem.server.reasoning import (
     with_thinking_budget,
 )
 from tandem.server.responses import ResponseBuilder, ResponsesRequest, usage_dict
-from tandem.tools.parsers import ToolCallDelta, ToolCallStream, ToolParser
+from tandem.tools.parsers import CallStream, ToolCallDelta, ToolParser
 from tandem.tools.plan import ToolError, ToolPlan, choose_parser, fallback_messages, hf_messages
 
 logger = logging.getLogger("tandem.server")
@@ -98,7 +98,7 @@ class ServerConfig:
     request_timeout_s: float | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     engine_start_timeout_s: float = 900.0
-    tool_call_parser: str = "auto"  # 'auto' (from the chat template) | 'hermes' | 'llama3_json' | 'mistral'
+    tool_call_parser: str = "auto"  # 'auto' (the chat format's or template's) | 'hermes' | 'llama3_json' | 'mistral' | 'openai'
     shutdown_grace_period_s: float = 30.0  # on SIGTERM, how long requests in flight may run on before they are failed
     reasoning_parser: str | None = None  # the engine's --reasoning-parser: answers show the thinking apart (reasoning.py)
     default_chat_template_kwargs: dict[str, Any] | None = None  # under each request's chat_template_kwargs
@@ -121,10 +121,11 @@ class ServerState:
         return self.config.served_model_names[0]
 
     def tool_format(self) -> tuple[ToolParser, bool]:
-        """(the tool-call parser, whether the chat template renders tools itself), from --tool-call-parser and the
-        template the engine core reported."""
-        template = self.client.info.chat_template if self.client.info is not None else None
-        return choose_parser(self.config.tool_call_parser, template)
+        """(the tool-call parser, whether the chat format renders tools itself), from --tool-call-parser and the
+        chat format / template the engine core reported."""
+        info = self.client.info
+        template, fixed = (info.chat_template, info.tool_call_parser) if info is not None else (None, None)
+        return choose_parser(self.config.tool_call_parser, template, fixed)
 
     def begin_drain(self) -> None:
         """Stop accepting (new requests and /health answer 503 "draining"); the requests in flight run on."""
@@ -384,6 +385,9 @@ def create_app(client: ServingClient, config: ServerConfig) -> FastAPI:
         state.loop = asyncio.get_running_loop()
         info = await client.start(config.engine_start_timeout_s)
         logger.info("engine core ready (pid %s, max_model_len %d); serving %s", info.core_pid, info.max_model_len, state.model_name)
+        if info.tool_call_parser == "openai" and config.reasoning_parser is None:
+            logger.warning("this model speaks harmony (gpt-oss): without --reasoning-parser openai_gptoss its answers "
+                           "hold every channel's text, headers included")
         try:
             yield
         finally:
@@ -686,7 +690,7 @@ class _ChatFormat(_Format):
         self.created = int(time.time())
         self.parser = parser
         self.reasoning = ChatReasoning(state.config.reasoning_parser, body.include_reasoning)
-        self._streams: dict[int, ToolCallStream] = {}
+        self._streams: dict[int, CallStream] = {}
 
     def _logprobs(self, positions: LogprobPositions | None) -> ChatLogprobs | None:
         if self.k < 0:
@@ -699,7 +703,7 @@ class _ChatFormat(_Format):
         shown = self.reasoning.shown_reasoning(c.thought)
         if self.parser is None or answer is None:
             return ChatResponseMessage(content=answer, reasoning=shown, reasoning_content=shown), c.finish_reason
-        parsed = self.parser.parse(answer)
+        parsed = self.parser.parse(answer, c.token_ids)
         calls = [ToolCallOut(id=t.id, function=FunctionCallOut(name=t.name, arguments=t.arguments)) for t in parsed.tool_calls]
         reason = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
         return ChatResponseMessage(content=parsed.content, tool_calls=calls, reasoning=shown, reasoning_content=shown), reason
@@ -727,7 +731,7 @@ class _ChatFormat(_Format):
         if self.parser is None:
             return [*out, (DeltaMessage(content=(text or None) if self.reasoning.on else text), c.finish_reason)]
         stream = self._streams.setdefault(index, self.parser.stream())
-        content = stream.feed(text) + (stream.finish() if c.finish_reason is not None else "")
+        content = stream.feed(text, c.token_ids) + (stream.finish() if c.finish_reason is not None else "")
         calls = _tool_call_deltas(stream.take_deltas())
         reason = "tool_calls" if c.finish_reason == "stop" and stream.calls() else c.finish_reason
         return [*out, (DeltaMessage(content=content or None, tool_calls=calls or None), reason)]
@@ -735,7 +739,9 @@ class _ChatFormat(_Format):
     def stream_chunks(self, prompt_index: int, delta: RequestDelta) -> list[dict[str, Any]]:
         out = []
         for c in delta.outputs:
-            if not (c.text or c.reasoning or c.content) and c.finish_reason is None and not c.logprobs:
+            # a delta of special tokens alone has no text, but a parser reading token ids (harmony) needs it
+            if not (c.text or c.reasoning or c.content or c.token_ids and self.parser is not None) \
+                    and c.finish_reason is None and not c.logprobs:
                 continue
             index = prompt_index * self.n + c.index
             logprobs = self._logprobs(c.logprobs) if c.logprobs else None  # with the delta's first chunk
@@ -773,7 +779,7 @@ class _ResponsesFormat(_Format):
         self.include_usage = True  # the final response.completed event carries the usage
         self.parser = parser
         self.builder = ResponseBuilder(rid, state.model_name if body.model is None else body.model, body, parser)
-        self._stream: ToolCallStream | None = parser.stream() if parser is not None else None
+        self._stream: CallStream | None = parser.stream() if parser is not None else None
         self._finish: str | None = None
         self.reasoning = ChatReasoning(state.config.reasoning_parser)
 
@@ -781,7 +787,7 @@ class _ResponsesFormat(_Format):
         c = choices[0]
         content, calls = self.reasoning.answer(c.text, c.thought), []
         if self.parser is not None and content is not None:
-            parsed = self.parser.parse(content)
+            parsed = self.parser.parse(content, c.token_ids)
             content, calls = parsed.content, parsed.tool_calls
         status = "incomplete" if c.finish_reason == "length" else "completed"
         b = self.builder
@@ -797,7 +803,7 @@ class _ResponsesFormat(_Format):
             thought, text = self.reasoning.split(c)
             out += self.builder.reasoning_events(thought or "")
             if self._stream is not None:
-                text = self._stream.feed(text) + (self._stream.finish() if c.finish_reason is not None else "")
+                text = self._stream.feed(text, c.token_ids) + (self._stream.finish() if c.finish_reason is not None else "")
             out += self.builder.text_events(text)
             if self._stream is not None:
                 out += self.builder.call_events(self._stream.take_deltas())

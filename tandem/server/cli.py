@@ -46,9 +46,10 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=int, default=256, help="sequences that may wait beyond --max-num-seqs before 429")
     p.add_argument("--request-timeout", type=float, default=None, help="seconds before a request is aborted (504)")
     p.add_argument("--max-body-size", type=parse_size, default=1 << 20, help="request body limit (default 1MiB)")
-    p.add_argument("--tool-call-parser", default="auto", choices=["auto", "hermes", "llama3_json", "mistral"],
-                   help="how the model writes tool calls (default: read off the chat template; Hermes <tool_call> "
-                        "with a fallback prompt for templates that know no tools)")
+    p.add_argument("--tool-call-parser", default="auto", choices=["auto", "hermes", "llama3_json", "mistral", "openai"],
+                   help="how the model writes tool calls (default: the chat format's (gpt-oss: openai, harmony's "
+                        "messages to functions.NAME) or read off the chat template; Hermes <tool_call> with a "
+                        "fallback prompt for templates that know no tools)")
     p.add_argument("--shutdown-grace-period", type=float, default=30.0,
                    help="on SIGTERM: seconds the requests in flight may run on (health and new requests: 503 draining) "
                         "before they are failed and the server exits; 0: fail them at once (default 30)")

@@ -14,7 +14,13 @@ Parsing whole outputs runs the same stream parser over the whole text, so stream
 
 Formats: Hermes / Qwen 2.5+ (`<tool_call>{"name", "arguments"}</tool_call>`, also the fallback format of
 templates that know no tools), Llama 3.x JSON (`{"name", "parameters"}`, calls separated by "; "), Mistral
-(`[TOOL_CALLS][{"name", "arguments"}]`; parallel calls as further items or further [TOOL_CALLS] blocks).
+(`[TOOL_CALLS][{"name", "arguments"}]`; parallel calls as further items or further [TOOL_CALLS] blocks), and gpt-oss's
+harmony (`openai`, vLLM's name): a call is a message to `functions.NAME`, read from the output's token ids by
+harmony's own parser (tools/harmony.py), not from its text; no grammar forces it (`guided` False), so only
+tool_choice "auto" / "none" go with it.
+
+A parser's `stream()` is a `CallStream`: fed each delta's text and token ids, it returns the content and keeps the
+call pieces; the text formats read the text (`ToolCallStream`), harmony the ids (`HarmonyCallStream`).
 """
 
 from __future__ import annotations
@@ -24,8 +30,9 @@ import json
 import re
 import secrets
 import string
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 _ALNUM = string.ascii_letters + string.digits
 
@@ -67,6 +74,7 @@ class ToolParser(abc.ABC):
     head: ClassVar[re.Pattern[str]]  # a call's begin at the cursor; group 1 is the function name
     next_head: ClassVar[re.Pattern[str] | None] = None  # a further call inside the same block (Mistral's list)
     skip_special_tokens: ClassVar[bool] = True  # False where the trigger is a special token of the vocabulary
+    guided: ClassVar[bool] = True  # a grammar (structural tag) can force its calls (ToolPlan)
 
     @abc.abstractmethod
     def begin(self, name: str) -> str:
@@ -79,16 +87,17 @@ class ToolParser(abc.ABC):
     def new_call_id(self) -> str:
         return "call_" + secrets.token_hex(12)
 
-    def parse(self, text: str) -> ParsedOutput:
-        """The calls in a whole output, and the text before the first of them."""
-        stream = ToolCallStream(self)
-        content = stream.feed(text) + stream.finish()
+    def parse(self, text: str, token_ids: Sequence[int] = ()) -> ParsedOutput:
+        """The calls in a whole output (its answer text and its token ids), and its content: the text formats give
+        the text before the first call. The same stream parser as `stream()`, so both agree."""
+        stream = self.stream()
+        content = stream.feed(text, token_ids) + stream.finish()
         calls = stream.calls()
         if calls and not content.strip():
             return ParsedOutput(None, calls)
         return ParsedOutput(content or None, calls) if calls else ParsedOutput(text, [])
 
-    def stream(self) -> ToolCallStream:
+    def stream(self) -> CallStream:
         """An incremental parser for one streamed output."""
         return ToolCallStream(self)
 
@@ -142,7 +151,28 @@ class MistralToolParser(ToolParser):
         return "".join(secrets.choice(_ALNUM) for _ in range(9))  # Mistral's templates require 9 alphanumerics
 
 
-PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser)}
+class OpenAIToolParser(ToolParser):
+    """gpt-oss (harmony): `<|channel|>commentary to=functions.f <|constrain|>json<|message|>{...}<|call|>`, read from
+    the token ids by harmony's parser (its vocabulary from tools/harmony.py, loaded on the first stream)."""
+
+    name = "openai"
+    trigger = "<|channel|>commentary to=functions."
+    end = "<|call|>"
+    separator = ""
+    head = re.compile(r"<\|channel\|>commentary to=functions\.([A-Za-z0-9_.\-]+)\s*(?:<\|constrain\|>)?\s*\w*<\|message\|>")
+    guided = False
+
+    def begin(self, name: str) -> str:
+        return f"<|start|>assistant<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>"
+
+    def stream(self) -> CallStream:
+        from tandem.tools.harmony import HarmonyReader, harmony_encoding
+
+        return HarmonyCallStream(self, HarmonyReader(harmony_encoding()))
+
+
+PARSERS: dict[str, type[ToolParser]] = {
+    p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser, OpenAIToolParser)}
 
 
 def make_parser(name: str) -> ToolParser:
@@ -157,6 +187,8 @@ def parser_for_template(template: str | None) -> str | None:
     """The format a chat template writes calls in, judged from its text; None when it shows no tool-call format."""
     if not template:
         return None
+    if "<|channel|>" in template:  # gpt-oss's own template writes harmony
+        return "openai"
     if "[TOOL_CALLS]" in template:
         return "mistral"
     if "<tool_call>" in template:
@@ -195,8 +227,29 @@ class _JsonExtent:
         return self.started and self.depth == 0
 
 
-class ToolCallStream:
-    """Incremental parser of one output: `feed(delta)` returns the new content text and records call pieces.
+class CallStream(abc.ABC):
+    """One output's calls, read delta by delta."""
+
+    @abc.abstractmethod
+    def feed(self, delta: str, token_ids: Sequence[int] = ()) -> str:
+        """Add a delta (its answer text and its token ids); returns the content text that is now certain. Call
+        pieces go to `take_deltas()`."""
+
+    @abc.abstractmethod
+    def finish(self) -> str:
+        """The output ended: the content text held back until now."""
+
+    @abc.abstractmethod
+    def take_deltas(self) -> list[ToolCallDelta]:
+        """The call pieces recorded since the last take."""
+
+    @abc.abstractmethod
+    def calls(self) -> list[ToolCall]:
+        """The complete calls so far (a call cut off by the end of the output is not among them)."""
+
+
+class ToolCallStream(CallStream):
+    """Incremental parser of one output's text: `feed(delta)` returns the new content text and records call pieces.
 
     States: before the first call (content; a tail that could start the trigger is held back), at a call's head
     (waiting until the begin is complete), inside its arguments (each character passed on as it arrives), after
@@ -215,8 +268,8 @@ class ToolCallStream:
         self._args = ""
         self._extent = _JsonExtent()
 
-    def feed(self, delta: str) -> str:
-        """Add `delta`; returns the content text that is now certain. Call pieces go to `take_deltas()`."""
+    def feed(self, delta: str, token_ids: Sequence[int] = ()) -> str:
+        """Add `delta` (its ids are not read); returns the content text that is now certain."""
         self.text += delta
         out = []
         while True:
@@ -239,7 +292,6 @@ class ToolCallStream:
         return out
 
     def calls(self) -> list[ToolCall]:
-        """The complete calls so far (a call cut off by the end of the output is not among them)."""
         return list(self._calls)
 
     def _at_content(self) -> str | None:
@@ -299,6 +351,42 @@ class ToolCallStream:
 
     def _at_done(self) -> str | None:
         return None
+
+
+class HarmonyCallStream(CallStream):
+    """Calls read from harmony token ids (messages to functions.NAME); the content is the answer text as given (the
+    engine's harmony split already holds only the final and preamble text)."""
+
+    def __init__(self, parser: ToolParser, reader: Any) -> None:
+        self.parser = parser
+        self.reader = reader  # a tools/harmony.py HarmonyReader, fed every token of the output
+        self.deltas: list[ToolCallDelta] = []
+        self._ids: list[str] = []  # each call's id, by index
+        self._sent: list[int] = []  # argument characters sent per call
+
+    def feed(self, delta: str, token_ids: Sequence[int] = ()) -> str:
+        for token in token_ids:
+            self.reader.feed(token)
+        for i, call in enumerate(self.reader.calls):
+            if i == len(self._ids):
+                self._ids.append(self.parser.new_call_id())
+                self._sent.append(0)
+                self.deltas.append(ToolCallDelta(i, self._ids[i], call.name, ""))
+            if len(call.arguments) > self._sent[i]:
+                self.deltas.append(ToolCallDelta(i, arguments=call.arguments[self._sent[i]:]))
+                self._sent[i] = len(call.arguments)
+        return delta
+
+    def finish(self) -> str:
+        return ""
+
+    def take_deltas(self) -> list[ToolCallDelta]:
+        out, self.deltas = self.deltas, []
+        return out
+
+    def calls(self) -> list[ToolCall]:
+        return [ToolCall(self._ids[i], c.name, c.arguments) for i, c in enumerate(self.reader.calls)
+                if c.done and i < len(self._ids)]
 
 
 def _held_back(text: str, pos: int, trigger: str) -> int:

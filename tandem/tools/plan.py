@@ -170,9 +170,12 @@ def _unique_enum_array(schema: dict[str, Any]) -> dict[str, Any]:
     return {**rest, "enum": subsets}
 
 
-def choose_parser(flag: str, chat_template: str | None) -> tuple[ToolParser, bool]:
-    """(the parser, whether the template renders tools itself): `flag` 'auto' reads the format off the template;
-    a template that never mentions `tools` gets the fallback format (Hermes) whatever the flag says."""
+def choose_parser(flag: str, chat_template: str | None, format_parser: str | None = None) -> tuple[ToolParser, bool]:
+    """(the parser, whether the chat format renders tools itself): `flag` 'auto' reads the format off the template;
+    a template that never mentions `tools` gets the fallback format (Hermes) whatever the flag says. A chat format
+    that fixes its call format (`format_parser`: harmony's "openai") renders tools itself and is 'auto''s pick."""
+    if format_parser is not None:
+        return make_parser(format_parser if flag == "auto" else flag), True
     native = bool(chat_template) and re.search(r"\btools\b", chat_template or "") is not None
     if flag != "auto":
         return make_parser(flag), native
@@ -204,16 +207,20 @@ class ToolPlan:
         choice = choice or "auto"
         if choice not in CHOICES and all(f.name != choice for f in fns):
             raise ToolError(f"tool_choice names {choice!r}, which is not among the tools", "tool_choice")
+        if not parser.guided and choice not in ("none", "auto"):
+            raise ToolError(f"tool_choice {choice!r} needs a grammar that forces the call; the {parser.name!r} "
+                            'tool-call format has none here: use "auto"', "tool_choice")
         return cls(fns, choice, parallel is not False, parser, native)
 
     @property
     def constrained(self) -> bool:
+        """Calls are read from the output (and, with a guided parser, held to their schemas)."""
         return self.choice != "none"
 
     def structural_tag(self, answer_schema: Any = None) -> dict[str, Any] | None:
         """The grammar of the answer (xgrammar's structural-tag JSON), None for 'none'. `answer_schema` (a JSON
         response_format with tool_choice "auto") makes the answer either that JSON or calls, as OpenAI does."""
-        if self.choice == "none":
+        if self.choice == "none" or not self.parser.guided:
             return None
         fns = [f for f in self.tools if f.name == self.choice] or self.tools
         tags = [{"type": "tag", "begin": self.parser.begin(f.name), "end": self.parser.end, "content": _json_format(f.grammar)}
@@ -241,8 +248,9 @@ class ToolPlan:
         """`params` with the plan's grammar and the special-token setting its parser needs. A forced call is the whole
         answer, so with "required" or a named function the params' own constraint (a response_format) gives way; with
         "auto" a JSON one stays the format of a text answer. The backend the params named is kept. ToolError for
-        "auto" beside a constraint that is not JSON."""
-        if not self.constrained:
+        "auto" beside a constraint that is not JSON. A parser without a grammar (harmony) leaves `params` as they are:
+        a response format then holds the final answer alone."""
+        if not self.constrained or not self.parser.guided:
             return params
         so = params.structured_outputs
         answer: Any = None

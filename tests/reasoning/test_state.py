@@ -1,4 +1,4 @@
-"""ThinkingState and the parsers on token ids alone (no model): where the thinking ends, the budget's forced end,
+"""MarkerThinking and the parsers on token ids alone (no model): where the thinking ends, the budget's forced end,
 the text split, the starting state from a prompt."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import pytest
 
 from tandem.reasoning import (
     GenericReasoningParser,
+    MarkerThinking,
     Qwen3ReasoningParser,
     ReasoningError,
-    ThinkingState,
     make_reasoning_parser,
 )
 from tandem.reasoning.parsers import ReasoningMarkers
@@ -48,7 +48,7 @@ def test_next_match_equals_brute_force() -> None:
 
 
 def test_the_end_marker_as_a_token_sequence_ends_the_thinking() -> None:
-    s = ThinkingState(markers(), thinking=True)
+    s = MarkerThinking(markers(), thinking=True)
     assert s.feed([1, 7, 8]) is None  # a partial marker is still thinking
     assert s.feed([2, 7]) is None  # ... and a broken one too
     assert s.feed([8, 9, 4]) == 2  # the answer starts after the marker
@@ -56,14 +56,14 @@ def test_the_end_marker_as_a_token_sequence_ends_the_thinking() -> None:
 
 
 def test_limit_cuts_a_verified_run_after_the_marker() -> None:
-    s = ThinkingState(markers(), thinking=True)
+    s = MarkerThinking(markers(), thinking=True)
     assert s.limit([1, 7, 8, 9, 3, 4], plain) == [1, 7, 8, 9]  # rows after it were sampled without the grammar
     assert s.num_output_tokens == 0  # limit changes nothing
     assert s.limit([1, 2], plain) == [1, 2]
 
 
 def test_budget_forces_the_marker_one_token_per_position() -> None:
-    s = ThinkingState(markers(), thinking=True, budget=3)
+    s = MarkerThinking(markers(), thinking=True, budget=3)
     toks = s.limit([1, 2, 3, 4, 5], plain)
     assert toks == [1, 2, 3, 7]  # the 4th token replaced, the rest of the verified run dropped
     s.feed(toks)
@@ -74,8 +74,8 @@ def test_budget_forces_the_marker_one_token_per_position() -> None:
 
 
 def test_budget_zero_forces_from_the_first_token_and_a_started_marker_is_completed() -> None:
-    assert ThinkingState(markers(), thinking=True, budget=0).limit([4], plain) == [7]
-    s = ThinkingState(markers(), thinking=True, budget=2)
+    assert MarkerThinking(markers(), thinking=True, budget=0).limit([4], plain) == [7]
+    s = MarkerThinking(markers(), thinking=True, budget=2)
     s.feed([1, 7])  # the model began the marker itself as the budget ran out
     assert s.limit([3], plain) == [8]
 
@@ -87,32 +87,32 @@ def test_budget_waits_for_a_whole_utf8_character() -> None:
         ids = list(ids)  # type: ignore[call-overload]
         return "x" * len(ids) + ("\ufffd" if ids and ids[-1] in cut else "")
 
-    s = ThinkingState(markers(), thinking=True, budget=2)
+    s = MarkerThinking(markers(), thinking=True, budget=2)
     assert s.limit([1, 11, 12, 4], decode) == [1, 11, 12, 7]  # after 11 one more token, then the marker
 
 
 def test_implicit_end_belongs_to_the_answer() -> None:
-    s = ThinkingState(markers(implicit=(TOOL,)), thinking=True)
+    s = MarkerThinking(markers(implicit=(TOOL,)), thinking=True)
     assert s.limit([1, 5, 6], plain) == [1, 5]
     assert s.feed([1, 5]) == 1  # "<tool_call>" is the answer's first token
     assert s.text_end == 1 and s.num_reasoning_tokens == 1
 
 
 def test_a_sequence_that_answers_feeds_through() -> None:
-    s = ThinkingState(markers(), thinking=False, budget=0)
+    s = MarkerThinking(markers(), thinking=False, budget=0)
     assert s.limit([7, 1], plain) == [7, 1] and s.feed([7, 8, 9]) is None
     assert s.split("abc", finished=False) == (None, "abc") and s.num_reasoning_tokens == 0
 
 
 @pytest.mark.parametrize("finished", [False, True])
 def test_text_split_while_thinking_holds_back_a_partial_marker(finished: bool) -> None:
-    s = ThinkingState(markers(), thinking=True)
+    s = MarkerThinking(markers(), thinking=True)
     assert s.split("<think>\nabc</thi", finished) == ("\nabc" if not finished else "\nabc</thi", None)
     assert s.split("<thi", finished=False) == ("", None)  # it may be writing the start marker
 
 
 def test_text_split_once_ended() -> None:
-    s = ThinkingState(markers(), thinking=True)
+    s = MarkerThinking(markers(), thinking=True)
     text = "<think>plan</think>\n\n{\"a\": 1}"
     assert s.split_marked(text, len("<think>plan</think>")) == ("plan", "\n\n{\"a\": 1}")
 
@@ -151,7 +151,7 @@ def test_random_runs_agree_between_limit_and_feed() -> None:
         if trial == 300:
             break
         budget = rng.choice([None, 0, 1, 4, 9])
-        s = ThinkingState(markers(implicit=(TOOL,)), thinking=True, budget=budget)
+        s = MarkerThinking(markers(implicit=(TOOL,)), thinking=True, budget=budget)
         emitted: list[int] = []
         while s.thinking and len(emitted) < 60:
             step = [rng.choice([1, 2, 5, 7, 8, 9]) for _ in range(rng.randint(1, 5))]
