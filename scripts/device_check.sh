@@ -5,7 +5,8 @@
 # Installs the carried wheels into /tmp/tandem-site (on PYTHONPATH, beside the machine's own torch and triton), runs
 # the CUDA tests and `python -m tandem.bench.device_check`; writes device_check.md / .json and the logs to $OUT
 # (7 files: at most 8 come back).
-# Changes no device setting. Well under 10 minutes.
+# The last CUDA tests (experts on the host) and the last section may build tandem's CPU kernels once (into
+# $TANDEM_HOME; a machine without a compiler falls back to torch's). Changes no device setting. Well under 10 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
@@ -23,7 +24,7 @@ export PYTHONPATH="$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$OUT/gpu.txt"
 timeout 180 "$PY" -m pytest -q -p no:randomly -p no:cacheprovider -m cuda \
     tests/layers/test_paged_decode.py tests/runner tests/models/test_parity.py tests/layers/test_quant.py \
-    tests/test_device_check.py > "$OUT/cuda_tests.txt" 2>&1
+    tests/test_device_check.py tests/models/test_moe_offload.py > "$OUT/cuda_tests.txt" 2>&1
 echo "cuda tests: $(tail -1 "$OUT/cuda_tests.txt")"
 timeout 360 "$PY" -m tandem.bench.device_check --device cuda --out "$OUT" 2> "$OUT/device_check.log"
 status=$?

@@ -5,7 +5,8 @@ threads when no count is given (the test suite sets 1: on a loaded machine every
 waits for a descheduled thread, which made tiny-model steps 100x slower). With a draft model on the CPU the draft
 worker gets its own core set (a quarter of the cores, at least one) and the forward keeps the rest; grammar mask
 threads are few (mask fills take microseconds per row) and share the forward's cores. On a 2-core machine nothing can
-be exclusive: the split then says so and everyone shares.
+be exclusive: the split then says so and everyone shares. Experts on the host beside an accelerator
+(`cpu_offload_experts`) make the forward a host computation too: it gets the forward's cores, as on a CPU device.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ logger = logging.getLogger("tandem")
 class CpuBudget:
     cores: tuple[int, ...]  # all cores this process may use
     forward_cores: tuple[int, ...]
-    forward_threads: int  # torch intra-op threads of the forward (CPU device) / host side (accelerator)
+    forward_threads: int  # torch intra-op threads of the forward (CPU device, host experts) / host side (accelerator)
     grammar_threads: int
     draft_cores: tuple[int, ...]  # empty: no draft worker
     draft_threads: int
@@ -45,8 +46,10 @@ def plan_cpu_budget(
     draft_threads: int | None = None,
     draft_cores: tuple[int, ...] | None = None,
     cores: tuple[int, ...] | None = None,
+    host_experts: bool = False,
 ) -> CpuBudget:
-    """Split the cores; explicit arguments win over the defaults."""
+    """Split the cores; explicit arguments win over the defaults. `host_experts`: some layers' experts run on the
+    host's cores inside the forward (the forward then takes every core of its set, as on a CPU device)."""
     all_cores = tuple(sorted(cores if cores is not None else os.sched_getaffinity(0)))
     n = len(all_cores)
     if draft_on_cpu:
@@ -58,7 +61,7 @@ def plan_cpu_budget(
             draft_threads = 1
     else:
         draft_cores, rest = (), all_cores
-    default_threads = len(rest) if device == "cpu" else max(1, min(4, len(rest)))
+    default_threads = len(rest) if device == "cpu" or host_experts else max(1, min(4, len(rest)))
     budget = CpuBudget(
         cores=all_cores,
         forward_cores=rest,

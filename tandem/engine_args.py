@@ -32,6 +32,17 @@ def _key_value(text: str) -> tuple[str, Any]:
         return key, value
 
 
+def offload_setting(text: str) -> int | str:
+    """--cpu-offload-experts: 'all' or a number of layers >= 0 (as `layers/moe_offload.check_offload_setting` reads it;
+    not imported here: the flags parse without torch)."""
+    value = text.strip().lower()
+    if value == "all":
+        return value
+    if value.isdigit():
+        return int(value)
+    raise argparse.ArgumentTypeError(f"--cpu-offload-experts wants 'all' or a number of layers >= 0, got {text!r}")
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Model, cache, scheduler, structured-output and speculative-decoding flags."""
     g = p.add_argument_group("engine")
@@ -56,6 +67,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--threads", type=int, default=None, help="torch threads of the forward (default: all cores)")
+    g.add_argument("--cpu-offload-experts", type=offload_setting, default=None, metavar="all|N",
+                   help="mixture-of-experts models beside an accelerator: keep the experts (and routers) of all MoE "
+                        "layers, or of those below layer N (llama.cpp's --n-cpu-moe N), in host memory and run them "
+                        "on the host's cores (no CUDA graphs then); the normal path on a CPU device; a no-op, logged, "
+                        "on a model without experts")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="shard the model over this many ranks (worker processes over torch.distributed: gloo on the "
                         "CPU, each rank on its share of the cores; NCCL on CUDA, one device per rank)")
@@ -105,6 +121,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         enable_prefix_caching=not args.no_prefix_caching,
         seed=args.seed,
         num_threads=args.threads,
+        cpu_offload_experts=args.cpu_offload_experts,
         tensor_parallel_size=args.tensor_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,
         chat_template=args.chat_template,

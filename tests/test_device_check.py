@@ -24,6 +24,10 @@ def test_device_check_dry_run_on_cpu(tmp_path: Path, shared_data: Path) -> None:
     assert results["launches"]["aten_ops_per_step"] > 0
     assert results["environment"]["decode_attention"] == "flex (paged)"  # the CUDA path's code, run on the host
     assert results["decode"]["graphs"]["graph_steps"] > 0
+    moe = results["moe_host_experts"]  # the CPU device: the experts' hop copies nothing, the tokens are the same
+    assert moe["tokens"]["identical"] == moe["tokens"]["requests"] == 5
+    assert moe["on_host"]["batch_4"]["tok_s"] > 0 and moe["on_host"]["batch_4"]["bus_copies"] == 0
+    assert moe["on_host"]["host_expert_kernels"] and not moe["on_device"]["host_expert_kernels"]
     assert code == 0 and results["ok"]
     assert (tmp_path / "device_check.md").read_text().startswith("# tandem device check: PASS")
 

@@ -10,6 +10,9 @@ vocabulary. It writes `device_check.md` (a short table) and `device_check.json` 
   guided        N concurrent with N distinct JSON schemas vs the same unguided; device idle share (CUDA events)
   speculation   suffix decoding on a copy workload vs none
   launches      kernels per decode step (torch profiler)
+  moe_host_experts  a Qwen3-30B-A3B-shaped MoE (4 of its 48 layers) with every layer's experts on the host
+                (`cpu_offload_experts="all"`) against all on the device: tok/s at batch 1 and 16, bytes over the bus
+                per step, greedy tokens compared (parting only at near ties: the paths round differently)
 
 `--device cpu` is the dry run (tiny sizes, the same code, part of `make test`): it proves the check still runs.
 Each section that fails is reported as failed and the others still run.
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import sys
@@ -39,21 +43,30 @@ from tandem.bench.device_runs import (
     decode_rates,
     guided_vs_unguided,
     kernel_launches,
+    moe_host_experts,
     speculation_copy,
 )
 from tandem.config import ModelConfig
 from tandem.engine.engine import LLMEngine
 from tandem.engine.llm import build_engine
+from tandem.layers.moe_offload import OffloadSetting
 from tandem.models.checkpoint import Checkpoint, TensorDict
 from tandem.models.shapes import ModelShape, get_shape, weight_shapes
 from tandem.params import SamplingParams
 
 HBM_BYTES_PER_S = 4.3e12  # H200's device-to-device copy, measured (docs/benchmarks.md)
 TINY = ModelShape("tiny-dry-run", "llama", 64, 128, 2, 4, 2, 50304, False, max_position=512)
+TINY_MOE = ModelShape("tiny-moe-dry-run", "qwen3moe", 64, 128, 2, 4, 2, 50304, False, max_position=512, head_size=16,
+                      experts=4, experts_used=2, expert_intermediate=32)
+# Qwen3-30B-A3B's layers, 4 of its 48: 4.8 GB of bf16 experts to copy to the host and pack, a step's cost per layer
+QWEN3_MOE_L4 = replace(get_shape("qwen3-30b-a3b-l8"), name="qwen3-30b-a3b-l4", layers=4)
+MOE_KV_BYTES = 1 << 30
 
 
-CUDA_SIZES = Sizes(get_shape("llama3.1-8b"), concurrency=64, prompt_len=128, output_len=128, num_schemas=64, profile_steps=5)
-CPU_SIZES = Sizes(TINY, concurrency=4, prompt_len=16, output_len=8, num_schemas=4, profile_steps=2)
+CUDA_SIZES = Sizes(get_shape("llama3.1-8b"), concurrency=64, prompt_len=128, output_len=128, num_schemas=64, profile_steps=5,
+                   moe_shape=QWEN3_MOE_L4, moe_batch=16, moe_len=32)
+CPU_SIZES = Sizes(TINY, concurrency=4, prompt_len=16, output_len=8, num_schemas=4, profile_steps=2,
+                  moe_shape=TINY_MOE, moe_batch=4, moe_len=6)
 
 
 def default_tokenizer() -> Path:
@@ -118,6 +131,24 @@ def build(sizes: Sizes, device: torch.device, dtype: torch.dtype, tokenizer: Pat
     )
 
 
+def moe_builder(sizes: Sizes, device: torch.device, dtype: torch.dtype, tokenizer: Path) -> Callable[[OffloadSetting], LLMEngine]:
+    """Engines of `sizes.moe_shape` (random weights generated on the device) with the given `cpu_offload_experts`;
+    the engine's usual CPU kernels for the host experts (off in the dry run, as for the other engines there)."""
+    assert sizes.moe_shape is not None
+    shape = sizes.moe_shape
+    tok = padded_tokenizer(tokenizer, shape.vocab, Path(tempfile.mkdtemp(prefix="tandem-moe-tok-")))
+
+    def build_one(setting: OffloadSetting) -> LLMEngine:
+        ckpt = random_checkpoint(shape, device, dtype, tok)
+        return build_engine(
+            ckpt, device=str(device), max_model_len=4 * sizes.moe_len, max_num_seqs=sizes.moe_batch, progress=False,
+            kv_cache_memory=MOE_KV_BYTES if device.type == "cuda" else 16 << 20, cpu_kernels=device.type != "cpu",
+            cpu_offload_experts=setting,
+        )
+
+    return build_one
+
+
 def warm_up(engine: LLMEngine, sizes: Sizes) -> str:
     """Compile and capture before anything is timed: one batched run at full concurrency and one of batch 1."""
     prompts = [[300 + i] * sizes.prompt_len for i in range(sizes.concurrency)]
@@ -142,13 +173,26 @@ def section(results: dict[str, Any], name: str, fn: Callable[[], Any]) -> None:
 
 
 def run(device: torch.device, sizes: Sizes, dtype: torch.dtype, tokenizer: Path, out: Path) -> dict[str, Any]:
-    results: dict[str, Any] = {"sizes": {**vars(sizes), "shape": sizes.shape.name}, "out": str(out)}
+    moe = sizes.moe_shape.name if sizes.moe_shape else None
+    results: dict[str, Any] = {"sizes": {**vars(sizes), "shape": sizes.shape.name, "moe_shape": moe}, "out": str(out)}
     section(results, "environment", lambda: environment(device))
     tok = padded_tokenizer(tokenizer, sizes.shape.vocab, Path(tempfile.mkdtemp(prefix="tandem-tok-")))
     parity_shape = replace(TINY, vocab=sizes.shape.vocab)
     section(results, "parity", lambda: run_parity(
         device, sizes.shape.vocab, ModelConfig.from_hf(parity_shape.hf_config()),
         lambda d, dt: random_weights(parity_shape, d, dt, seed=1), dtype))
+    dense_sections(results, device, sizes, dtype, tok)
+    gc.collect()  # the dense model's weights and cache are gone (its engine was local there) before the experts' engines
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    if sizes.moe_shape is not None:  # last: what ran before is in the partial report should time run out here
+        section(results, "moe_host_experts", lambda: moe_host_experts(moe_builder(sizes, device, dtype, tokenizer), sizes))
+    return results
+
+
+def dense_sections(results: dict[str, Any], device: torch.device, sizes: Sizes, dtype: torch.dtype, tok: Path) -> None:
+    """Warm-up (with the fallback to the gathered decode and no graphs should the CUDA path fail), decode, guided,
+    speculation, launches on one engine of `sizes.shape`, shut down at the end."""
     engine = build(sizes, device, dtype, tok)
     section(results, "warm_up", lambda: warm_up(engine, sizes))
     if isinstance(results["warm_up"], dict) and device.type == "cuda":  # the CUDA path failed: measure the fallback
@@ -164,7 +208,6 @@ def run(device: torch.device, sizes: Sizes, dtype: torch.dtype, tokenizer: Path,
         section(results, "launches", lambda: kernel_launches(engine, sizes))
     finally:
         engine.shutdown()
-    return results
 
 
 def verdict(results: dict[str, Any]) -> bool:

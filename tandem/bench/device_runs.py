@@ -1,10 +1,13 @@
 """The timed sections of the device check (`device_check.py`): decode rates, guided vs unguided, suffix
-speculation on a copy workload, kernel launches per decode step. Each takes a built, warmed engine and returns plain
-figures for the report."""
+speculation on a copy workload, kernel launches per decode step, a mixture of experts with its experts on the host
+against on the device. Each takes a built, warmed engine (or, for the experts, a builder) and returns plain figures
+for the report."""
 
 from __future__ import annotations
 
+import gc
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,6 +16,7 @@ import torch
 from tandem.bench.common import RunResult, drive, percentile
 from tandem.bench.schemas import distinct_schemas
 from tandem.engine.engine import LLMEngine
+from tandem.layers.moe_offload import OffloadSetting, bus_bytes
 from tandem.models.shapes import ModelShape
 from tandem.params import SamplingParams, StructuredOutputsParams
 from tandem.runner.runner import ModelRunner
@@ -29,6 +33,9 @@ class Sizes:
     output_len: int
     num_schemas: int
     profile_steps: int
+    moe_shape: ModelShape | None = None  # the experts-on-the-host case (None: skipped)
+    moe_batch: int = 16
+    moe_len: int = 32  # prompt and output tokens of each of its requests
 
 
 def random_prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -156,3 +163,71 @@ def kernel_launches(engine: LLMEngine, sizes: Sizes) -> dict[str, Any]:
     ops = sum(1 for e in events if e.name.startswith("aten::"))
     return {"steps": steps, "kernels_per_step": round(kernels / steps, 1), "launch_calls_per_step": round(launches / steps, 1),
             "graph_launches_per_step": round(graphs / steps, 1), "aten_ops_per_step": round(ops / steps, 1)}
+
+
+NEAR_TIE = 0.1  # nats: greedy runs of two numerically different paths may part where the device's top two are this close
+
+
+def moe_host_experts(build: Callable[[OffloadSetting], LLMEngine], sizes: Sizes) -> dict[str, Any]:
+    """`sizes.moe_shape` with every layer's experts on the host ("all") against all on the device: tok/s at batch 1
+    and `moe_batch`, bytes over the bus per step (measured and by formula), greedy tokens compared. The two paths
+    round differently (host kernels vs the device's GEMMs), so a request's tokens may part only where the device's
+    own top two were within NEAR_TIE; anywhere else is an error. Each engine is built, run and dropped in turn."""
+    out: dict[str, Any] = {}
+    tokens: dict[str, list[Any]] = {}
+    for name, setting in (("on_device", None), ("on_host", "all")):
+        engine = build(setting)
+        try:
+            out[name], tokens[name] = _moe_runs(engine, sizes)
+        finally:
+            engine.shutdown()
+            del engine
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    out["tokens"] = _agreement(tokens["on_device"], tokens["on_host"])
+    return out
+
+
+def _moe_runs(engine: LLMEngine, sizes: Sizes) -> tuple[dict[str, Any], list[Any]]:
+    """Batch 1 and `moe_batch` greedy runs (top-2 logprobs kept), warmed first; their rows and the outputs."""
+    runner = _runner(engine)
+    meter = runner.model.expert_bus.meter
+    warm = SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0)
+    drive(engine, random_prompts(sizes.moe_batch, sizes.moe_len, seed=20), warm, sizes.moe_batch, "moe-warm")
+    params = SamplingParams(max_tokens=sizes.moe_len, ignore_eos=True, temperature=0.0, logprobs=2)
+    model = runner.model
+    layers = len(runner.host_expert_layers) if model.expert_bus.crosses else 0  # the CPU device's hop copies nothing
+    kinds = sorted({e.gate_up.kind for i in runner.host_expert_layers for e in model.layers[i].moe.experts[:1]})  # type: ignore[union-attr]
+    row: dict[str, Any] = {"graphs": runner.cuda_graphs, "host_expert_gib": round(runner.host_expert_bytes / 2**30, 2),
+                           "host_expert_kernels": kinds}
+    outs: list[Any] = []
+    for batch, seed in ((1, 21), (sizes.moe_batch, 22)):
+        meter.reset()
+        done: list[Any] = []
+        res = drive(engine, random_prompts(batch, sizes.moe_len, seed=seed), params, batch, f"moe-{batch}",
+                    on_output=done.append)  # each request's last output (tokens, logprobs)
+        step = bus_bytes(batch, model.cfg.hidden_size, runner.dtype, layers)
+        row[f"batch_{batch}"] = {"tok_s": round(res.tok_per_s, 1), "tpot_p50_ms": round(percentile(res.tpot_s, 50) * 1e3, 2),
+                                 "bus_kib_per_decode_step": round((step["to_host"] + step["to_device"]) / 1024, 1),
+                                 "bus_mib_measured": round(meter.total / 2**20, 2), "bus_copies": meter.copies,
+                                 "bus_bytes_per_token_layer": meter.total // meter.rows if meter.rows else 0}
+        outs += sorted(done, key=lambda o: int(o.request_id.rsplit("-", 1)[1]))
+    return row, outs
+
+
+def _agreement(device: list[Any], host: list[Any]) -> dict[str, Any]:
+    """Requests whose greedy tokens are identical; for the others, the device's top-two gap where they part."""
+    identical, gaps = 0, []
+    for d, h in zip(device, host):
+        a, b = d.outputs[0].token_ids, h.outputs[0].token_ids
+        p = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if p is None:
+            identical += 1
+            continue
+        top = d.outputs[0].logprobs[p]
+        gap = top[a[p]].logprob - top[b[p]].logprob if b[p] in top else float("inf")
+        gaps.append(round(gap, 4))
+    if any(g > NEAR_TIE for g in gaps):
+        raise AssertionError(f"host experts' greedy tokens part from the device's away from a near tie: gaps {gaps}")
+    return {"requests": len(device), "identical": identical, "parted_at_near_ties": len(gaps), "gaps": gaps}

@@ -19,6 +19,7 @@ from tandem.cpu_budget import CpuBudget, pin_current_thread_pool, plan_cpu_budge
 from tandem.engine.engine import LLMEngine, freeze_startup_heap
 from tandem.engine.speculation import NoSpeculation, Speculation, SpeculativeDecoder
 from tandem.layers.kernels import load_cpu_kernels
+from tandem.layers.moe_offload import OffloadSetting, check_offload_setting, host_expert_layers
 from tandem.models.checkpoint import Checkpoint, resolve_dtype
 from tandem.models.loader import load_checkpoint
 from tandem.params import EngineOverloaded, ParamError, RequestOutputKind, SamplingParams
@@ -73,6 +74,7 @@ def build_engine(
     distributed_executor_backend: str = "mp",
     cpu_cores: Sequence[int] | None = None,
     reasoning_parser: str | Mapping[str, Any] | None = None,
+    cpu_offload_experts: OffloadSetting = None,
     progress: bool = True,
 ) -> LLMEngine:
     """Load a checkpoint (the built-in demo model when `model` is None; a `Checkpoint` as it is) and build an engine.
@@ -81,10 +83,9 @@ def build_engine(
     "none" dequantizes them to `dtype`, "int8" stores dense matrices (safetensors) as per-channel int8.
     `tensor_parallel_size` > 1 shards the model over that many ranks (`runner/distributed.py`; worker processes, or
     Ray actors with `distributed_executor_backend="ray"`); `cpu_cores`: the cores this engine may use (pinned);
-    `reasoning_parser`: a name or {"name": ..., options}; `kv_share`: this engine's part of the host (replicas)."""
-    if cpu_cores is not None:
-        pin_current_thread_pool(tuple(cpu_cores))  # before the tensor thread starts: it and its team inherit them
-    _check_device(device)
+    `reasoning_parser`: a name or {"name": ..., options}; `kv_share`: this engine's part of the host (replicas);
+    `cpu_offload_experts`: "all" or N, the MoE layers (below N) whose experts run on the host (`layers/moe_offload.py`)."""
+    _before_load(device, cpu_cores, cpu_offload_experts)
     path, ckpt = _checkpoint(model, dtype, progress, quantization)
     cache = CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory, memory_fraction=memory_fraction, share=kv_share,
                         enable_prefix_caching=enable_prefix_caching, num_blocks=num_kv_blocks)
@@ -95,9 +96,9 @@ def build_engine(
     reasoner = _reasoner(reasoning_parser, tok)
     sc = SpeculativeConfig.from_dict(speculative_config) if speculative_config is not None else None
     so_config = _structured_config(structured_outputs_config)
-    budget = _cpu_budget(device, num_threads, sc, so_config if structured_outputs_config is not None else None, cpu_cores)
+    budget = _cpu_budget(config, sc, so_config if structured_outputs_config is not None else None, cpu_cores, cpu_offload_experts)
     so_config = dataclasses.replace(so_config, num_threads=budget.grammar_threads)
-    runner = _runner(ckpt, config, budget, cpu_kernels, quantization, tensor_parallel_size, distributed_executor_backend)
+    runner = _runner(ckpt, config, budget, cpu_kernels, quantization, tensor_parallel_size, distributed_executor_backend, cpu_offload_experts)
     del ckpt
     _after_load(runner, cpu_kernels, structured_mask_mode, progress)
     speculation = _speculation(sc, budget, config.model_config.vocab_size, tok, config.scheduler.max_model_len)
@@ -105,6 +106,15 @@ def build_engine(
                        mask_mode=structured_mask_mode, cpu_budget=budget, async_scheduling=async_scheduling)
     freeze_startup_heap()  # the long-lived objects of torch and the model never need scanning again: no GC pauses
     return engine
+
+
+def _before_load(device: str, cpu_cores: Sequence[int] | None, cpu_offload_experts: OffloadSetting) -> None:
+    """What must hold before the checkpoint loads: the process pinned to `cpu_cores` (before the tensor thread
+    starts: it and its team inherit them), the device and the offload setting valid (a typo fails fast)."""
+    if cpu_cores is not None:
+        pin_current_thread_pool(tuple(cpu_cores))
+    _check_device(device)
+    check_offload_setting(cpu_offload_experts)
 
 
 def _reasoner(parser: str | Mapping[str, Any] | None, tok: Tokenizer) -> Reasoner | None:
@@ -123,18 +133,20 @@ def _after_load(runner: ModelRunner, cpu_kernels: bool, mask_mode: str | None, p
 
 def _runner(
     ckpt: Checkpoint, config: EngineConfig, budget: CpuBudget, cpu_kernels: bool, quantization: str | None, tp_size: int,
-    executor: str,
+    executor: str, cpu_offload_experts: OffloadSetting = None,
 ) -> ModelRunner:
     """One device's runner, or rank 0 of a tensor-parallel group (whose workers load the checkpoint themselves),
-    its workers local processes (`executor` "mp") or Ray actors ("ray")."""
+    its workers local processes (`executor` "mp") or Ray actors ("ray"). Experts on the host want one device, not a group."""
     dtype = ckpt.weights.dtype
     if tp_size < 1:
         raise ConfigError(f"tensor_parallel_size must be at least 1, got {tp_size}")
     if executor not in ("mp", "ray"):
         raise ConfigError(f"distributed_executor_backend must be 'mp' or 'ray', got {executor!r}")
+    if tp_size > 1 and host_expert_layers(ckpt.config, cpu_offload_experts):
+        raise ConfigError("cpu_offload_experts does not combine with tensor_parallel_size > 1; use one of them")
     if tp_size == 1:
         return ModelRunner(ckpt.config, ckpt.weights, dtype, config.device, config.cache, config.scheduler,
-                           num_threads=budget.forward_threads, use_kernels=cpu_kernels)
+                           num_threads=budget.forward_threads, use_kernels=cpu_kernels, cpu_offload_experts=cpu_offload_experts)
     spec = WorkerSpec(model_path=str(config.model), dtype=str(dtype).removeprefix("torch."), quantization=quantization,
                       device=config.device, cache=config.cache, scheduler=config.scheduler, use_kernels=cpu_kernels,
                       rank=0, size=tp_size, init_method="", cores=budget.forward_cores,
@@ -197,12 +209,13 @@ def _draft_on_cpu(sc: SpeculativeConfig | None) -> bool:
 
 
 def _cpu_budget(
-    device: str, num_threads: int | None, sc: SpeculativeConfig | None, so_config: StructuredOutputConfig | None,
-    cores: Sequence[int] | None = None,
+    config: EngineConfig, sc: SpeculativeConfig | None, so_config: StructuredOutputConfig | None,
+    cores: Sequence[int] | None = None, cpu_offload_experts: OffloadSetting = None,
 ) -> CpuBudget:
+    """The engine's split of the cores; experts on the host make the forward a host computation."""
     return plan_cpu_budget(
-        cores=tuple(cores) if cores is not None else None,
-        device=torch.device(device).type, draft_on_cpu=_draft_on_cpu(sc), forward_threads=num_threads,
+        cores=tuple(cores) if cores is not None else None, host_experts=bool(host_expert_layers(config.model_config, cpu_offload_experts)),
+        device=torch.device(config.device).type, draft_on_cpu=_draft_on_cpu(sc), forward_threads=config.num_threads,
         grammar_threads=so_config.num_threads if so_config is not None else None,
         draft_threads=sc.draft_threads if sc else None, draft_cores=sc.draft_cores if sc else None,
     )
@@ -303,7 +316,7 @@ class LLM:
         if chat_template is not None:
             tok.set_chat_template(chat_template)
         plan = ToolPlan.build(tools, "none" if tool_choice is None else tool_choice, parallel_tool_calls,
-                              *choose_parser("auto", tok.hf.chat_template)) if tools else None
+                              *choose_parser("auto", tok.hf.chat_template, tok.chat_format.tool_call_parser)) if tools else None
         kwargs = {**(chat_template_kwargs or {}), **(plan.template_kwargs() if plan is not None else {})}
         items: list[PromptType] = [
             tok.apply_chat_template(plan.conversation(c) if plan is not None else c, add_generation_prompt=add_generation_prompt,
@@ -315,7 +328,8 @@ class LLM:
 
     def tool_parser(self) -> ToolParser:
         """The tool-call parser of this model's chat template (Hermes for templates that know no tools)."""
-        return choose_parser("auto", self.llm_engine.tokenizer.hf.chat_template)[0]
+        tok = self.llm_engine.tokenizer
+        return choose_parser("auto", tok.hf.chat_template, tok.chat_format.tool_call_parser)[0]
 
     def _run(self, items: list[PromptType], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

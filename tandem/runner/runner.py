@@ -20,6 +20,7 @@ import torch
 from tandem.config import CacheConfig, ConfigError, ModelConfig, SchedulerConfig
 from tandem.core.plan import StepPlan
 from tandem.layers.attention import AttentionMetadata, build_metadata
+from tandem.layers.moe_offload import OffloadSetting, host_expert_layers, warn_if_no_op
 from tandem.layers.parallel import TensorParallel
 from tandem.models.llama import LlamaModel
 from tandem.runner.base import ForwardHandle, Runner
@@ -155,9 +156,17 @@ class ModelRunner(Runner):
         use_kernels: bool = True,
         cuda_graphs: bool | None = None,
         tp: TensorParallel | None = None,
+        cpu_offload_experts: OffloadSetting = None,
     ) -> None:
+        """`cpu_offload_experts`: the MoE layers whose experts are held and run on the host ("all", or N: those
+        below layer N, as llama.cpp's `--n-cpu-moe N`; `layers/moe_offload.py`)."""
         self.device = torch.device(device)
         self.tp = tp or TensorParallel()
+        self.host_expert_layers = host_expert_layers(model_config, cpu_offload_experts)
+        warn_if_no_op(model_config, cpu_offload_experts)
+        if self.host_expert_layers and self.tp.enabled:
+            raise ConfigError("cpu_offload_experts does not combine with tensor parallelism (each rank would need "
+                              "its slice of the experts on its own host cores); use one of them")
         self.model_config = model_config
         self.dtype = dtype
         self.block_size = cache_config.block_size
@@ -168,8 +177,12 @@ class ModelRunner(Runner):
         # team (on the caller's thread) would slow every later forward (see tandem/runner/tensor_thread.py)
         self._graphs: GraphedSteps | None = None
         self._graphs_paused = False
-        # not under tensor parallelism: its ranks run each step's collectives in lockstep, eagerly
-        self._want_graphs = (graphs_enabled(self.device) if cuda_graphs is None else cuda_graphs) and not self.tp.enabled
+        # not under tensor parallelism: its ranks run each step's collectives in lockstep, eagerly; nor with experts
+        # on the host beside an accelerator: a captured graph cannot leave the device for the host's experts mid-way
+        wanted = graphs_enabled(self.device) if cuda_graphs is None else cuda_graphs
+        if wanted and self._experts_cross_bus:
+            logger.info("CUDA graphs off: the experts of layers %s run on the host", list(self.host_expert_layers))
+        self._want_graphs = wanted and not self.tp.enabled and not self._experts_cross_bus
         self._host.run(self._build, weights, cache_config, scheduler_config, num_threads, use_kernels)
         self._graphs = self._graphed_steps(scheduler_config.max_model_len)
 
@@ -177,12 +190,12 @@ class ModelRunner(Runner):
         self, weights: Mapping[str, torch.Tensor], cache_config: CacheConfig, scheduler_config: SchedulerConfig,
         num_threads: int | None, use_kernels: bool,
     ) -> None:
-        if self.device.type == "cpu":
+        if self.forward_uses_host_cores:  # the whole forward, or the experts of host layers, on these cores
             torch.set_num_threads(num_threads or len(os.sched_getaffinity(0)))
         self._num_threads = torch.get_num_threads()
         model_config, dtype = self.model_config, self.dtype
         self.model = LlamaModel(model_config, weights, dtype, self.device, use_kernels=use_kernels, tp=self.tp,
-                                after_layer=release_freed_memory)
+                                after_layer=release_freed_memory, host_expert_layers=self.host_expert_layers)
         if self.device.type == "cuda" and self.block_size < MIN_PAGED_BLOCK:
             self.model.ops.use_gathered_decode()  # the compiled kernel's tiles are at least 16 keys: one block each
         release_freed_memory()  # the load's temporaries are gone; hand their pages back before sizing the cache
@@ -226,11 +239,36 @@ class ModelRunner(Runner):
             self._resident = (now, touched_blocks, value)
         return value
 
+    @property
+    def _experts_cross_bus(self) -> bool:
+        """Some layers' experts run on the host while the rest of the forward runs on an accelerator."""
+        return bool(self.host_expert_layers) and self.device.type != "cpu"
+
+    @property
+    def forward_uses_host_cores(self) -> bool:
+        """A CPU device, or experts on the host: host work beside the forward competes with it for the cores."""
+        return self.device.type == "cpu" or bool(self.host_expert_layers)
+
+    @property
+    def host_expert_bytes(self) -> int:
+        """Host memory the offloaded layers' routers and experts occupy (0 when none is offloaded)."""
+        return sum(layer.moe.nbytes for i, layer in enumerate(self.model.layers)
+                   if i in self.host_expert_layers and layer.moe is not None)
+
+    def stats_dict(self) -> dict[str, float]:
+        """Bytes and copies that crossed between the device and the host experts so far (none without them)."""
+        if not self._experts_cross_bus:
+            return {}
+        meter = self.model.expert_bus.meter
+        return {"expert_bus_bytes": meter.total, "expert_bus_copies": meter.copies}
+
     def memory_summary(self) -> str:
-        """Weights as held, the KV cache as planned, and the process's resident memory now and at its peak."""
+        """Weights as held (the host experts' share named), the KV cache as planned, and the process's resident
+        memory now and at its peak."""
         rss, peak = resident_bytes()
+        host = f" ({self.host_expert_bytes / 2**30:.2f} GiB of experts on the host)" if self._experts_cross_bus else ""
         return (
-            f"weights {self.weight_bytes / 2**30:.2f} GiB, {self.kv_plan.describe()}; "
+            f"weights {self.weight_bytes / 2**30:.2f} GiB{host}, {self.kv_plan.describe()}; "
             f"RSS {rss / 2**30:.2f} GiB (peak {peak / 2**30:.2f} GiB)"
         )
 
