@@ -7,8 +7,9 @@ gate and up fused into one projection, so every expert is a `Projection` of the 
 quantized blocks kept as stored, AMX where the plan chose it) and keeps their promise: a row's result does not depend on
 the other rows beside it. A step's (token, expert) pairs are sorted by expert: an expert no token chose is never read,
 one chosen by several tokens of a batch (prefill, batched decode, verification) is read once for all of them, so decode
-at batch 1 streams only k experts' weights per layer. The outputs are summed expert by expert in ascending expert
-order, each scaled by its routing weight (the order transformers adds them in).
+at batch 1 streams only k experts' weights per layer. All chosen experts' gate / up run as one grouped call, then all
+their downs (`GroupedProjections`: one kernel call each for quantized experts). The outputs are summed in ascending
+expert order, each scaled by its routing weight (the order transformers adds them in).
 
 gpt-oss (`GptOssMoe`) differs in the router and the activation only: the router has a bias, the top k of its logits
 are softmaxed among themselves (in the model dtype, as transformers does), and an expert's fused gate / up output goes
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.layers.linear import Projection
+from tandem.layers.linear import GroupedProjections, Projection
 
 
 @dataclass
@@ -46,6 +47,8 @@ class MoeMlp:
         self.experts = experts
         self.top_k = top_k
         self.renormalize = renormalize
+        self.gate_ups = GroupedProjections([e.gate_up for e in experts])  # one call for a step's chosen experts
+        self.downs = GroupedProjections([e.down for e in experts])
 
     @property
     def nbytes(self) -> int:
@@ -74,34 +77,28 @@ class MoeMlp:
     def __call__(self, h: torch.Tensor, silu_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """h [T, hidden] (model dtype) -> the weighted sum of each token's k experts [T, hidden] (model dtype)."""
         weights, ids = self.route(h)
-        if h.shape[0] == 1:
-            return self._one_token(h, weights[0], ids[0], silu_mul)
-        flat = ids.reshape(-1)  # [T k]: pair p is token p // k's (p % k)-th choice
-        order = torch.argsort(flat, stable=True)  # pairs grouped by expert, ascending
-        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
-        tokens = order // self.top_k  # [T k] the token of each sorted pair
-        scale = weights.reshape(-1)[order]  # [T k]
-        out = torch.zeros_like(h)
-        start = 0
-        for expert, n in zip(self.experts, counts):
-            if n == 0:
-                continue
-            rows = tokens[start : start + n]  # [n]
-            y = expert.down(self.activation(expert.gate_up(h[rows]), silu_mul))  # [n, hidden]
-            out.index_add_(0, rows, y * scale[start : start + n, None])
-            start += n
-        return out
+        tokens, scale, chosen, counts = self._by_expert(weights, ids)
+        x = h[tokens]  # [P, hidden]: pair p's token, pairs grouped by expert
+        y = self.downs(self.activation(self.gate_ups(x, chosen, counts), silu_mul), chosen, counts)  # [P, hidden]
+        # one index_add_ walks the pairs in order, so each token's k terms are added in ascending expert order from
+        # zero, whatever else shares the step (a row's result does not depend on the rows beside it)
+        return torch.zeros_like(h).index_add_(0, tokens, y * scale[:, None])
 
-    def _one_token(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                   silu_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """A decode at batch 1: h [1, hidden], its k weights and expert ids [k] -> [1, hidden]; the same sums in the
-        same order as the grouped path (ascending expert order from zero), without its sorting and scattering
-        (measured: ~1.5 ms of a 4.5 ms Qwen3-30B-A3B-shaped layer on two AVX2 cores)."""
-        out = torch.zeros_like(h)
-        for w, e in sorted(zip(weights.tolist(), ids.tolist()), key=lambda p: p[1]):
-            expert = self.experts[e]
-            out += expert.down(self.activation(expert.gate_up(h), silu_mul)) * w
-        return out
+    def _by_expert(self, weights: torch.Tensor, ids: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
+        """weights, ids [T, k] -> the (token, expert) pairs grouped by ascending expert: each pair's token [P] and
+        routing weight [P], the experts chosen and their pair counts. A decode at batch 1 sorts its k ids in Python
+        and passes only the k chosen experts, not a count for each of the E."""
+        t, k = ids.shape
+        if t == 1:
+            picked = ids[0].tolist()
+            order = sorted(range(k), key=picked.__getitem__)
+            at = torch.tensor(order, device=ids.device)
+            return torch.zeros(k, dtype=torch.long, device=ids.device), weights[0][at], [picked[i] for i in order], [1] * k
+        flat = ids.reshape(-1)  # [T k]: pair p is token p // k's (p % k)-th choice
+        pairs = torch.argsort(flat, stable=True)  # pairs grouped by expert, ascending
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        return pairs // k, weights.reshape(-1)[pairs], list(range(len(self.experts))), counts
 
 
 class GptOssMoe(MoeMlp):

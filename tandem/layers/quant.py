@@ -5,8 +5,12 @@ A `QuantizedTensor` is a weight [N, K] in the bytes a GGUF file holds (row-major
 `csrc/quant_ops.cpp` (`layers/linear.py`); elsewhere (an accelerator, no kernels) `dequantize` turns it into a dense
 tensor with torch operations on the tensor's own device, so the dense copy is made where it is used.
 
-Formats kept quantized: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 (32-blocks), Q4_K, Q5_K, Q6_K (256-blocks; what Q4_K_M files
-mix, with Q5_0 / Q8_0 where a row is not a multiple of 256), I8. Other GGUF types are dequantized by the loader.
+Formats kept quantized: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4 (32-blocks), Q4_K, Q5_K, Q6_K (256-blocks; what Q4_K_M
+files mix, with Q5_0 / Q8_0 where a row is not a multiple of 256), I8. Other GGUF types are dequantized by the loader.
+MXFP4 (ggml type 39; gpt-oss's experts) is a block of 32 FP4 (E2M1) codes under one E8M0 scale byte e: 1 byte e, then
+16 bytes of codes, value j in the low nibble of byte j and value j + 16 in its high nibble (Q4_0's order); a code
+indexes ggml's doubled E2M1 table `MXFP4_VALUES`, and the scale is 2^(e - 128) (half of 2^(e - 127), undoing the
+doubling), exact in float32 for every e (e < 2: subnormal).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ FORMATS: dict[str, QuantFormat] = {
         QuantFormat("Q5_K", 256, 176, 6),
         QuantFormat("Q6_K", 256, 210, 7),
         QuantFormat("I8", 1, 1, 8),
+        QuantFormat("MXFP4", 32, 17, 9),
     )
 }
 
@@ -204,6 +209,22 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     return ((d * scales)[:, :, None] * q).reshape(-1, 256)
 
 
+MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # E2M1 codes doubled (ggml's kvalues_mxfp4)
+
+
+def e8m0_half(e: torch.Tensor) -> torch.Tensor:
+    """E8M0 scale bytes (uint8, any shape) -> 2^(e - 128) as float32, built from its bits as ggml does
+    (`ggml_e8m0_to_fp32_half`): exponent field e - 1 for e >= 2, the subnormals 2^-128 / 2^-127 below."""
+    e32 = e.to(torch.int32)
+    bits = torch.where(e32 >= 2, (e32 - 1) << 23, torch.bitwise_left_shift(torch.full_like(e32, 0x00200000), e32))
+    return bits.view(torch.float32)
+
+
+def _mxfp4(b: torch.Tensor) -> torch.Tensor:
+    table = torch.tensor(MXFP4_VALUES, dtype=torch.float32, device=b.device)
+    return e8m0_half(b[:, :1]) * table[_nibbles(b[:, 1:]).long()]  # [B, 1] * [B, 32]: one rounding, exact
+
+
 _DEQUANTIZERS = {
     "Q8_0": _q8_0,
     "Q4_0": _q4_0,
@@ -213,4 +234,5 @@ _DEQUANTIZERS = {
     "Q4_K": _q4_k,
     "Q5_K": _q5_k,
     "Q6_K": _q6_k,
+    "MXFP4": _mxfp4,
 }

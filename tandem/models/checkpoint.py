@@ -213,6 +213,20 @@ def stacked_moe_names(layer: int) -> StackedMoeNames:
                            m + "experts.down_proj", m + "experts.down_proj_bias")
 
 
+def split_expert_names(layer: int, expert: int) -> tuple[str, str, str]:
+    """gpt-oss's expert `expert` of layer `layer` as separate projections: its (gate [I, hidden], up [I, hidden], down
+    [hidden, I]) weight names, each with a bias named alike (`expert_bias_name`). GGUF files store gpt-oss's experts
+    so, and the safetensors reader serves MXFP4 experts so, one expert at a time and in their blocks; the stacked
+    `stacked_moe_names` are what a dense HF checkpoint holds."""
+    m = f"model.layers.{layer}.mlp.experts.{expert}."
+    return m + "gate_proj.weight", m + "up_proj.weight", m + "down_proj.weight"
+
+
+def expert_bias_name(weight_name: str) -> str:
+    """The bias of a `split_expert_names` weight."""
+    return weight_name.removesuffix(".weight") + ".bias"
+
+
 def interleaved_to_rotate_half(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Reorder q/k projection rows from interleaved RoPE pairs to HF's rotate-half layout.
 

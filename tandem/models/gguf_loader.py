@@ -2,7 +2,7 @@
 
 `gguf.GGUFReader` parses the header (metadata and tensor table); the tensors themselves are read one at a time with
 plain reads when the model takes them (`GGUFWeights`), so no mapping of the file stays alive. Tensors in a format
-tandem's kernels run (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) stay in their blocks as `QuantizedTensor`s;
+tandem's kernels run (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4, Q4_K, Q5_K, Q6_K) stay in their blocks as `QuantizedTensor`s;
 F32 / F16 / BF16 ones become dense tensors in the load dtype, and any other quantized type is dequantized with
 `gguf.quants.dequantize`. `quantization="none"` dequantizes everything (`WeightStore.stored`).
 
@@ -11,6 +11,14 @@ Mixtures of experts (`qwen3moe`; `llama` with `expert_count`, i.e. Mixtral): eac
 one after another), which is split here into E per-expert entries at their byte offsets, each read (and kept in its
 blocks) on its own; the router `ffn_gate_inp` is F32 (llama.cpp never quantizes it). Older Mixtral files with one
 tensor per expert (`ffn_gate.E`) load too.
+
+gpt-oss (`gpt-oss`, as llama.cpp's converter writes it): `ffn_gate_exps` / `ffn_up_exps` [E, I, hidden] and
+`ffn_down_exps` [E, hidden, I] (MXFP4 in the released conversions) with F32 biases of the same names are split per
+expert under `split_expert_names` (biases alike), the router `ffn_gate_inp` (weight and bias) and `attn_sinks` under
+gpt-oss's HF names. Its config: the experts' width, the window and the layers that slide (llama.cpp's
+`sliding_window_pattern`, every even layer when absent), YaRN with `truncate: false` (the released config.json's; the
+GGUF has no key for it, and llama.cpp always truncates the ramp's bounds), and llama.cpp's SwiGLU constants (alpha
+1.702, limit 7.0: the GGUF stores none).
 
 llama.cpp's converter permutes the rows of `attn_q` / `attn_k` for the `llama` architecture (HF rotate-half pairs
 (i, i + D/2) -> interleaved pairs (2i, 2i+1)); we undo it so weights match HF's layout. Qwen2/Qwen3 GGUFs are not
@@ -36,10 +44,13 @@ from tandem.layers.quant import FORMATS, QuantizedTensor
 from tandem.models.checkpoint import (
     Checkpoint,
     WeightStore,
+    expert_bias_name,
     file_cache_key,
     interleaved_to_rotate_half,
     moe_weight_names,
     read_at,
+    split_expert_names,
+    stacked_moe_names,
     write_folder_atomically,
     write_hf_folder,
 )
@@ -53,7 +64,9 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
+    "gpt-oss": "GptOssForCausalLM",
 }
+_HF_MODEL_TYPES = {"gpt-oss": "gpt_oss"}  # a GGUF architecture -> its HF model_type, where the names differ
 # a GGUF architecture with experts -> (HF architecture, model_type)
 _MOE_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "llama": ("MixtralForCausalLM", "mixtral"),
@@ -75,7 +88,9 @@ _LAYER_TENSORS: dict[str, str] = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "post_attention_norm": "post_attention_layernorm",  # gpt-oss's (the only architecture here that names it so)
 }
+_SINKS = "attn_sinks"  # gpt-oss: blk.N.attn_sinks.weight -> model.layers.N.self_attn.sinks (a parameter, no suffix)
 _GLOBAL_TENSORS: dict[str, str] = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -95,6 +110,8 @@ def hf_tensor_name(gguf_name: str) -> str | None:
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
     parts = gguf_name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] == _SINKS:
+        return f"model.layers.{parts[1]}.self_attn.sinks"
     if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_TENSORS:
         return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{parts[3]}"
     return None
@@ -104,11 +121,13 @@ def expert_tensor_names(gguf_name: str, config: ModelConfig) -> list[str] | None
     """The HF names a mixture-of-experts GGUF tensor holds: [router] for `ffn_gate_inp`, E names (expert order) for a
     stacked `ffn_*_exps`, one for an old per-expert `ffn_gate.E`; None for any other tensor."""
     parts = gguf_name.split(".")
-    if not config.is_moe or parts[0] != "blk" or parts[-1] != "weight":
+    if not config.is_moe or parts[0] != "blk" or int(parts[1]) not in config.moe_layers:
+        return None
+    if config.expert_names == "gpt_oss":
+        return _gpt_oss_expert_names(parts, config.num_experts)
+    if parts[-1] != "weight":
         return None
     layer = int(parts[1])
-    if layer not in config.moe_layers:
-        return None
     router, experts = moe_weight_names(config, layer)
     if len(parts) == 4 and parts[2] == "ffn_gate_inp":
         return [router]
@@ -117,6 +136,21 @@ def expert_tensor_names(gguf_name: str, config: ModelConfig) -> list[str] | None
     if len(parts) == 5 and parts[2] in _PER_EXPERT_TENSORS:
         return [experts[int(parts[3])][_PER_EXPERT_TENSORS[parts[2]]]]
     return None
+
+
+def _gpt_oss_expert_names(parts: list[str], num_experts: int) -> list[str] | None:
+    """gpt-oss's router (weight, bias) and split experts (`split_expert_names`, weights and biases) in a GGUF name's
+    parts ("blk", layer, tensor, suffix)."""
+    if len(parts) != 4 or parts[3] not in ("weight", "bias"):
+        return None
+    layer, tensor, suffix = int(parts[1]), parts[2], parts[3]
+    if tensor == "ffn_gate_inp":
+        n = stacked_moe_names(layer)
+        return [n.router if suffix == "weight" else n.router_bias]
+    if tensor not in _EXPERT_TENSORS:
+        return None
+    names = [split_expert_names(layer, e)[_EXPERT_TENSORS[tensor]] for e in range(num_experts)]
+    return names if suffix == "weight" else [expert_bias_name(n) for n in names]
 
 
 def field_value(field: ReaderField) -> Any:
@@ -131,6 +165,8 @@ def field_value(field: ReaderField) -> Any:
 def _decode_part(part: np.ndarray, kind: GGUFValueType) -> Any:
     if kind == GGUFValueType.STRING:
         return bytes(part).decode("utf-8", errors="replace")
+    if kind == GGUFValueType.FLOAT32 and part.size == 1:  # the shortest decimal of the float32: 1e-05, not 9.99...e-06,
+        return float(str(part[0]))  # so values read back equal the config.json the file was converted from
     return part.item() if part.size == 1 else part.tolist()
 
 
@@ -165,7 +201,7 @@ def open_gguf(path: Path) -> GGUFReader:
 
 
 def gguf_hf_config(reader: GGUFReader, path: Path) -> dict[str, Any]:
-    """An HF `config.json` dict for the model in a GGUF (llama / qwen2 / qwen3 architectures)."""
+    """An HF `config.json` dict for the model in a GGUF (llama / qwen2 / qwen3 / qwen3moe / gpt-oss architectures)."""
     meta = GGUFMetadata(reader, path)
     arch = str(meta.require("general.architecture"))
     if arch not in GGUF_ARCHITECTURES:
@@ -194,7 +230,7 @@ def gguf_hf_config(reader: GGUFReader, path: Path) -> dict[str, Any]:
         vocab = embd_rows
     cfg: dict[str, Any] = {
         "architectures": [GGUF_ARCHITECTURES[arch]],
-        "model_type": arch,
+        "model_type": _HF_MODEL_TYPES.get(arch, arch),
         "vocab_size": int(vocab),
         "hidden_size": hidden,
         "intermediate_size": int(meta.require(f"{arch}.feed_forward_length")),
@@ -233,6 +269,8 @@ def _moe_config(meta: GGUFMetadata, arch: str, tensors: Mapping[str, ReaderTenso
     experts = int(meta.get(f"{arch}.expert_count", 0) or 0)
     if experts <= 0:
         return {}
+    if arch == "gpt-oss":
+        return _gpt_oss_config(meta, experts, layers)
     if arch not in _MOE_ARCHITECTURES:
         raise ConfigError(f"{meta.path}: experts in a {arch!r} GGUF are not supported; with experts: {sorted(_MOE_ARCHITECTURES)}")
     hf_arch, model_type = _MOE_ARCHITECTURES[arch]
@@ -246,6 +284,20 @@ def _moe_config(meta: GGUFMetadata, arch: str, tensors: Mapping[str, ReaderTenso
             "norm_topk_prob": bool(meta.get(f"{arch}.expert_weights_norm", True)), "decoder_sparse_step": 1}
 
 
+def _gpt_oss_config(meta: GGUFMetadata, experts: int, layers: int) -> dict[str, Any]:
+    """gpt-oss's fields as its config.json spells them: the experts' width and count, attention biases, the window and
+    the layers using it (llama.cpp's `sliding_window_pattern`: a bool per layer, or n with layer i sliding unless
+    i % n == n - 1; absent: n = 2, the even layers, as gpt-oss alternates), swiglu_limit 7.0 (llama.cpp's constant)."""
+    arch = "gpt-oss"
+    pattern = meta.get(f"{arch}.attention.sliding_window_pattern", 2)
+    sliding = [bool(p) for p in pattern] if isinstance(pattern, list) else [i % int(pattern) < int(pattern) - 1 for i in range(layers)]
+    width = meta.get(f"{arch}.expert_feed_forward_length") or meta.require(f"{arch}.feed_forward_length")
+    return {"num_local_experts": experts, "num_experts_per_tok": int(meta.require(f"{arch}.expert_used_count")),
+            "intermediate_size": int(width), "attention_bias": True, "swiglu_limit": 7.0,
+            "sliding_window": int(meta.require(f"{arch}.attention.sliding_window")),
+            "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding]}
+
+
 def _rope_scaling(
     meta: GGUFMetadata, arch: str, rope_freqs: ReaderTensor | None, cfg: Mapping[str, Any]
 ) -> dict[str, Any] | None:
@@ -257,6 +309,12 @@ def _rope_scaling(
         original = meta.get(f"{arch}.rope.scaling.original_context_length")
         if original:
             scaling["original_max_position_embeddings"] = int(original)
+        for key, hf_key in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+            value = meta.get(f"{arch}.rope.scaling.{key}")
+            if kind == "yarn" and value is not None:
+                scaling[hf_key] = float(value)
+        if arch == "gpt-oss":  # the released config's; llama.cpp floors / ceils the ramp's bounds whatever the model says
+            scaling["truncate"] = False
         return scaling
     if rope_freqs is None:
         return None
@@ -383,11 +441,12 @@ def gguf_weight_entries(reader: GGUFReader, cfg: Mapping[str, Any]) -> dict[str,
 
 def _expert_entries(t: ReaderTensor, names: list[str]) -> dict[str, _GGUFEntry]:
     """One entry per name over a tensor holding len(names) equal slabs one after another ([E, rows, cols] in HF
-    order; a router or a single expert: one slab)."""
+    order, or gpt-oss's expert biases [E, rows]; a router or a single expert: one slab)."""
     shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims innermost first
-    slab_shape = shape[1:] if len(shape) == 3 else shape
-    if len(shape) == 3 and shape[0] != len(names):
+    stacked = len(shape) == 3 or (len(shape) == 2 and len(names) > 1)
+    if stacked and shape[0] != len(names):
         raise ConfigError(f"{t.name}: {shape[0]} experts stored, the config has {len(names)}")
+    slab_shape = shape[1:] if stacked else shape
     slab = int(t.n_bytes) // len(names)
     return {name: _GGUFEntry(t.name, t.tensor_type, slab_shape, int(t.data_offset) + e * slab, slab, 0)
             for e, name in enumerate(names)}
@@ -427,11 +486,16 @@ def has_tokenizer(reader: GGUFReader) -> bool:
 
 
 def save_gguf_tokenizer(gguf_path: Path, out_dir: Path) -> None:
-    """Rebuild the GGUF's tokenizer with transformers (offline, from metadata) and `save_pretrained` it to out_dir."""
-    from transformers import AutoTokenizer
+    """Rebuild the GGUF's tokenizer with transformers (offline, from metadata) and `save_pretrained` it to out_dir.
+    gpt-oss's is built as the fast tokenizer its HF folders name (`PreTrainedTokenizerFast`: byte-level BPE, the
+    pre-tokenizer's split from `tokenizer.ggml.pre`, "gpt-4o" for o200k) without `AutoTokenizer`, whose reading of the
+    GGUF's config fails on gpt-oss's YaRN keys (transformers 5.24 converts a field's first part, its key, to a float)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    template = gguf_chat_template(open_gguf(gguf_path), gguf_path)
+    reader = open_gguf(gguf_path)
+    builder = PreTrainedTokenizerFast if GGUFMetadata(reader, gguf_path).get("general.architecture") == "gpt-oss" else AutoTokenizer
+    tokenizer = builder.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    template = gguf_chat_template(reader, gguf_path)
     if template is not None and not getattr(tokenizer, "chat_template", None):
         tokenizer.chat_template = template
     tokenizer.save_pretrained(str(out_dir))

@@ -4,7 +4,10 @@
 The safetensors header (8 bytes of length, then JSON: name -> dtype, shape, byte range) is parsed here and each tensor
 is read with a plain read when the model asks for it (`SafetensorsWeights`), so no file mapping keeps its pages in the
 process and no dict holds every tensor at once. A gpt-oss weight stored as MXFP4 (`W_blocks` + `W_scales`,
-`models/mxfp4.py`) is served under its plain name `W`, dequantized to the load dtype when read.
+`models/mxfp4.py`) is served under its plain name `W`, dequantized to the load dtype when read, and expert by expert
+under `split_expert_names` (each expert's gate / up / down rows and biases, read at the expert's own byte range) as
+`QuantizedTensor("MXFP4")`: the model takes these, so the experts stay in their blocks for the quantized kernels (and
+are dequantized by `make_linear` where the kernels are unavailable).
 """
 
 from __future__ import annotations
@@ -18,16 +21,19 @@ from pathlib import Path
 import torch
 
 from tandem.config import ConfigError, ModelConfig
+from tandem.layers.quant import QuantizedTensor
 from tandem.models.checkpoint import (
     SAFETENSORS_FILE,
     SAFETENSORS_INDEX,
     Checkpoint,
     WeightStore,
     expected_weight_names,
+    expert_bias_name,
     read_at,
     read_chat_template,
+    split_expert_names,
 )
-from tandem.models.mxfp4 import BLOCKS_SUFFIX, SCALES_SUFFIX, dequantize_mxfp4
+from tandem.models.mxfp4 import BLOCKS_SUFFIX, SCALES_SUFFIX, dequantize_mxfp4, ggml_rows
 
 _ST_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -42,6 +48,24 @@ class _Entry:
     shape: tuple[int, ...]
     offset: int  # absolute, in bytes
     nbytes: int
+
+
+@dataclass(frozen=True)
+class _ExpertPart:
+    """One expert's share of stacked gpt-oss tensors stored expert after expert ([E, ...]): slab `expert` of each
+    source, its rows start::step (gate and up rows alternate in gate_up)."""
+
+    sources: tuple[_Entry, ...]  # (blocks, scales) of an MXFP4 weight, or (bias,)
+    expert: int
+    start: int
+    step: int
+
+
+# a stacked gpt-oss weight -> the split projections it holds: (index in split_expert_names, first row, row step)
+_EXPERT_SPLITS: dict[str, tuple[tuple[int, int, int], ...]] = {
+    "gate_up_proj": ((0, 0, 2), (1, 1, 2)),  # rows gate0, up0, gate1, ...
+    "down_proj": ((2, 0, 1),),
+}
 
 
 class SafetensorsWeights(WeightStore):
@@ -63,15 +87,53 @@ class SafetensorsWeights(WeightStore):
             base = name.removesuffix(BLOCKS_SUFFIX)
             if name.endswith(BLOCKS_SUFFIX) and base + SCALES_SUFFIX in packed and (wanted is None or base in wanted):
                 self._mxfp4[base] = (packed[name], packed[base + SCALES_SUFFIX])
+        self._experts = mxfp4_expert_parts(self._mxfp4, self._entries)
 
     def names(self) -> list[str]:
-        return list(self._entries) + [n for n in self._mxfp4 if n not in self._entries]
+        return list(self._entries) + [n for n in self._mxfp4 if n not in self._entries] + list(self._experts)
 
-    def read(self, name: str) -> torch.Tensor:
+    def read(self, name: str) -> torch.Tensor | QuantizedTensor:
+        if name in self._experts:
+            return _read_expert(self._experts[name])
         if name not in self._entries and name in self._mxfp4:
             blocks, scales = (_read_entry(e) for e in self._mxfp4[name])
             return dequantize_mxfp4(blocks, scales, self.dtype)
         return _read_entry(self._entries[name])
+
+
+def mxfp4_expert_parts(mxfp4: Mapping[str, tuple[_Entry, _Entry]], entries: Mapping[str, _Entry]) -> dict[str, _ExpertPart]:
+    """`split_expert_names` -> where each expert's rows are, for every stacked MXFP4 expert weight
+    ("model.layers.L.mlp.experts.gate_up_proj" / "...down_proj") and its stacked bias ("..._bias")."""
+    out: dict[str, _ExpertPart] = {}
+    for base, (blocks, scales) in mxfp4.items():
+        parts = base.split(".")
+        splits = _EXPERT_SPLITS.get(parts[-1]) if parts[-2:-1] == ["experts"] and parts[1] == "layers" else None
+        if splits is None:
+            continue
+        bias = entries.get(base + "_bias")
+        for e in range(blocks.shape[0]):
+            names = split_expert_names(int(parts[2]), e)
+            for index, start, step in splits:
+                out[names[index]] = _ExpertPart((blocks, scales), e, start, step)
+                if bias is not None:
+                    out[expert_bias_name(names[index])] = _ExpertPart((bias,), e, start, step)
+    return out
+
+
+def _read_expert(part: _ExpertPart) -> torch.Tensor | QuantizedTensor:
+    """An expert's rows: an MXFP4 weight [rows, K] as GGUF MXFP4 blocks, or its bias [rows]."""
+    slabs = [_read_slab(e, part.expert)[part.start :: part.step] for e in part.sources]
+    if len(slabs) == 1:
+        return slabs[0].contiguous()
+    blocks, scales = slabs  # [rows, K / 32, 16], [rows, K / 32]
+    rows, groups = scales.shape
+    return QuantizedTensor("MXFP4", (rows, groups * 32), ggml_rows(blocks.contiguous(), scales.contiguous()))
+
+
+def _read_slab(e: _Entry, index: int) -> torch.Tensor:
+    """e[index] of a tensor stored [n, ...], read alone."""
+    size = e.nbytes // e.shape[0]
+    return read_at(e.file, e.offset + index * size, size).view(e.dtype).reshape(e.shape[1:])
 
 
 def _read_entry(e: _Entry) -> torch.Tensor:

@@ -12,8 +12,9 @@ quantized or not) before the next is read, so loading never holds more than the 
 
 from __future__ import annotations
 
+import copy
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,7 @@ from tandem.config import ConfigError, ModelConfig
 from tandem.layers.attention import AttentionMetadata
 from tandem.layers.linear import DenseProjection, Projection, Weight, make_linear
 from tandem.layers.moe import Expert, GptOssMoe, MoeMlp
+from tandem.layers.moe_offload import HOST, ExpertBus, HostExperts, host_silu_mul
 from tandem.layers.ops import LayerOps, select_ops
 from tandem.layers.parallel import TensorParallel
 from tandem.layers.quant import QuantizedTensor
@@ -41,7 +43,7 @@ class _Layer:
     down: Projection | None  # [T, I] -> [T, hidden]
     q_norm: torch.Tensor | None  # [D] (Qwen3)
     k_norm: torch.Tensor | None
-    moe: MoeMlp | None = None  # instead of gate_up / down in a mixture-of-experts layer
+    moe: MoeMlp | HostExperts | None = None  # instead of gate_up / down in a mixture-of-experts layer
     sinks: torch.Tensor | None = None  # [H] float32: each head's sink logit (gpt-oss)
 
     @property
@@ -74,6 +76,13 @@ class ModelWeights:
         w = self._stored(name)
         dense = w.dequantize(self.dtype) if isinstance(w, QuantizedTensor) else w
         return dense.to(device=self.device, dtype=torch.float32 if name.endswith("norm.weight") else self.dtype)
+
+    def placed_on(self, device: torch.device) -> ModelWeights:
+        """The same weights, each read onto `device` instead (an offloaded layer's router and experts: the host);
+        changes nothing in this view."""
+        view = copy.copy(self)
+        view.device = device
+        return view
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -146,10 +155,12 @@ class LlamaModel:
     def __init__(
         self, cfg: ModelConfig, weights: Mapping[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
         use_kernels: bool = True, tp: TensorParallel | None = None, after_layer: Callable[[], None] | None = None,
+        host_expert_layers: Collection[int] = (),
     ) -> None:
         """`after_layer` runs once each layer is built: the runner hands the pages of its freed temporaries back to
         the OS there (a 1.7B model's load peaked at 1.26x its final RSS with one trim at the end, 1.04x with one per
-        layer)."""
+        layer). `host_expert_layers`: MoE layers whose router and experts are held and run on the host
+        (`layers/moe_offload.py`)."""
         self.tp = tp or TensorParallel()
         self.vocab_size = cfg.vocab_size
         shard = WeightShard(cfg, self.tp) if self.tp.enabled else None
@@ -161,6 +172,9 @@ class LlamaModel:
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self.use_kernels = use_kernels
+        self.host_expert_layers = tuple(sorted(host_expert_layers))
+        self.expert_bus = ExpertBus(device)  # what crosses between the device and the host experts, metered
+        self._host_silu_mul = host_silu_mul(dtype, use_kernels) if self.host_expert_layers else None
         w = ModelWeights(weights, dtype, device, shard)
         self.norm = w.vector("model.norm.weight")
         self.lm_head, self.embed = self._head_and_embedding(w)
@@ -205,7 +219,7 @@ class LlamaModel:
         if self.cfg.output_bias or (a + "o_proj.bias") in w.names:
             o_b = w.vector(a + "o_proj.bias")
         k, dt = self.use_kernels, self.dtype
-        moe = self._moe(w, i) if i in self.cfg.moe_layers else None
+        moe = self._experts(w, i) if i in self.cfg.moe_layers else None
         return _Layer(
             input_norm=w.vector(p + "input_layernorm.weight"),
             qkv=make_linear([w.matrix(a + "q_proj.weight"), w.matrix(a + "k_proj.weight"), w.matrix(a + "v_proj.weight")], qkv_b, k, dt),
@@ -221,6 +235,14 @@ class LlamaModel:
             sinks=w.vector(a + "sinks").float() if self.cfg.attention_sinks else None,
         )
 
+    def _experts(self, w: ModelWeights, i: int) -> MoeMlp | HostExperts:
+        """Layer i's router and experts on the device, or, for a host layer, read into host memory (built with the
+        model's `use_kernels`: quantized experts stay in their blocks for tandem's CPU kernels) behind the bus."""
+        if i not in self.host_expert_layers:
+            return self._moe(w, i)
+        assert self._host_silu_mul is not None
+        return HostExperts(self._moe(w.placed_on(HOST), i), self.expert_bus, self._host_silu_mul)
+
     def _moe(self, w: ModelWeights, i: int) -> MoeMlp:
         """Layer i's router (dense, in the model dtype) and experts, each expert's gate and up fused as in the MLP."""
         if self.cfg.expert_names == "gpt_oss":
@@ -232,11 +254,25 @@ class LlamaModel:
         return MoeMlp(DenseProjection(w.vector(router), None), experts, self.cfg.experts_per_token, self.cfg.norm_topk_prob)
 
     def _gpt_oss_moe(self, w: ModelWeights, i: int) -> MoeMlp:
-        """Layer i's router (with its bias) and experts cut out of the stacked tensors: gate_up [E, hidden, 2 I] with
-        gate / up interleaved becomes each expert's [gate; up] rows [2 I, hidden] (bias alike), down [E, I, hidden]
-        its [hidden, I]; every expert a projection of the existing kernels, its bias added after the matmul."""
+        """Layer i's router (with its bias) and experts, every expert a projection of the existing kernels, its bias
+        added after the matmul. Experts stored split (a GGUF; MXFP4 blocks, served expert by expert:
+        `split_expert_names`) are taken as stored, gate and up fused, MXFP4 kept in its blocks for the quantized
+        kernels (dequantized by `make_linear` without them). Stacked ones (a dense HF checkpoint) are cut out: gate_up
+        [E, hidden, 2 I] with gate / up interleaved becomes each expert's [gate; up] rows [2 I, hidden] (bias alike),
+        down [E, I, hidden] its [hidden, I]."""
+        from tandem.models.checkpoint import expert_bias_name, split_expert_names
+
         k, dt = self.use_kernels, self.dtype
         n = stacked_moe_names(i)
+        router = DenseProjection(w.vector(n.router), w.vector(n.router_bias))
+        if split_expert_names(i, 0)[0] in w.names:
+            split = []
+            for e in range(self.cfg.num_experts):
+                g, u, d = split_expert_names(i, e)
+                gate_up_bias = torch.cat([w.vector(expert_bias_name(g)), w.vector(expert_bias_name(u))])  # [2 I]
+                split.append(Expert(make_linear([w.matrix(g), w.matrix(u)], gate_up_bias, k, dt),
+                                    make_linear(w.matrix(d), w.vector(expert_bias_name(d)), k, dt)))
+            return GptOssMoe(router, split, self.cfg.experts_per_token, self.cfg.swiglu_alpha, self.cfg.swiglu_limit)
         gate_up, gate_up_b = w.matrix(n.gate_up), w.vector(n.gate_up_bias)  # [E, hidden, 2 I], [E, 2 I]
         down, down_b = w.matrix(n.down), w.vector(n.down_bias)  # [E, I, hidden], [E, hidden]
         assert isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)  # stacked: read dense
@@ -246,7 +282,6 @@ class LlamaModel:
             fused = make_linear([gu[0::2].contiguous(), gu[1::2].contiguous()], torch.cat([gate_up_b[e, 0::2], gate_up_b[e, 1::2]]), k, dt)
             experts.append(Expert(fused, make_linear(down[e].t().contiguous(), down_b[e].contiguous(), k, dt)))
         del gate_up, down
-        router = DenseProjection(w.vector(n.router), w.vector(n.router_bias))
         return GptOssMoe(router, experts, self.cfg.experts_per_token, self.cfg.swiglu_alpha, self.cfg.swiglu_limit)
 
     @property

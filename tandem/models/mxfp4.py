@@ -1,10 +1,15 @@
-"""MXFP4 expert weights as gpt-oss checkpoints store them, dequantized at load (a reference path: no MXFP4 kernel).
+"""MXFP4 expert weights as gpt-oss checkpoints store them: kept in their blocks for tandem's kernels, or dequantized.
 
 A stacked weight `W` [E, a, b] (the parameter transformers multiplies as x @ W[e]) is stored as
 `W_blocks` uint8 [E, b, a / 32, 16] and `W_scales` uint8 [E, b, a / 32]: row r of the transposed weight [E, b, a] in
 groups of 32 values, each group 16 bytes of FP4 (E2M1) codes, the even element in the low nibble and the odd one in the
 high nibble, and one E8M0 scale byte s, the group's values multiplied by 2^(s - 127) (transformers' `integrations/
 mxfp4.py`, `convert_moe_packed_tensors`).
+
+Row r of expert e is then a row of an [N, K] projection weight (N = b outputs, K = a inputs) in 32-blocks: the same
+block as GGUF's MXFP4 (`layers/quant.py`) with its nibbles in another order, so `ggml_rows` moves nibbles and nothing
+else (llama.cpp's converter does the same), and the safetensors reader serves each expert as a `QuantizedTensor`
+("MXFP4") that the quantized kernels run as stored. `dequantize_mxfp4` is the dense reference (transformers' values).
 """
 
 from __future__ import annotations
@@ -48,3 +53,17 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     codes = (scaled.unsqueeze(-1) - lut).abs().argmin(dim=-1).to(torch.uint8)  # [E, b, G, 32]
     blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
     return blocks.contiguous(), (exp + 127).to(torch.uint8)
+
+
+def ggml_rows(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Rows of MXFP4 as gpt-oss stores them -> the same rows as GGUF MXFP4 bytes, losslessly: blocks [R, G, 16] and
+    scales [R, G] uint8 -> [R, G * 17], each block its scale byte, then byte j holding value j in the low nibble and
+    value j + 16 in the high one. The codes index the same E2M1 values on both sides (ggml doubles its table and halves
+    the scale), so only the nibbles move."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
+        raise ValueError(f"MXFP4 rows need uint8 blocks [R, G, 16] and scales [R, G], got {tuple(blocks.shape)} / "
+                         f"{tuple(scales.shape)}")
+    rows, groups = scales.shape
+    values = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).reshape(rows, groups, 32)  # codes in element order
+    qs = values[..., :16] | (values[..., 16:] << 4)  # [R, G, 16]
+    return torch.cat([scales.unsqueeze(-1), qs], dim=-1).reshape(rows, groups * 17)

@@ -4,13 +4,18 @@ Throughput and memory depend on a model's shape (layers, widths, heads, vocabula
 a random-weight model of Llama 3.2 1B's shape is as fair a benchmark of Llama 3.2 1B as the real one. Each shape
 here is written as an HF folder (bf16 safetensors) and as GGUF files in the quantized types llama.cpp users run
 (`models/gguf_writer.py`), all with the demo model's tokenizer (its 49,152 tokens; a larger vocabulary is padded with
-unused tokens so the embedding and output matrices keep the architecture's true size). Rope scaling is left out
-(it changes no cost). Files live under `tandem_home()/test-models/<shape>/`, built once, never in the repository.
+unused tokens so the embedding and output matrices keep the architecture's true size, a smaller one (Mixtral's
+32,000) keeps the first tokens and the merges among them). Rope scaling is left out but for gpt-oss's YaRN (part of
+its config; elsewhere it changes no cost). Files live under `tandem_home()/test-models/<shape>/`, built once, never in
+the repository.
 
 Shapes: smollm2-135m (the demo model's), smollm2-360m, smollm2-1.7b, llama3.2-1b, qwen2.5-0.5b, llama3.1-8b (for
 memory checks; its Q4_K_M GGUF is ~4.9 GB). Mixtures of experts: qwen3-30b-a3b (48 layers, 128 experts, 8 active;
-its Q4_K_M GGUF is ~18 GB), mixtral-8x7b (32 layers, 8 experts, 2 active), and layer-reduced variants of both
-(`-l8`, `-l4`: the same layers, fewer of them) for benchmarks that must write and read the file in minutes.
+its Q4_K_M GGUF is ~18 GB), mixtral-8x7b (32 layers, 8 experts, 2 active), gpt-oss-20b (24 layers, 32 experts of
+width 2880, 4 active; attention sinks, biases, a window of 128 in every even layer; its MXFP4 GGUF is ~13.7 GB, YaRN
+kept: llama.cpp and tandem must rotate alike), and layer-reduced variants (`-l8`, `-l4`: the same layers, fewer of
+them; gpt-oss-20b-l4's MXFP4_MOE file is ~3.0 GB, its MXFP4 one ~4.2 GB, most of both the 201k-token embedding and
+output matrices) for benchmarks that must write and read the file in minutes.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from tandem.models.checkpoint import SAFETENSORS_INDEX, write_folder_atomically
 from tandem.paths import tandem_home
 
 INIT_STD = 0.02  # N(0, 0.02) for every matrix (as HF initialises Llama); norm weights are 1
+YARN_BETA_FAST, YARN_BETA_SLOW = 32.0, 1.0  # gpt-oss's YaRN ramp (YaRN's defaults)
 
 
 @dataclass(frozen=True)
@@ -39,7 +45,7 @@ class ModelShape:
     """The sizes that decide a decoder's cost."""
 
     name: str
-    family: str  # "llama" | "qwen2" | "qwen3" | "qwen3moe" | "mixtral"
+    family: str  # "llama" | "qwen2" | "qwen3" | "qwen3moe" | "mixtral" | "gpt-oss"
     hidden: int
     intermediate: int
     layers: int
@@ -54,6 +60,9 @@ class ModelShape:
     experts: int = 0  # a mixture of experts in every layer (0: dense)
     experts_used: int = 0
     expert_intermediate: int = 0
+    sliding_window: int = 0  # gpt-oss: the window of its even layers (0: none)
+    yarn_factor: float = 0.0  # gpt-oss: YaRN from `yarn_original` positions (0: no rope scaling)
+    yarn_original: int = 0
 
     @property
     def head_dim(self) -> int:
@@ -100,14 +109,32 @@ class ModelShape:
         elif self.family == "qwen3moe":
             cfg.update(num_experts=self.experts, num_experts_per_tok=self.experts_used, norm_topk_prob=True,
                        moe_intermediate_size=self.expert_intermediate, decoder_sparse_step=1, mlp_only_layers=[])
+        elif self.family == "gpt-oss":
+            cfg.update(self._gpt_oss_config())
+        return cfg
+
+    def _gpt_oss_config(self) -> dict[str, Any]:
+        """gpt-oss's own fields, as its released config.json spells them."""
+        cfg: dict[str, Any] = {
+            "num_local_experts": self.experts, "num_experts_per_tok": self.experts_used, "experts_per_token": self.experts_used,
+            "intermediate_size": self.expert_intermediate, "attention_bias": True, "swiglu_limit": 7.0,
+            "sliding_window": self.sliding_window,
+            "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(self.layers)],
+        }
+        if self.yarn_factor:
+            cfg["rope_scaling"] = {"rope_type": "yarn", "factor": self.yarn_factor, "beta_fast": YARN_BETA_FAST, "beta_slow": YARN_BETA_SLOW,
+                                   "original_max_position_embeddings": self.yarn_original, "truncate": False}
+            cfg["initial_context_length"] = self.yarn_original
         return cfg
 
 
 _HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                     "qwen3moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
-_HF_MODEL_TYPES = {"qwen3moe": "qwen3_moe"}
+                     "qwen3moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "gpt-oss": "GptOssForCausalLM"}
+_HF_MODEL_TYPES = {"qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss"}
 _QWEN3_30B_A3B = dict(head_size=128, experts=128, experts_used=8, expert_intermediate=768)
 _MIXTRAL_8X7B = dict(experts=8, experts_used=2, expert_intermediate=14336)
+_GPT_OSS_20B: dict[str, Any] = dict(head_size=64, experts=32, experts_used=4, expert_intermediate=2880, sliding_window=128,
+                    yarn_factor=32.0, yarn_original=4096)
 
 
 SHAPES: dict[str, ModelShape] = {
@@ -123,6 +150,8 @@ SHAPES: dict[str, ModelShape] = {
         ModelShape("qwen3-30b-a3b-l8", "qwen3moe", 2048, 6144, 8, 32, 4, 151936, False, 1e6, 40960, 1e-6, **_QWEN3_30B_A3B),
         ModelShape("mixtral-8x7b", "mixtral", 4096, 14336, 32, 32, 8, 32000, False, 1e6, 32768, **_MIXTRAL_8X7B),
         ModelShape("mixtral-8x7b-l4", "mixtral", 4096, 14336, 4, 32, 8, 32000, False, 1e6, 32768, **_MIXTRAL_8X7B),
+        ModelShape("gpt-oss-20b", "gpt-oss", 2880, 2880, 24, 64, 8, 201088, False, 150000.0, 131072, 1e-5, **_GPT_OSS_20B),
+        ModelShape("gpt-oss-20b-l4", "gpt-oss", 2880, 2880, 4, 64, 8, 201088, False, 150000.0, 131072, 1e-5, **_GPT_OSS_20B),
     )
 }
 
@@ -144,9 +173,11 @@ def weight_shapes(shape: ModelShape) -> list[tuple[str, tuple[int, ...]]]:
         out += [(p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,))]
         out += [(p + "self_attn.q_proj.weight", (q, h)), (p + "self_attn.k_proj.weight", (kv, h)),
                 (p + "self_attn.v_proj.weight", (kv, h)), (p + "self_attn.o_proj.weight", (h, q))]
-        if shape.family == "qwen2":
+        if shape.family in ("qwen2", "gpt-oss"):
             out += [(p + "self_attn.q_proj.bias", (q,)), (p + "self_attn.k_proj.bias", (kv,)),
                     (p + "self_attn.v_proj.bias", (kv,))]
+        if shape.family == "gpt-oss":
+            out += [(p + "self_attn.o_proj.bias", (h,)), (p + "self_attn.sinks", (shape.heads,))]
         if shape.qk_norm:
             out += [(p + "self_attn.q_norm.weight", (d,)), (p + "self_attn.k_norm.weight", (d,))]
         if shape.experts:
@@ -163,6 +194,11 @@ def _expert_shapes(shape: ModelShape, p: str) -> list[tuple[str, tuple[int, ...]
     """A layer's router and experts under the family's HF names: the router, then every expert's gate, every up, every
     down (the order a GGUF stacks them in: one [E, rows, cols] tensor per projection)."""
     h, i, n = shape.hidden, shape.expert_intermediate, shape.experts
+    if shape.family == "gpt-oss":  # every expert in one tensor per part, as its checkpoints store them
+        m = p + "mlp."
+        return [(m + "router.weight", (n, h)), (m + "router.bias", (n,)),
+                (m + "experts.gate_up_proj", (n, h, 2 * i)), (m + "experts.gate_up_proj_bias", (n, 2 * i)),
+                (m + "experts.down_proj", (n, i, h)), (m + "experts.down_proj_bias", (n, h))]
     if shape.family == "mixtral":
         b, names = p + "block_sparse_moe.", ("w1", "w3", "w2")
     else:

@@ -1,13 +1,22 @@
 """Projections: a row's result does not depend on how many rows run with it (bf16: tandem's GEMM and oneDNN
 bitwise; float32 oneDNN within rounding, its one-row kernel differs), and the row buckets that bound oneDNN's
-per-shape code cache."""
+per-shape code cache; a layer's experts grouped into one kernel call give each row what its expert alone gives it."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tandem.layers.linear import EXACT_ROWS, ROW_BUCKET, bucket_rows, make_linear
+from tandem.layers.kernels import load_cpu_kernels
+from tandem.layers.linear import (
+    EXACT_ROWS,
+    ROW_BUCKET,
+    GroupedProjections,
+    Projection,
+    bucket_rows,
+    make_linear,
+    quant_isa,
+)
 
 ROWS = (1, 3, 8, 9, 16, 17, 33)
 
@@ -106,3 +115,39 @@ def test_bf16_plan_is_cached_per_cpu(tmp_path, monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(gemm_plan, "calibrate", lambda *a, **k: pytest.fail("calibrated again"))
     monkeypatch.setattr(gemm_plan, "_PLAN", {})
     assert gemm_plan.bf16_plan() == first
+
+
+def _experts(kernels: bool, bias: bool) -> list[Projection]:
+    """Six experts' fused gate / up as a Q4_K_M file holds them (gate Q4_K, up Q6_K), 2 x 32 wide, K = 256."""
+    from tests.layers.test_quant import random_blocks
+
+    return [make_linear([random_blocks("Q4_K", 32, 256, 2 * e), random_blocks("Q6_K", 32, 256, 2 * e + 1)],
+                        torch.randn(64) if bias else None, use_kernels=kernels, dtype=torch.float32) for e in range(6)]
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_grouped_experts_equal_each_expert_alone_to_the_bit(bias: bool, dtype: torch.dtype) -> None:
+    """One `quant_grouped` call over the chosen experts' rows (an unchosen expert between them, mixed formats in one
+    expert, biases) gives each row what its expert alone gives it, and a row alone what it gets in the group."""
+    if not (load_cpu_kernels() and quant_isa()):
+        pytest.skip("no quantized CPU kernels here")
+    torch.manual_seed(0)
+    experts = _experts(True, bias)
+    grouped = GroupedProjections(experts)
+    assert grouped.segments is not None  # one kernel call
+    x = torch.randn(14, 256).to(dtype)
+    chosen, counts = [0, 2, 3, 5], [3, 0, 10, 1]
+    y = grouped(x, chosen, counts)
+    alone = torch.cat([experts[0](x[:3]), experts[3](x[3:13]), experts[5](x[13:])])
+    assert y.dtype == dtype and torch.equal(y, alone)
+    assert torch.equal(grouped(x[5:6], [3], [1]), y[5:6])
+
+
+def test_grouped_projections_without_kernels_call_each_chosen_expert() -> None:
+    torch.manual_seed(0)
+    experts = _experts(False, True)
+    grouped = GroupedProjections(experts)
+    assert grouped.segments is None
+    x = torch.randn(5, 256)
+    torch.testing.assert_close(grouped(x, [1, 4], [2, 3]), torch.cat([experts[1](x[:2]), experts[4](x[2:])]), rtol=0, atol=0)

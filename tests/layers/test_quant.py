@@ -3,6 +3,8 @@ dequantize-then-matmul in float64 / float32, on small random blocks that exercis
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import gguf
 import numpy as np
 import pytest
@@ -10,12 +12,13 @@ import torch
 
 from tandem.layers.kernels import load_cpu_kernels
 from tandem.layers.linear import QuantProjection, make_linear, quant_isa
-from tandem.layers.quant import FORMATS, QuantizedTensor, concat_rows, quantize_int8
+from tandem.layers.quant import FORMATS, QuantizedTensor, concat_rows, e8m0_half, quantize_int8
 
 GGUF_FORMATS = [f for f in FORMATS if f != "I8"]
 # the fp16 fields of each block (d, and m / dmin): random bytes there would make inf / nan scales
 _SCALE_OFFSETS = {"Q8_0": [0], "Q4_0": [0], "Q5_0": [0], "Q4_1": [0, 2], "Q5_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2],
-                  "Q6_K": [208]}
+                  "Q6_K": [208], "MXFP4": []}
+_E8M0_OFFSETS = {"MXFP4": 0}  # the E8M0 scale byte of each block: random bytes there reach 2^127 (inf weights)
 
 needs_kernels = pytest.mark.skipif(not load_cpu_kernels() or quant_isa() == 0, reason="no quantized CPU kernels here")
 
@@ -28,6 +31,8 @@ def random_blocks(qtype: str, n: int, k: int, seed: int = 0) -> QuantizedTensor:
     for off in _SCALE_OFFSETS[qtype]:
         halves = rng.uniform(0.002, 0.02, size=raw.shape[:2]).astype(np.float16)
         raw[..., off : off + 2] = halves.view(np.uint8).reshape(*raw.shape[:2], 2)
+    if qtype in _E8M0_OFFSETS:  # 2^-10 .. 2^-3 (halved: the codes are doubled), as the fp16 scales above
+        raw[..., _E8M0_OFFSETS[qtype]] = rng.integers(118, 126, size=raw.shape[:2], dtype=np.uint8)
     return QuantizedTensor(qtype, (n, k), torch.from_numpy(raw.reshape(n, -1)))
 
 
@@ -120,7 +125,7 @@ def test_kernel_matches_dequantize_then_matmul(qtype: str, isa: str) -> None:
 
 
 @needs_kernels
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "Q4_K", "Q6_K", "Q5_1"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "Q4_K", "Q6_K", "Q5_1", "MXFP4"])
 def test_avx2_and_avx512_agree_to_the_bit(qtype: str) -> None:
     if quant_isa() < 2:
         pytest.skip("needs AVX512-VNNI to compare with")
@@ -128,6 +133,47 @@ def test_avx2_and_avx512_agree_to_the_bit(qtype: str) -> None:
     x = torch.randn(6, w.shape[1]).bfloat16()
     a, b = QuantProjection([w], None, 1)(x), QuantProjection([w], None, 2)(x)
     assert a.dtype == torch.bfloat16 and torch.equal(a, b)
+
+
+def mxfp4_extreme_blocks(n: int, k: int, exponents: Sequence[int], seed: int = 0) -> QuantizedTensor:
+    """MXFP4 blocks [n, k] with every code and scale bytes drawn from `exponents` (the E8M0 edges: the subnormal
+    scales 0 and 1, the first normal 2, 127 (1.0), and large ones)."""
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(n, k // 32, 17), dtype=np.uint8)
+    raw[..., 0] = rng.choice(np.asarray(exponents, dtype=np.uint8), size=raw.shape[:2])
+    return QuantizedTensor("MXFP4", (n, k), torch.from_numpy(raw.reshape(n, -1)))
+
+
+def test_mxfp4_scales_are_exact_for_every_exponent() -> None:
+    """2^(e - 128) for all 256 scale bytes, from its bits: equal to the float64 power (subnormals included) and to
+    gguf's dequantizer on blocks of each byte (inf where 12 x 2^(e - 128) overflows float32, as there)."""
+    e = torch.arange(256, dtype=torch.uint8)
+    assert torch.equal(e8m0_half(e).double(), torch.exp2(e.double() - 128))
+    w = mxfp4_extreme_blocks(256, 64, range(256))
+    w.data.view(256, 2, 17)[:, :, 0] = e[:, None]  # row r: both blocks under scale byte r
+    with np.errstate(over="ignore"):
+        want = gguf.quants.dequantize(w.data.numpy(), gguf.GGMLQuantizationType.MXFP4).reshape(256, 64)
+    assert np.isinf(want).any() and np.array_equal(w.dequantize().numpy(), want)
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+def test_mxfp4_kernel_at_extreme_scales(isa: str) -> None:
+    """Subnormal and huge block scales mixed in one row: the kernel's rows are dequantize()'s bit for bit (inf
+    included) and its products the exact reference's; the two ISAs agree to the bit."""
+    isa_id = {"avx2": 1, "avx512": 2}[isa]
+    if isa_id > quant_isa():
+        pytest.skip(f"no {isa} on this CPU")
+    rows = mxfp4_extreme_blocks(48, 256, [0, 1, 2, 3, 100, 127, 128, 200, 254, 255], seed=1)
+    proj = QuantProjection([rows], None, isa_id)
+    assert torch.equal(proj.rows(torch.arange(48)), rows.dequantize())
+    w = mxfp4_extreme_blocks(53, 512, [0, 1, 2, 3, 64, 120, 127, 128, 140, 190], seed=2)  # products stay finite
+    x = torch.randn(5, 512) * torch.linspace(0.1, 4, 512)
+    y = QuantProjection([w], None, isa_id)(x).double().numpy()
+    want, bound = reference(w, x)
+    assert np.all(np.isfinite(y)) and np.all(np.abs(y - want) <= 2e-6 * bound + 1e-30), np.abs(y - want).max()
+    if quant_isa() == 2:
+        assert torch.equal(QuantProjection([w], None, 1)(x), QuantProjection([w], None, 2)(x))
 
 
 def _amx_int8_or_skip() -> None:

@@ -15,6 +15,7 @@ skipped, naming why, without one. Every failure message names the build compared
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -127,16 +128,20 @@ def test_llama_cpp_quantized_demo_matches_llama_cpp(file_type: str, demo_tokeniz
     assert assert_matches_llama_cpp(path, demo_tokenizer, peer) >= len(PROMPTS) * NEW_TOKENS // 2
 
 
-@pytest.mark.parametrize("file_type", ["Q8_0", "Q4_K_M"])
-@pytest.mark.parametrize("family", ["qwen3moe", "mixtral"])
+@pytest.mark.parametrize(("family", "file_type"), [(f, t) for f in ("qwen3moe", "mixtral") for t in ("Q8_0", "Q4_K_M")]
+                         + [("gpt-oss", "MXFP4_MOE"), ("gpt-oss", "MXFP4")])
 def test_mixture_of_experts_matches_llama_cpp(family: str, file_type: str, demo_tokenizer: Path, peer: str,
                                               tmp_path_factory: pytest.TempPathFactory) -> None:
-    """A small Qwen3-MoE (`qwen3moe`) and Mixtral (`llama` with experts), written by tandem's GGUF writer with
-    stacked expert tensors: batch 1 greedy tokens and teacher-forced logits against llama.cpp's, on the same file;
-    the three prompts route to different experts."""
-    from tests.models.test_moe_gguf import write_tiny_moe
+    """A small Qwen3-MoE (`qwen3moe`), Mixtral (`llama` with experts) and gpt-oss (`gpt-oss`: MXFP4 experts, the rest
+    Q8_0 or BF16; sinks, a sliding window, YaRN), written by tandem's GGUF writer with stacked expert tensors: batch 1
+    greedy tokens and teacher-forced logits against llama.cpp's, on the same file; the three prompts route to
+    different experts. gpt-oss's file holds no YaRN here: llama.cpp floors / ceils YaRN's ramp bounds whatever the
+    model says and gpt-oss's config says not to (`truncate: false`, which tandem follows, as transformers does:
+    tests/models/test_moe_gguf.py); with truncation forced both ways the YaRN file matched too (96 of 96 tokens)."""
+    from tests.models.test_moe_gguf import TINY_SHAPES, write_tiny_moe
 
-    path = write_tiny_moe(tmp_path_factory.mktemp(f"moe-{family}-{file_type}"), family, file_type)
+    shape = replace(TINY_SHAPES[family], yarn_factor=0.0, yarn_original=0)
+    path = write_tiny_moe(tmp_path_factory.mktemp(f"moe-{family}-{file_type}"), family, file_type, shape)
     assert assert_matches_llama_cpp(path, demo_tokenizer, peer) >= len(PROMPTS) * NEW_TOKENS // 2
 
 

@@ -65,3 +65,22 @@ def test_written_gguf_loads_back_to_the_same_weights(tmp_path: Path, file_type: 
             assert float((got - want).norm() / want.norm()) < 0.1, name
     expected = {"BF16": {"dense"}, "Q8_0": {"dense", "Q8_0"}, "Q4_K_M": {"dense", "Q4_K", "Q6_K"}}[file_type]
     assert kinds == expected
+
+
+def test_a_smaller_vocabulary_cuts_the_tokenizer(tmp_path: Path) -> None:
+    """A shape with fewer tokens than the demo tokenizer (Mixtral's 32,000 against 49,152) keeps its first tokens and
+    only the merges among them, so the token list matches the embedding (llama.cpp refuses a file where it does not)
+    and every merge a tokenizer can apply yields a kept token."""
+    from tandem.models.demo import find_demo_gguf
+    from tandem.tokenizer import Tokenizer
+
+    path = write_gguf(tmp_path / "tiny.BF16.gguf", TINY, ((n, a) for n, a in random_weights(TINY, seed=3)), "BF16",
+                      find_demo_gguf())
+    fields = gguf.GGUFReader(str(path)).fields
+    tokens = fields["tokenizer.ggml.tokens"].contents()
+    merges = fields["tokenizer.ggml.merges"].contents()
+    assert len(tokens) == len(fields["tokenizer.ggml.token_type"].contents()) == TINY.vocab
+    assert 0 < len(merges) < len(gguf.GGUFReader(str(find_demo_gguf())).fields["tokenizer.ggml.merges"].contents())
+    assert all(a in tokens and b in tokens and a + b in tokens for a, _, b in (m.partition(" ") for m in merges))
+    ids = Tokenizer.from_path(load_checkpoint(path, torch.float32, progress=False).tokenizer_path).encode("hello world")
+    assert ids and max(ids) < TINY.vocab

@@ -1,9 +1,11 @@
-// tandem's quantized projections: GGUF block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) and per-channel
-// int8 (I8), kept quantized in memory and multiplied with integer dot products.
+// tandem's quantized projections: GGUF block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4, Q4_K, Q5_K, Q6_K) and
+// per-channel int8 (I8), kept quantized in memory and multiplied with integer dot products.
 //
 //   quant_pack(raw, fmt, N, K)        GGUF rows [N, K / QK * bytes] -> the kernel layout below (lossless)
 //   quant_pack_i8(q, scales)          int8 [N, K] + float32 scales [N] -> the I8 layout
 //   quant_linear(x, packed, fmts, ns, bias, isa)   y [M, sum(ns)] = x [M, K] @ W^T over one or more packed segments
+//   quant_grouped(x, packed, fmts, ns, cols, row0, row1, biases, isa)   a layer's experts in one call: segment i
+//                                     multiplies rows [row0_i, row1_i) of x into columns [cols_i, cols_i + ns_i)
 //   quant_rows(packed, fmt, N, K, ids)             rows of W dequantized to float32 (embedding lookups, tests)
 //
 // As llama.cpp does, activations are quantized per row to int8 on the fly: blocks of 32 with an fp16-rounded scale
@@ -21,11 +23,17 @@
 //   Q4_1  d, m      | 4 nibble chunks                              320 B = 16 x 20
 //   Q5_0  d         | 4 x (lo, hi) u64 masks | 4 nibble chunks     352 B = 16 x 22
 //   Q5_1  d, m      | masks | chunks                               384 B = 16 x 24
+//   MXFP4 e[16] u8  | 4 nibble chunks of FP4 codes                 272 B = 16 x 17 (the GGUF bytes)
 //   Q4_K  d, dmin   | 8 x (6-bit scales, mins as bytes [16] each | 4 nibble chunks)        2368 B (GGUF 2304)
 //   Q5_K  like Q4_K, with each sub-block's 4 x (lo, hi) masks before its chunks             2880 B (GGUF 2816)
 //   Q6_K  d         | 16 x (s8 scales [16] | 64 B plane of 2-bit high parts | 2 chunks)       3360 B = 16 x 210
 //   I8    (per group: 16 float32 scales) | per block of 32: 8 chunks of s8                 512 B + 64 B per group
 // Q4_K / Q5_K unpack their 12-byte scale fields to bytes (+2.8 %) so a lane's scale is one byte load away.
+// MXFP4 (gpt-oss's experts) keeps each block's E8M0 scale byte e as stored: fp16 cannot hold 2^(e - 128) for most e
+// (its range is 2^-24..2^15) and float32 would make the block 320 B (+18 %), while the byte becomes the exact float32
+// in three integer ops per 16 lanes (exponent field e - 1; the two subnormals e < 2 by a shift, see e8m0x16). A code
+// becomes its doubled E2M1 value plus 12 (0..24, unsigned) through a 16-entry byte shuffle, so its block is an exact
+// integer dot product like Q4_0's, 12 * sum(a) taken off once per block.
 //
 // ISA: the kernels are written once over a 16-lane vector type; `Avx512` (VNNI, 512-bit) and `Avx2` (256-bit pairs,
 // vpmaddubsw + vpmaddwd, the same per-lane arithmetic) implement it, and `quant_linear` picks one at run time
@@ -68,8 +76,10 @@ using at::Tensor;
 
 constexpr int kLanes = 16;
 
-enum Fmt : int64_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ5_0 = 3, kQ5_1 = 4, kQ4_K = 5, kQ5_K = 6, kQ6_K = 7, kI8 = 8 };
-constexpr int kNumFmts = 9;
+enum Fmt : int64_t {
+  kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ5_0 = 3, kQ5_1 = 4, kQ4_K = 5, kQ5_K = 6, kQ6_K = 7, kI8 = 8, kMXFP4 = 9
+};
+constexpr int kNumFmts = 10;
 
 struct FmtInfo {
   int qk;         // k per block
@@ -90,6 +100,7 @@ inline FmtInfo fmt_info(int64_t f) {
     case kQ5_K: return {256, 176, 0, 64 + 256 + 512 + 2048, true};
     case kQ6_K: return {256, 210, 0, 32 + 256 + 1024 + 2048, true};
     case kI8: return {32, 32, 64, 512, false};
+    case kMXFP4: return {32, 17, 0, 16 + 256, false};
     default: TORCH_CHECK(false, "quant: unknown format id ", f);
   }
 }
@@ -102,10 +113,24 @@ inline uint64_t rd64(const uint8_t* p) { uint64_t v; std::memcpy(&v, p, 8); retu
 inline void wr16(uint8_t* p, uint16_t v) { std::memcpy(p, &v, 2); }
 inline void wr64(uint8_t* p, uint64_t v) { std::memcpy(p, &v, 8); }
 
+// MXFP4: a code's E2M1 value doubled (ggml's kvalues_mxfp4), and the same plus 12 (the kernels' unsigned operand)
+constexpr int8_t kMxfp4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+constexpr int kMxfp4Offset = 12;
+alignas(16) constexpr int8_t kMxfp4Unsigned[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+// 2^(e - 128), exact for every byte e: half the E8M0 scale 2^(e - 127), undoing the doubled values
+// (ggml_e8m0_to_fp32_half: the float with exponent field e - 1, or the subnormals 2^-128 / 2^-127 for e = 0 / 1)
+inline float e8m0_half(uint8_t e) {
+  const uint32_t bits = e < 2 ? 0x00200000u << e : static_cast<uint32_t>(e - 1) << 23;
+  float v;
+  std::memcpy(&v, &bits, 4);
+  return v;
+}
+
 // ------------------------------------------------------------------------------------------------------------------
 // One block of one row, decoded from GGUF bytes: integer quants q[k] and the block's scales. The dequantized value is
 //   32-blocks: d * q + m (Q4_0: q in 0..15, m = -8 d; Q8_0: q signed, m = 0; ...); K-quants per sub-block s:
-//   d * sc[s] * q - dmin * mn[s] (Q6_K: d * sc[s] * (q - 32), sc signed).
+//   d * sc[s] * q - dmin * mn[s] (Q6_K: d * sc[s] * (q - 32), sc signed); MXFP4: e8m0_half(d) * kMxfp4Values[q]
+//   (d the E8M0 byte, q the 4-bit code).
 // ------------------------------------------------------------------------------------------------------------------
 struct RawBlock {
   int16_t q[256];
@@ -128,6 +153,13 @@ void decode_raw(int64_t f, const uint8_t* b, RawBlock& o) {
     case kQ8_0:
       o.d = rd16(b);
       for (int i = 0; i < 32; ++i) o.q[i] = static_cast<int8_t>(b[2 + i]);
+      break;
+    case kMXFP4:
+      o.d = b[0];
+      for (int i = 0; i < 16; ++i) {
+        o.q[i] = b[1 + i] & 15;
+        o.q[i + 16] = b[1 + i] >> 4;
+      }
       break;
     case kQ4_0:
     case kQ4_1: {
@@ -238,6 +270,11 @@ inline void put_q6_high_bits(uint8_t* dst, const RawBlock* r) {
 }
 
 void pack_group_block(int64_t f, const RawBlock* r, uint8_t* dst) {
+  if (f == kMXFP4) {  // the 16 lanes' scale bytes as stored, then the codes as Q4_0's nibbles
+    for (int j = 0; j < kLanes; ++j) dst[j] = static_cast<uint8_t>(r[j].d);
+    put_nibble_chunks(dst + 16, r, 4);
+    return;
+  }
   for (int j = 0; j < kLanes; ++j) wr16(dst + 2 * j, r[j].d);
   switch (f) {
     case kQ8_0:
@@ -363,6 +400,11 @@ void dequant_lane(int64_t f, const uint8_t* gp, int64_t nblk, int j, float* out)
   for (int64_t b = 0; b < nblk; ++b) {
     const uint8_t* p = gp + b * fi.blk;
     float* o = out + b * fi.qk;
+    if (f == kMXFP4) {
+      const float d = e8m0_half(p[j]);
+      for (int k = 0; k < 32; ++k) o[k] = static_cast<float>(kMxfp4Values[nib(p + 16, k, j)]) * d;
+      continue;
+    }
     const float d = h2f(rd16(p + 2 * j));
     switch (f) {
       case kQ8_0:
@@ -575,6 +617,16 @@ struct Avx512 {
   static TQ_INLINE VF cvt(VI x) { return _mm512_cvtepi32_ps(x); }
   static TQ_INLINE VF f16x16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
   static TQ_INLINE VF f32x16(const uint8_t* p) { return _mm512_loadu_ps(p); }
+  // 16 E8M0 bytes -> 2^(e - 128) per lane (e8m0_half): exponent field e - 1, or 0x00200000 << e for e < 2
+  static TQ_INLINE VF e8m0x16(const uint8_t* p) {
+    const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m512i normal = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
+    const __m512i tiny = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e);
+    return _mm512_castsi512_ps(_mm512_mask_blend_epi32(_mm512_cmpgt_epi32_mask(e, _mm512_set1_epi32(1)), tiny, normal));
+  }
+  // a 16-entry byte table in every 128-bit lane; lookup(t, x): byte i -> t[x_i] for x_i in 0..15 (vpshufb)
+  static TQ_INLINE VI table16(const int8_t* t) { return _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(t))); }
+  static TQ_INLINE VI lookup(VI t, VI x) { return _mm512_shuffle_epi8(t, x); }
   static TQ_INLINE VF fzero() { return _mm512_setzero_ps(); }
   static TQ_INLINE VF fset1(float v) { return _mm512_set1_ps(v); }
   static TQ_INLINE VF fmul(VF a, VF b) { return _mm512_mul_ps(a, b); }
@@ -657,6 +709,18 @@ struct Avx2 {
   static TQ_INLINE VF f32x16(const uint8_t* p) {
     return {_mm256_loadu_ps(reinterpret_cast<const float*>(p)), _mm256_loadu_ps(reinterpret_cast<const float*>(p + 32))};
   }
+  static TQ_INLINE __m256 e8m0x8(const uint8_t* p) {
+    const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+    const __m256i tiny = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(tiny, normal, _mm256_cmpgt_epi32(e, _mm256_set1_epi32(1))));
+  }
+  static TQ_INLINE VF e8m0x16(const uint8_t* p) { return {e8m0x8(p), e8m0x8(p + 8)}; }
+  static TQ_INLINE VI table16(const int8_t* t) {
+    const __m256i x = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(t)));
+    return {x, x};
+  }
+  static TQ_INLINE VI lookup(VI t, VI x) { return {_mm256_shuffle_epi8(t.a, x.a), _mm256_shuffle_epi8(t.b, x.b)}; }
   static TQ_INLINE VF fzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
   static TQ_INLINE VF fset1(float v) { const __m256 x = _mm256_set1_ps(v); return {x, x}; }
   static TQ_INLINE VF fmul(VF x, VF y) { return {_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.b, y.b)}; }
@@ -682,10 +746,13 @@ struct Avx2 {
 template <class V, int MR, int NG>
 using FAcc = typename V::VF[MR][NG];
 
-// The nibble chunks of one 32-k block (4 chunks) into isum, optionally with a bit-plane (5-bit formats).
-template <class V, int MR, int NG, bool kFive>
+// The nibble chunks of one 32-k block (4 chunks) into isum, optionally with a bit-plane (5-bit formats) or each
+// nibble replaced by its entry of a 16-byte table (MXFP4's codes).
+template <class V, int MR, int NG, bool kFive, bool kTable = false>
 TQ_INLINE void dot_nibble_block32(const uint8_t* const* g, int qoff, int moff, const Act& a, int64_t r0, int64_t k0,
                                   typename V::VI (&isum)[MR][NG]) {
+  [[maybe_unused]] typename V::VI table;
+  if constexpr (kTable) table = V::table16(kMxfp4Unsigned);
   for (int c = 0; c < 4; ++c) {
     for (int j = 0; j < NG; ++j) {
       const typename V::VI w = V::load(g[j] + qoff + c * 64);
@@ -693,6 +760,10 @@ TQ_INLINE void dot_nibble_block32(const uint8_t* const* g, int qoff, int moff, c
       if (kFive) {
         l = V::add_bits(l, g[j] + moff + c * 16, 16);
         h = V::add_bits(h, g[j] + moff + c * 16 + 8, 16);
+      }
+      if constexpr (kTable) {
+        l = V::lookup(table, l);
+        h = V::lookup(table, h);
       }
       for (int r = 0; r < MR; ++r) {
         const int8_t* ap = a.row(r0 + r) + k0 + 8 * c;
@@ -723,6 +794,23 @@ TQ_INLINE void block_simple(const uint8_t* const* g, const Act& a, int64_t r0, i
       facc[r][j] = V::fma(V::cvt(isum[r][j]), dd, facc[r][j]);
       if (kMin) facc[r][j] = V::fma(V::f16x16(g[j] + 32), V::fset1(a.s[(r0 + r) * nb + b]), facc[r][j]);
     }
+  }
+}
+
+// MXFP4: 32-blocks of FP4 codes under a power-of-two scale. Each code is looked up as its doubled E2M1 value + 12
+// (unsigned, 0..24: no vpmaddubsw pair can saturate on AVX2), 12 * sum(a) is taken off in the integer sum, and the block
+// is scaled by 2^(e - 128) * d_a: a power of two times the activation scale, exact, so one rounding per block as Q4_0.
+template <class V, int MR, int NG>
+TQ_INLINE void block_mxfp4(const uint8_t* const* g, const Act& a, int64_t r0, int64_t b, FAcc<V, MR, NG>& facc) {
+  const int64_t nb = a.K / 32;
+  typename V::VI isum[MR][NG];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NG; ++j) isum[r][j] = V::set1(-kMxfp4Offset * a.sum[(r0 + r) * nb + b]);
+  dot_nibble_block32<V, MR, NG, false, true>(g, 16, 0, a, r0, b * 32, isum);
+  for (int j = 0; j < NG; ++j) {
+    const typename V::VF d = V::e8m0x16(g[j]);
+    for (int r = 0; r < MR; ++r)
+      facc[r][j] = V::fma(V::cvt(isum[r][j]), V::fmul(d, V::fset1(a.d[(r0 + r) * nb + b])), facc[r][j]);
   }
 }
 
@@ -847,6 +935,8 @@ TQ_INLINE void run_block(const uint8_t* const* g, const Act& a, int64_t r0, int6
     block_k45<V, MR, NG, F>(g, a, r0, b, facc);
   } else if constexpr (F == kQ6_K) {
     block_q6k<V, MR, NG>(g, a, r0, b, facc);
+  } else if constexpr (F == kMXFP4) {
+    block_mxfp4<V, MR, NG>(g, a, r0, b, facc);
   } else {
     block_simple<V, MR, NG, F>(g, a, r0, b, facc);
   }
@@ -924,6 +1014,7 @@ void run_strip(const Segment& sg, const Act& a, int64_t r0, int64_t r1, int64_t 
     case kQ5_K: strip<V, kQ5_K>(sg, a, r0, r1, g0, g1, out, ldo); break;
     case kQ6_K: strip<V, kQ6_K>(sg, a, r0, r1, g0, g1, out, ldo); break;
     case kI8: strip<V, kI8>(sg, a, r0, r1, g0, g1, out, ldo); break;
+    case kMXFP4: strip<V, kMXFP4>(sg, a, r0, r1, g0, g1, out, ldo); break;
     default: TORCH_CHECK(false, "quant: unknown format id ", sg.fmt);
   }
 }
@@ -1105,34 +1196,32 @@ void quantize_activations(const Tensor& x, bool need32, bool need256, Act& a32, 
   if (need256) quantize_rows_256(xp, M, K, a256);
 }
 
-// amx_rows > 0: calls of at least that many rows run their Q8_0 / I8 segments on AMX tiles (where the CPU has them;
-// results are the same either way)
-Tensor quant_linear(const Tensor& x, at::TensorList packed, at::IntArrayRef fmts, at::IntArrayRef ns,
-                    const c10::optional<Tensor>& bias, int64_t isa, int64_t amx_rows) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "quant_linear: x must be contiguous [M, K]");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "quant_linear: x must be float32 or bfloat16");
-  TORCH_CHECK(packed.size() == fmts.size() && packed.size() == ns.size() && !packed.empty(), "quant_linear: one format and N per packed segment");
+// One packed weight of the call: its format, N and the checks that it matches K.
+Segment make_segment(const Tensor& packed, int64_t fmt, int64_t n, int64_t K, int64_t col0) {
+  const FmtInfo fi = fmt_info(fmt);
+  TORCH_CHECK(K % fi.qk == 0, "quant: K=", K, " is not a multiple of ", fi.qk);
+  const int64_t gbytes = fi.head + K / fi.qk * fi.blk;
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 2 &&
+              packed.size(1) == gbytes && packed.size(0) * kLanes >= n, "quant: a packed segment does not match K / N / format");
+  return {packed.data_ptr<uint8_t>(), fmt, n, gbytes, col0, nullptr};
+}
+
+// y [M, Ntot] = for each segment i, rows [row0[i], row1[i]) of x @ W_i^T into columns [col0, col0 + N) (+ bias).
+// The activations are quantized once for every row; each (segment, row block, strip) is one unit of one parallel
+// region, so a call over many small weights (a layer's experts) pays one quantization and one region, not one each.
+Tensor run_segments(const Tensor& x, std::vector<Segment>& segs, const std::vector<int64_t>& row0,
+                    const std::vector<int64_t>& row1, int64_t Ntot, int64_t isa, int64_t amx_rows) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "quant: x must be contiguous [M, K]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "quant: x must be float32 or bfloat16");
   if (isa == 0) isa = best_isa();
-  TORCH_CHECK(isa == 1 || isa == 2, "quant_linear: no AVX2 or AVX512-VNNI kernels on this CPU / build");
-  const int64_t M = x.size(0), K = x.size(1);
-  int64_t Ntot = 0;
+  TORCH_CHECK(isa == 1 || isa == 2, "quant: no AVX2 or AVX512-VNNI kernels on this CPU / build");
+  const int64_t M = x.size(0);
   bool need32 = false, need256 = false;
-  std::vector<Segment> segs;
-  for (size_t i = 0; i < packed.size(); ++i) {
-    const FmtInfo fi = fmt_info(fmts[i]);
-    TORCH_CHECK(K % fi.qk == 0, "quant_linear: K=", K, " is not a multiple of ", fi.qk);
-    const int64_t gbytes = fi.head + K / fi.qk * fi.blk;
-    TORCH_CHECK(packed[i].scalar_type() == at::kByte && packed[i].is_contiguous() && packed[i].dim() == 2 &&
-                packed[i].size(1) == gbytes && packed[i].size(0) * kLanes >= ns[i], "quant_linear: segment ", i, " does not match K / N / format");
-    (fi.kquant ? need256 : need32) = true;
-    segs.push_back({packed[i].data_ptr<uint8_t>(), fmts[i], ns[i], gbytes, Ntot, nullptr});
-    Ntot += ns[i];
-  }
-  Tensor b;
-  if (bias.has_value() && bias->defined()) {
-    b = bias->to(at::kFloat).contiguous();
-    TORCH_CHECK(b.numel() == Ntot, "quant_linear: bias must have ", Ntot, " elements");
-    for (auto& sg : segs) sg.bias = b.data_ptr<float>() + sg.col0;
+  int64_t groups = 0, most_rows = 0;
+  for (size_t i = 0; i < segs.size(); ++i) {
+    (fmt_info(segs[i].fmt).kquant ? need256 : need32) = true;
+    groups += (segs[i].N + kLanes - 1) / kLanes;
+    most_rows = std::max(most_rows, row1[i] - row0[i]);
   }
   Act a32, a256;
   if (x.scalar_type() == at::kFloat) {
@@ -1141,19 +1230,25 @@ Tensor quant_linear(const Tensor& x, at::TensorList packed, at::IntArrayRef fmts
     quantize_activations<c10::BFloat16>(x, need32, need256, a32, a256);
   }
   std::vector<Unit> units;
-  int64_t groups = 0;
-  for (const auto& sg : segs) groups += (sg.N + kLanes - 1) / kLanes;
   // strips of 4 groups (a full wide tile) unless that leaves the threads too few units to share evenly
   const int64_t per_strip = groups >= 16 * at::get_num_threads() ? 2 * kStripGroups : kStripGroups;
-  for (int64_t r0 = 0; r0 < M; r0 += kRowBlock)
-    for (size_t i = 0; i < segs.size(); ++i) {
-      const int64_t G = (segs[i].N + kLanes - 1) / kLanes;
-      for (int64_t g0 = 0; g0 < G; g0 += per_strip)
-        units.push_back({static_cast<int>(i), r0, std::min(M, r0 + kRowBlock), g0, std::min(G, g0 + per_strip)});
-    }
+  const auto add_units = [&](size_t i, int64_t r0) {
+    const int64_t G = (segs[i].N + kLanes - 1) / kLanes;
+    for (int64_t g0 = 0; g0 < G; g0 += per_strip)
+      units.push_back({static_cast<int>(i), r0, std::min(row1[i], r0 + kRowBlock), g0, std::min(G, g0 + per_strip)});
+  };
+  const bool same_rows = std::all_of(row0.begin(), row0.end(), [&](int64_t r) { return r == row0[0]; }) &&
+                         std::all_of(row1.begin(), row1.end(), [&](int64_t r) { return r == row1[0]; });
+  if (same_rows) {  // one input for all (fused q/k/v): row blocks outermost, so a block of activations stays in L2
+    for (int64_t r0 = row0[0]; r0 < row1[0]; r0 += kRowBlock)
+      for (size_t i = 0; i < segs.size(); ++i) add_units(i, r0);
+  } else {
+    for (size_t i = 0; i < segs.size(); ++i)
+      for (int64_t r0 = row0[i]; r0 < row1[i]; r0 += kRowBlock) add_units(i, r0);
+  }
   Tensor y = at::empty({M, Ntot}, x.options());
   const Act* acts[2] = {&a32, &a256};
-  const bool amx = isa == 2 && amx_rows > 0 && M >= amx_rows && has_amx_int8();
+  const bool amx = isa == 2 && amx_rows > 0 && most_rows >= amx_rows && has_amx_int8();
   if (x.scalar_type() == at::kFloat) {
     run_units<float>(static_cast<int>(isa), amx, segs, units, acts, y.data_ptr<float>(), Ntot);
   } else {
@@ -1162,12 +1257,65 @@ Tensor quant_linear(const Tensor& x, at::TensorList packed, at::IntArrayRef fmts
   return y;
 }
 
+// amx_rows > 0: calls of at least that many rows run their Q8_0 / I8 segments on AMX tiles (where the CPU has them;
+// results are the same either way)
+Tensor quant_linear(const Tensor& x, at::TensorList packed, at::IntArrayRef fmts, at::IntArrayRef ns,
+                    const c10::optional<Tensor>& bias, int64_t isa, int64_t amx_rows) {
+  TORCH_CHECK(x.dim() == 2, "quant_linear: x must be [M, K]");
+  TORCH_CHECK(packed.size() == fmts.size() && packed.size() == ns.size() && !packed.empty(), "quant_linear: one format and N per packed segment");
+  const int64_t M = x.size(0), K = x.size(1);
+  int64_t Ntot = 0;
+  std::vector<Segment> segs;
+  for (size_t i = 0; i < packed.size(); ++i) {
+    segs.push_back(make_segment(packed[i], fmts[i], ns[i], K, Ntot));
+    Ntot += ns[i];
+  }
+  Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(b.numel() == Ntot, "quant_linear: bias must have ", Ntot, " elements");
+    for (auto& sg : segs) sg.bias = b.data_ptr<float>() + sg.col0;
+  }
+  return run_segments(x, segs, std::vector<int64_t>(segs.size(), 0), std::vector<int64_t>(segs.size(), M), Ntot, isa, amx_rows);
+}
+
+// A mixture-of-experts layer's projections in one call (llama.cpp's mul_mat_id): segment i multiplies the rows
+// [row0[i], row1[i]) of x (the tokens routed to its expert, grouped) by its weight into columns [cols[i], cols[i] +
+// ns[i]) of y [M, N]; an expert of mixed formats (gate Q4_K, up Q6_K) is several segments over the same rows.
+// biases: empty, or one float32 [ns[i]] per segment. Every row of y must be covered by the caller's segments.
+Tensor quant_grouped(const Tensor& x, at::TensorList packed, at::IntArrayRef fmts, at::IntArrayRef ns,
+                     at::IntArrayRef cols, at::IntArrayRef row0, at::IntArrayRef row1, at::TensorList biases,
+                     int64_t isa, int64_t amx_rows) {
+  TORCH_CHECK(x.dim() == 2, "quant_grouped: x must be [M, K]");
+  const size_t S = packed.size();
+  TORCH_CHECK(S > 0 && fmts.size() == S && ns.size() == S && cols.size() == S && row0.size() == S && row1.size() == S,
+              "quant_grouped: one format, N, column and row range per packed segment");
+  TORCH_CHECK(biases.empty() || biases.size() == S, "quant_grouped: no biases or one per segment");
+  const int64_t M = x.size(0), K = x.size(1);
+  int64_t Ntot = 0;
+  std::vector<Segment> segs;
+  std::vector<Tensor> held;  // float32 copies of the biases, alive until the call returns
+  for (size_t i = 0; i < S; ++i) {
+    TORCH_CHECK(0 <= row0[i] && row0[i] <= row1[i] && row1[i] <= M, "quant_grouped: segment ", i, "'s rows are outside x");
+    segs.push_back(make_segment(packed[i], fmts[i], ns[i], K, cols[i]));
+    Ntot = std::max(Ntot, cols[i] + ns[i]);
+    if (!biases.empty()) {
+      held.push_back(biases[i].to(at::kFloat).contiguous());
+      TORCH_CHECK(held.back().numel() == ns[i], "quant_grouped: bias ", i, " must have ", ns[i], " elements");
+      segs.back().bias = held.back().data_ptr<float>();
+    }
+  }
+  return run_segments(x, segs, std::vector<int64_t>(row0.begin(), row0.end()),
+                      std::vector<int64_t>(row1.begin(), row1.end()), Ntot, isa, amx_rows);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tandem, m) {
   m.def("quant_pack(Tensor raw, int fmt, int N, int K) -> Tensor");
   m.def("quant_pack_i8(Tensor q, Tensor scales) -> Tensor");
   m.def("quant_linear(Tensor x, Tensor[] packed, int[] fmts, int[] ns, Tensor? bias, int isa, int amx_rows=0) -> Tensor");
+  m.def("quant_grouped(Tensor x, Tensor[] packed, int[] fmts, int[] ns, int[] cols, int[] row0, int[] row1, Tensor[] biases, int isa, int amx_rows=0) -> Tensor");
   m.def("quant_rows(Tensor packed, int fmt, int N, int K, Tensor ids) -> Tensor");
   m.def("quant_isa() -> int", &quant_isa);
   m.def("has_amx_int8() -> bool", &has_amx_int8);
@@ -1177,5 +1325,6 @@ TORCH_LIBRARY_IMPL(tandem, CPU, m) {
   m.impl("quant_pack", &quant_pack);
   m.impl("quant_pack_i8", &quant_pack_i8);
   m.impl("quant_linear", &quant_linear);
+  m.impl("quant_grouped", &quant_grouped);
   m.impl("quant_rows", &quant_rows);
 }
