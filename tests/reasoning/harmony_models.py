@@ -18,16 +18,15 @@ write no harmony: tests push or force the markers (logit_bias, the thinking budg
 
 from __future__ import annotations
 
-import fcntl
 import functools
 import hashlib
 import json
 import os
 import shutil
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from tests.reasoning.qwen_models import build_lock
 
 NAME = "tiny-gpt-oss-harmony"
 FIXTURE_VERSION = "1"
@@ -84,7 +83,7 @@ def harmony_model() -> Path:
     folder = tandem_home() / "test-models" / NAME
     if _is_current(folder):
         return folder
-    with _build_lock(folder):
+    with build_lock(folder):
         if _is_current(folder):
             return folder
         if folder.exists():
@@ -101,17 +100,6 @@ def harmony_model() -> Path:
 def _is_current(folder: Path) -> bool:
     f = folder / VERSION_FILE
     return f.is_file() and f.read_text().strip() == stamp()
-
-
-@contextmanager
-def _build_lock(folder: Path) -> Iterator[None]:
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    with open(folder.with_name(f".{folder.name}.lock"), "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def build_tokenizer() -> Any:

@@ -351,7 +351,7 @@ def build_fixture(spec: FixtureSpec) -> Path:
         return folder
     from tandem.models.checkpoint import write_folder_atomically
 
-    with _build_lock(folder):
+    with build_lock(folder):
         if is_current(folder, spec):  # another process built it while we waited
             return folder
         if folder.exists():  # stale: out of the way in one rename, then removed
@@ -366,7 +366,8 @@ def build_fixture(spec: FixtureSpec) -> Path:
 
 
 @contextmanager
-def _build_lock(folder: Path) -> Iterator[None]:
+def build_lock(folder: Path) -> Iterator[None]:
+    """Held while one process builds `folder`; others wait and then find it built."""
     folder.parent.mkdir(parents=True, exist_ok=True)
     with open(folder.with_name(f".{folder.name}.lock"), "w") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
