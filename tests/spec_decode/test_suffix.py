@@ -86,12 +86,29 @@ def test_proposer_tree_updated_incrementally_equals_rebuild() -> None:
     assert p._requests["r"].tree.counts() == rebuilt.counts()
 
 
+def test_removed_sequences_give_their_storage_back() -> None:
+    rng = random.Random(5)
+    tree = SuffixTree(8)
+    tree.extend(0, [rng.randrange(5) for _ in range(50)])
+    peak = tree.num_points
+    for sid in range(1, 40):  # a rolling cache: each sequence added, then removed
+        tree.extend(sid, [rng.randrange(5) for _ in range(30)])
+        tree.finish(sid)
+        peak = max(peak, tree.num_points)
+        tree.remove(sid)
+        # what stays is sequence 0's (some of its leaves became count-1 nodes while shared), never the removed ones'
+        assert tree.num_points <= 1 + 50 * 8
+    # freed ids reused: storage follows the peak (nodes and leaves peak apart), not the 39 sequences added in all
+    assert len(tree._count) + len(tree._leaf_seq) <= 2 * peak
+    assert tree.counts() == brute_counts([tree.sequence(0)], 8)
+
+
 def test_growing_match_reports_repeated_suffixes() -> None:
     tree = SuffixTree(8)
     tree.extend(0, [1, 2, 3, 9, 1, 2])
     matches = tree.growing_match(0)
     assert sorted(matches) == [1, 2]  # [2] and [1, 2] occur twice; [9, 1, 2] once
-    assert matches[2].count == 2
+    assert tree.node_count(matches[2]) == 2
 
 
 def test_speculate_follows_most_frequent_continuation_and_stops_on_low_probability() -> None:
