@@ -12,8 +12,9 @@ Decoding never applies `clean_up_tokenization_spaces`: the incremental detokeniz
 the clean-up rules (" ." -> ".") would give a different text for a window than for the whole output.
 
 Chat prompts go through one seam, the tokenizer's `ChatFormat`: a Jinja chat template (`TemplateChatFormat`, the
-default), or, for a folder whose config.json is gpt-oss's, harmony (`tandem/tools/harmony.py`: rendered by
-openai_harmony, its assistant-action stop tokens `<|return|>` / `<|call|>` added to the EOS ids). A chat template
+default), or, for a folder whose config.json is gpt-oss's and whose vocabulary holds harmony's markers, harmony
+(`tandem/tools/harmony.py`: rendered by openai_harmony, its assistant-action stop tokens `<|return|>` / `<|call|>`
+added to the EOS ids). A chat template
 given explicitly (`chat_template=`, `set_chat_template`) replaces either.
 """
 
@@ -166,11 +167,14 @@ class Tokenizer:
         self.eos_token_ids = tuple(dict.fromkeys((*self.eos_token_ids, *chat_format.stop_token_ids)))
 
     def _use_family_format(self, folder: Path) -> None:
-        """Harmony for a gpt-oss folder (its config.json's family); ConfigError when its vocabulary is missing."""
+        """Harmony for a gpt-oss folder (its config.json's family) whose tokenizer holds harmony's markers at their
+        ids; ConfigError when harmony's o200k_base vocabulary file is missing. A gpt-oss config beside another
+        tokenizer (tiny test models, the benchmarks' shapes) keeps that tokenizer's template."""
         if model_family(folder) in HARMONY_FAMILIES:
-            from tandem.tools.harmony import HarmonyChatFormat
+            from tandem.tools.harmony import HarmonyChatFormat, speaks_harmony
 
-            self.use_chat_format(HarmonyChatFormat.load(self.hf.get_vocab))
+            if speaks_harmony(self.hf.get_vocab()):
+                self.use_chat_format(HarmonyChatFormat.load(self.hf.get_vocab))
 
     # ---- text <-> ids --------------------------------------------------------------------------------------------
 

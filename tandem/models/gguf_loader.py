@@ -27,6 +27,7 @@ permuted (llama.cpp runs them with NeoX-style rotary, which is HF's layout).
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from collections.abc import Mapping
@@ -96,6 +97,7 @@ _GLOBAL_TENSORS: dict[str, str] = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+TOKENIZER_FOLDER_VERSION = "t2"  # t2: a gpt-oss file's folder gets the config.json naming its family
 _SKIPPED_TENSORS = {"rope_freqs.weight"}  # folded into the config's rope_scaling (Llama 3)
 
 
@@ -485,27 +487,34 @@ def has_tokenizer(reader: GGUFReader) -> bool:
     return "tokenizer.ggml.model" in reader.fields
 
 
-def save_gguf_tokenizer(gguf_path: Path, out_dir: Path) -> None:
+def save_gguf_tokenizer(gguf_path: Path, out_dir: Path, name_family: bool = False) -> None:
     """Rebuild the GGUF's tokenizer with transformers (offline, from metadata) and `save_pretrained` it to out_dir.
     gpt-oss's is built as the fast tokenizer its HF folders name (`PreTrainedTokenizerFast`: byte-level BPE, the
     pre-tokenizer's split from `tokenizer.ggml.pre`, "gpt-4o" for o200k) without `AutoTokenizer`, whose reading of the
-    GGUF's config fails on gpt-oss's YaRN keys (transformers 5.24 converts a field's first part, its key, to a float)."""
+    GGUF's config fails on gpt-oss's YaRN keys (transformers 5.24 converts a field's first part, its key, to a float).
+
+    `name_family`: for a tokenizer-only folder, a gpt-oss file also gets a config.json naming the family, so that
+    `Tokenizer.from_path` picks harmony when the vocabulary is harmony's, as it does for a checkpoint folder; a
+    folder written beside a full config.json leaves it out."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     reader = open_gguf(gguf_path)
-    builder = PreTrainedTokenizerFast if GGUFMetadata(reader, gguf_path).get("general.architecture") == "gpt-oss" else AutoTokenizer
+    arch = GGUFMetadata(reader, gguf_path).get("general.architecture")
+    builder = PreTrainedTokenizerFast if arch == "gpt-oss" else AutoTokenizer
     tokenizer = builder.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     template = gguf_chat_template(reader, gguf_path)
     if template is not None and not getattr(tokenizer, "chat_template", None):
         tokenizer.chat_template = template
     tokenizer.save_pretrained(str(out_dir))
+    if name_family and arch == "gpt-oss":
+        (out_dir / "config.json").write_text(json.dumps({"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss"}))
 
 
 def gguf_tokenizer_folder(gguf_path: Path) -> Path:
-    """A cached folder holding the GGUF's tokenizer: tandem_home()/tokenizers/<stem>-<key>, built once."""
-    folder = tandem_home() / "tokenizers" / f"{gguf_path.stem}-{file_cache_key(gguf_path)}"
+    """A cached folder holding the GGUF's tokenizer: tandem_home()/tokenizers/<stem>-<key>-<version>, built once."""
+    folder = tandem_home() / "tokenizers" / f"{gguf_path.stem}-{file_cache_key(gguf_path)}-{TOKENIZER_FOLDER_VERSION}"
     if not (folder / "tokenizer_config.json").is_file():
-        write_folder_atomically(folder, lambda tmp: save_gguf_tokenizer(gguf_path, tmp))
+        write_folder_atomically(folder, lambda tmp: save_gguf_tokenizer(gguf_path, tmp, name_family=True))
     return folder
 
 

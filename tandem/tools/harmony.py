@@ -52,6 +52,8 @@ NUM_RANKS = 199998  # o200k_base's BPE ranks: ids 0 .. 199997 of o200k_harmony
 ENDOFTEXT, RETURN, CONSTRAIN, CHANNEL, START, END, MESSAGE, CALL = (
     199999, 200002, 200003, 200005, 200006, 200007, 200008, 200012)
 ASSISTANT_ID, FINAL_ID = 173781, 17196  # "assistant", "final" (one token each)
+MARKER_PIECES = {"<|return|>": RETURN, "<|constrain|>": CONSTRAIN, "<|channel|>": CHANNEL, "<|start|>": START,
+                 "<|end|>": END, "<|message|>": MESSAGE, "<|call|>": CALL}
 # nothing of the output follows these: an assistant action's stop tokens, and `<|endoftext|>` (an EOS id of the
 # released generation_config.json, which harmony's parser would read as text)
 STOPS = frozenset({RETURN, CALL, ENDOFTEXT})
@@ -80,6 +82,12 @@ def vocabulary_dir(pieces: Pieces | None = None) -> Path:
             f"here: set {ENCODINGS_ENV} to a folder holding it, or put it in {folder}")
     os.environ[ENCODINGS_ENV] = str(folder)
     return folder
+
+
+def speaks_harmony(pieces: Mapping[str, int]) -> bool:
+    """Whether a vocabulary holds o200k_harmony's markers at their ids: a gpt-oss tokenizer, not a gpt-oss shape
+    written with another model's tokens (the benchmarks' random-weight files)."""
+    return all(pieces.get(piece) == i for piece, i in MARKER_PIECES.items())
 
 
 def write_vocabulary(pieces: Mapping[str, int], folder: Path) -> bool:

@@ -101,6 +101,53 @@ def test_the_fixture_tokenizer_is_o200k_harmony(tok: Tokenizer, enc: Any) -> Non
     assert set(tok.eos_token_ids) == {hm.RETURN, hm.PAD, hm.CALL}  # harmony's <|return|> / <|call|> end a request
 
 
+def _harmony_gguf(path: Path) -> Path:
+    """A gpt-oss GGUF's header as llama.cpp's converter writes it from the released folder (no tensors: the tokenizer
+    is all that is read here): byte-level BPE `gpt2`, pre-tokenizer `gpt-4o`, the 21 special tokens as CONTROL, the
+    token list padded to the embedding's 201,088 rows."""
+    import gguf
+
+    data = json.loads((hm.harmony_model() / "tokenizer.json").read_text())
+    tokens = [f"[PAD{i}]" for i in range(hm.VOCAB_SIZE)]
+    types = [int(gguf.TokenType.UNUSED)] * hm.VOCAB_SIZE
+    for piece, i in data["model"]["vocab"].items():
+        tokens[i], types[i] = piece, int(gguf.TokenType.NORMAL)
+    for added in data["added_tokens"]:
+        tokens[added["id"]], types[added["id"]] = added["content"], int(gguf.TokenType.CONTROL)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]]
+    writer = gguf.GGUFWriter(str(path), "gpt-oss")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-4o")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(hm.BOS)
+    writer.add_eos_token_id(hm.RETURN)
+    writer.add_pad_token_id(hm.PAD)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a_gpt_oss_gguf_speaking_harmony_renders_and_reads_harmony(tok: Tokenizer, tmp_path: Path) -> None:
+    """A gpt-oss GGUF file's tokenizer picks harmony as its folder does (the chat format, its stop tokens, and with
+    it the `openai` tool-call format); a vocabulary without harmony's markers at their ids (a gpt-oss shape written
+    with another model's tokens: the benchmarks' files) keeps its own template."""
+    from tandem.models.gguf_loader import gguf_tokenizer_folder
+    from tandem.tools.harmony import speaks_harmony
+
+    from_file = Tokenizer.from_path(gguf_tokenizer_folder(_harmony_gguf(tmp_path / "gpt-oss-tiny.gguf")))
+    assert from_file.chat_format.name == "harmony"
+    assert set(from_file.eos_token_ids) >= {hm.RETURN, hm.CALL}
+    chat = [{"role": "user", "content": "Weather in Paris?"}]
+    assert from_file.apply_chat_template(chat) == tok.apply_chat_template(chat)
+    text = " naïve café 日本語 <|channel|>final<|message|>Hi"
+    assert from_file.encode(text, add_special_tokens=False) == tok.encode(text, add_special_tokens=False)
+    assert speaks_harmony(tok.hf.get_vocab())
+    assert not speaks_harmony({"<|start|>": 5, "<|channel|>": 6})  # markers elsewhere (another vocabulary)
+
 # =============================================================================================== rendering
 def _harmony(messages: list[Any], **system: Any) -> list[Any]:
     """System (and developer) messages as harmony's own API builds them, then `messages`."""
