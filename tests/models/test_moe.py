@@ -163,9 +163,12 @@ def test_engine_greedy_equals_transformers_generate(qwen3_moe_folder: str) -> No
 
 
 def test_speculation_and_tensor_parallel_keep_the_tokens(qwen3_moe_folder: str) -> None:
-    """n-gram drafts verified, and 2 ranks (each a slice of every expert): the plain engine's greedy tokens."""
+    """n-gram and suffix drafts verified, and 2 ranks (each a slice of every expert): the plain engine's greedy
+    tokens."""
     plain = generate_tokens(qwen3_moe_folder, PROMPTS, GREEDY)
-    assert generate_tokens(qwen3_moe_folder, PROMPTS, GREEDY, speculative_config={"method": "ngram", "num_speculative_tokens": 3}) == plain
+    for method in ("ngram", "suffix"):
+        spec = {"method": method, "num_speculative_tokens": 3}
+        assert generate_tokens(qwen3_moe_folder, PROMPTS, GREEDY, speculative_config=spec) == plain, method
     assert generate_tokens(qwen3_moe_folder, PROMPTS, GREEDY, tensor_parallel_size=2) == plain
 
 
