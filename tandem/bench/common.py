@@ -8,6 +8,7 @@ import os
 import platform
 import resource
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -94,6 +95,7 @@ class RunResult:
             "tok/s": round(self.tok_per_s, 1),
             "ttft_p50_ms": round(percentile(self.ttft_s, 50) * 1e3, 1),
             "tpot_p50_ms": round(percentile(self.tpot_s, 50) * 1e3, 1),
+            **({"refused": len(self.refused)} if self.refused else {}),
             **self.extra,
         }
 
@@ -145,6 +147,8 @@ def drive(
                     on_output(out)
         top_up()
     res.wall_s = time.perf_counter() - t0
+    if res.refused:  # a figure over fewer requests than asked: said, never only counted
+        print(f"{name}: {len(res.refused)} of {len(prompts)} requests refused, e.g. {res.refused[0]}", file=sys.stderr)
     return res
 
 
