@@ -146,29 +146,12 @@ class HarmonyThinking(ThinkingState):
         thinking = phase.mode != "done" and not (phase.mode == "body" and phase.channel == "final")
         return cls(phase, HarmonyReader(encoding, tail), thinking, budget)
 
-    @property
-    def forcing(self) -> bool:
-        """The budget ran out: the way into a final body is due."""
-        return self.thinking and self.budget is not None and self.num_reasoning_tokens >= self.budget
-
-    def limit(self, tokens: list[int], decode: Decode) -> list[int]:
-        if not self.thinking or not tokens:
-            return tokens
-        probe = self._probe()
-        for i, token in enumerate(tokens):
-            forced = probe._forced_next(decode)
-            if forced is not None and forced != token:
-                return [*tokens[:i], forced]
-            if probe._advance(int(token)):  # the answer starts after it: the rest was sampled without its grammar
-                return tokens[: i + 1]
-        return tokens
-
     def feed(self, tokens: Sequence[int]) -> int | None:
         answer_from = None
         for i, token in enumerate(tokens):
             self.reader.feed(int(token))
             self.num_output_tokens += 1
-            if self.thinking and self._advance(int(token)):
+            if self.thinking and self._ends_at(int(token)):
                 self.thinking, self.text_end, answer_from = False, self.num_output_tokens, i + 1
         return answer_from
 
@@ -180,8 +163,8 @@ class HarmonyThinking(ThinkingState):
     def split_marked(self, text: str, marked_len: int) -> tuple[str | None, str | None]:
         return self.split(text, True)
 
-    def _advance(self, token: int) -> bool:
-        """One thinking token; True when it ended the thinking."""
+    def _ends_at(self, token: int) -> bool:
+        """One thinking token; True when it ended the thinking (the way into a final body is complete)."""
         self._tail = [*self._tail[1 - UTF8_TAIL :], token]
         self.num_reasoning_tokens += 1
         return self.phase.advance(token)

@@ -52,13 +52,40 @@ class ThinkingState(abc.ABC):
     tokens a state sees are emitted ones (never a draft), so rollbacks need nothing from it."""
 
     thinking: bool  # False: it answers from here on (its grammar, if any, takes the tokens)
+    budget: int | None  # thinking tokens allowed (None: no limit)
     num_reasoning_tokens: int  # thinking tokens emitted, the end of the thinking included
     text_end: int | None  # output tokens that are thinking text (None: not ended, or never thought)
 
-    @abc.abstractmethod
+    @property
+    def forcing(self) -> bool:
+        """The budget ran out: the way out of the thinking is due (its next token forced, at a whole character)."""
+        return self.thinking and self.budget is not None and self.num_reasoning_tokens >= self.budget
+
     def limit(self, tokens: list[int], decode: Decode) -> list[int]:
         """The tokens of this step that may be emitted: a prefix of `tokens` ending at the end of the thinking, its
-        last one possibly replaced by a token the spent budget forces."""
+        last one possibly replaced by a token the spent budget forces. The state is unchanged: `feed` the result."""
+        if not self.thinking or not tokens:
+            return tokens
+        probe = self._probe()
+        for i, token in enumerate(tokens):
+            forced = probe._forced_next(decode)
+            if forced is not None and forced != token:
+                return [*tokens[:i], forced]
+            if probe._ends_at(int(token)):  # it ends here: the rest was sampled without its grammar
+                return tokens[: i + 1]
+        return tokens
+
+    @abc.abstractmethod
+    def _probe(self) -> ThinkingState:
+        """A copy `limit` may advance (this state unchanged)."""
+
+    @abc.abstractmethod
+    def _forced_next(self, decode: Decode) -> int | None:
+        """The token the spent budget forces next (None: none, or not yet: the output ends inside a character)."""
+
+    @abc.abstractmethod
+    def _ends_at(self, token: int) -> bool:
+        """Advance over one thinking token; True when it ended the thinking."""
 
     @abc.abstractmethod
     def feed(self, tokens: Sequence[int]) -> int | None:
@@ -94,26 +121,7 @@ class MarkerThinking(ThinkingState):
         self.opened_thinking = self.thinking
         self._implicit = [0] * len(self.markers.implicit_end_ids)
 
-    @property
-    def forcing(self) -> bool:
-        """The budget ran out: the end marker is due (its next token is forced, at a whole character)."""
-        return self.thinking and self.budget is not None and self.num_reasoning_tokens >= self.budget
-
     # ------------------------------------------------------------------------------------------- the step
-    def limit(self, tokens: list[int], decode: Decode) -> list[int]:
-        """The tokens of this step that may be emitted (a prefix of `tokens`, its last one possibly replaced by a
-        forced end-marker token). The state is unchanged: `feed` the result."""
-        if not self.thinking or not tokens:
-            return tokens
-        probe = self._clone()
-        for i, token in enumerate(tokens):
-            forced = probe._forced_next(decode)
-            if forced is not None and forced != token:
-                return [*tokens[:i], forced]
-            if probe._advance(int(token)) is not None:  # it ends here: the rest was sampled without its grammar
-                return tokens[: i + 1]
-        return tokens
-
     def feed(self, tokens: Sequence[int]) -> int | None:
         """Advance over emitted tokens; the index in `tokens` where the answer starts if the thinking ended in
         them (len(tokens) when the last one ended it), else None."""
@@ -146,6 +154,9 @@ class MarkerThinking(ThinkingState):
                 return len(implicit)
         return None
 
+    def _ends_at(self, token: int) -> bool:
+        return self._advance(token) is not None
+
     def _forced_next(self, decode: Decode) -> int | None:
         """The end marker's next token once the budget is spent, unless the output ends inside a UTF-8 character
         (then the model writes one more token first)."""
@@ -155,7 +166,7 @@ class MarkerThinking(ThinkingState):
             return None
         return self.markers.end_ids[self._matched]
 
-    def _clone(self) -> MarkerThinking:
+    def _probe(self) -> MarkerThinking:
         twin = MarkerThinking(self.markers, self.thinking, self.budget, self.num_reasoning_tokens)
         twin._matched, twin._implicit, twin._tail = self._matched, list(self._implicit), list(self._tail)
         return twin
