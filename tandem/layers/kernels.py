@@ -1,4 +1,5 @@
-"""Build and load tandem's CPU kernels (`csrc/cpu_ops.cpp`, `csrc/quant_ops.cpp`, registered as `torch.ops.tandem.*`).
+"""Build and load tandem's CPU kernels (`csrc/cpu_ops.cpp`, `csrc/quant_ops.cpp`, `csrc/moe_ops.cpp`, registered as
+`torch.ops.tandem.*`).
 
 The sources are compiled once per (sources, torch version, CPU) with the host's C++ compiler into
 `$TANDEM_HOME/kernels/<key>/` and loaded from there afterwards; `make setup` builds it ahead of time. When no compiler
@@ -21,7 +22,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_ops.cpp", "quant_ops.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_ops.cpp", "quant_ops.cpp", "moe_ops.cpp")]
 HEADERS = [Path(__file__).parent / "csrc" / "amx_tiles.h"]  # part of the build key, not compiled on their own
 # no FP traps or errno: lets gcc vectorise loops with floor / conversions (the kernels never read FP exception flags)
 _CFLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fno-math-errno", "-mprefer-vector-width=512", "-fopenmp", "-std=c++17"]

@@ -11,6 +11,13 @@ at batch 1 streams only k experts' weights per layer. All chosen experts' gate /
 their downs (`GroupedProjections`: one kernel call each for quantized experts). The outputs are summed in ascending
 expert order, each scaled by its routing weight (the order transformers adds them in).
 
+Built with `kernels` (a CPU layer when tandem's kernels load), routing from h through the router's logits to the
+grouped pairs, and the weighted sum, run as two calls (`csrc/moe_ops.cpp`: `moe_route`, `moe_combine`) instead of ~15
+torch operations, ~0.3 ms a layer at batch 1 on two cores (a fifth of a Qwen3-30B-A3B layer's decode step). Same
+arithmetic up to float32 rounding (the router's sums in their own fixed order, the softmax's exp), except that a tie
+at the k-th place goes to the lower expert (torch.topk's choice among ties depends on the tensor's size); a row's
+routing then depends on its own h alone, whatever else shares the step.
+
 gpt-oss (`GptOssMoe`) differs in the router and the activation only: the router has a bias, the top k of its logits
 are softmaxed among themselves (in the model dtype, as transformers does), and an expert's fused gate / up output goes
 through a clamped SwiGLU, (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = min(gate, limit). Its
@@ -24,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.layers.linear import GroupedProjections, Projection
+from tandem.layers.linear import DenseProjection, GroupedProjections, Projection
 
 
 @dataclass
@@ -40,13 +47,19 @@ class Expert:
 class MoeMlp:
     """One layer's experts and router. Call with the step's normed hidden states and the ops' silu_mul."""
 
-    def __init__(self, router: Projection, experts: list[Expert], top_k: int, renormalize: bool) -> None:
+    softmax_after_topk = False  # the family's routing: softmax over all experts, then the top k (gpt-oss: reversed)
+
+    def __init__(self, router: DenseProjection, experts: list[Expert], top_k: int, renormalize: bool,
+                 kernels: bool = False) -> None:
+        """`kernels`: route and combine with tandem's CPU kernels (the caller checked they load and the layer is on
+        the CPU); otherwise with torch operations on any device."""
         if not 0 < top_k <= len(experts):
             raise ValueError(f"top_k must be in [1, {len(experts)}], got {top_k}")
-        self.router = router  # [T, hidden] -> [T, E]
+        self.router = router  # [T, hidden] -> [T, E]; dense in the model dtype (the kernels read its weight and bias)
         self.experts = experts
         self.top_k = top_k
         self.renormalize = renormalize
+        self.kernels = kernels
         self.gate_ups = GroupedProjections([e.gate_up for e in experts])  # one call for a step's chosen experts
         self.downs = GroupedProjections([e.down for e in experts])
 
@@ -76,13 +89,29 @@ class MoeMlp:
 
     def __call__(self, h: torch.Tensor, silu_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """h [T, hidden] (model dtype) -> the weighted sum of each token's k experts [T, hidden] (model dtype)."""
-        weights, ids = self.route(h)
-        tokens, scale, chosen, counts = self._by_expert(weights, ids)
-        x = h[tokens]  # [P, hidden]: pair p's token, pairs grouped by expert
+        tokens, scale, chosen, counts = self.pairs(h)
+        x = h.index_select(0, tokens)  # [P, hidden]: pair p's token, pairs grouped by expert
         y = self.downs(self.activation(self.gate_ups(x, chosen, counts), silu_mul), chosen, counts)  # [P, hidden]
-        # one index_add_ walks the pairs in order, so each token's k terms are added in ascending expert order from
-        # zero, whatever else shares the step (a row's result does not depend on the rows beside it)
-        return torch.zeros_like(h).index_add_(0, tokens, y * scale[:, None])
+        return self.combine(y, scale, tokens, h.shape[0])
+
+    def pairs(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
+        """h [T, hidden] -> the step's (token, expert) pairs grouped by ascending expert, tokens ascending within one:
+        each pair's token [P] int64 and routing weight [P] (h's dtype), the experts chosen and their pair counts."""
+        if not self.kernels:
+            return self._by_expert(*self.route(h))
+        tokens, scale, plan = torch.ops.tandem.moe_route(h, self.router.weight, self.router.bias, self.top_k,
+                                                         self.renormalize, self.softmax_after_topk)
+        chosen, counts = plan.tolist()
+        return tokens, scale, chosen, counts
+
+    def combine(self, y: torch.Tensor, scale: torch.Tensor, tokens: torch.Tensor, rows: int) -> torch.Tensor:
+        """The pairs' outputs y [P, hidden] -> [rows, hidden]: each token's terms y[p] * scale[p] added from zero in
+        pair order (ascending expert, as transformers adds them), whatever else shares the step (a row's result does
+        not depend on the rows beside it)."""
+        if self.kernels:
+            return torch.ops.tandem.moe_combine(y, scale, tokens, rows)
+        out = torch.zeros(rows, y.shape[1], dtype=y.dtype, device=y.device)
+        return out.index_add_(0, tokens, y * scale[:, None])
 
     def _by_expert(self, weights: torch.Tensor, ids: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
@@ -104,8 +133,11 @@ class MoeMlp:
 class GptOssMoe(MoeMlp):
     """gpt-oss's experts: softmax over the top k router logits, the clamped SwiGLU (see the module's docstring)."""
 
-    def __init__(self, router: Projection, experts: list[Expert], top_k: int, alpha: float, limit: float) -> None:
-        super().__init__(router, experts, top_k, renormalize=True)
+    softmax_after_topk = True
+
+    def __init__(self, router: DenseProjection, experts: list[Expert], top_k: int, alpha: float, limit: float,
+                 kernels: bool = False) -> None:
+        super().__init__(router, experts, top_k, renormalize=True, kernels=kernels)
         self.alpha = alpha
         self.limit = limit
 

@@ -1,6 +1,6 @@
 """The per-layer operations of the decoder between its projections, behind one seam.
 
-`LayerOps` is what `LlamaModel.forward` calls between its matmuls: residual add + RMSNorm, RoPE + KV-cache write,
+`LayerOps` is what `LlamaModel.forward` calls between its matmuls: residual add + RMSNorm, q / k norms, RoPE + KV-cache write,
 attention over the paged cache, SiLU-and-multiply. Two implementations:
   * `TorchOps`: plain torch operations, any device (on CUDA, SDPA dispatches to fused kernels);
   * `CpuKernelOps`: tandem's fused CPU kernels (`csrc/cpu_ops.cpp`), one pass per operation, attention read straight
@@ -45,6 +45,13 @@ class LayerOps(ABC):
         """x [T, hidden] float32 += delta (in place, when given); returns rms_norm(x) * weight in `dtype`."""
 
     @abstractmethod
+    def qk_norm(
+        self, qk: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float, num_heads: int
+    ) -> torch.Tensor:
+        """Per-head RMSNorm of q and k (Qwen3): qk [T, H + KVH, D] (rows may be strided), weights [D] in qk's dtype
+        -> [T, H + KVH, D], the first `num_heads` heads normed with q_weight, the rest with k_weight."""
+
+    @abstractmethod
     def rope_tables(self, positions: torch.Tensor) -> object:
         """Whatever `rope_write_kv` needs for this step's positions [T]."""
 
@@ -87,6 +94,13 @@ class TorchOps(LayerOps):
         if delta is not None:
             x.add_(delta)
         return F.rms_norm(x, (x.shape[-1],), weight, eps).to(dtype)
+
+    def qk_norm(
+        self, qk: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float, num_heads: int
+    ) -> torch.Tensor:
+        D = qk.shape[-1]
+        return torch.cat([F.rms_norm(qk[:, :num_heads], (D,), q_weight, eps), F.rms_norm(qk[:, num_heads:], (D,), k_weight, eps)],
+                         dim=1)
 
     def rope_tables(self, positions: torch.Tensor) -> object:
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # [T, 1, D] each
@@ -142,6 +156,11 @@ class CpuKernelOps(LayerOps):
         self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, dtype: torch.dtype
     ) -> torch.Tensor:
         return self.ops.add_rms_norm(x, delta, weight, eps, dtype)
+
+    def qk_norm(
+        self, qk: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float, num_heads: int
+    ) -> torch.Tensor:
+        return self.ops.qk_rms_norm(qk, q_weight, k_weight, eps, num_heads)  # one call for 2 norms and a cat
 
     @staticmethod
     def to_standard_layout(kv_cache: torch.Tensor) -> torch.Tensor:

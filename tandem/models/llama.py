@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from tandem.config import ConfigError, ModelConfig
 from tandem.layers.attention import AttentionMetadata
+from tandem.layers.kernels import load_cpu_kernels
 from tandem.layers.linear import DenseProjection, Projection, Weight, make_linear
 from tandem.layers.moe import Expert, GptOssMoe, MoeMlp
 from tandem.layers.moe_offload import HOST, ExpertBus, HostExperts, host_silu_mul
@@ -251,7 +251,13 @@ class LlamaModel:
         router, names = moe_weight_names(self.cfg, i)
         experts = [Expert(make_linear([w.matrix(g), w.matrix(u)], None, k, dt), make_linear(w.matrix(d), None, k, dt))
                    for g, u, d in names]
-        return MoeMlp(DenseProjection(w.vector(router), None), experts, self.cfg.experts_per_token, self.cfg.norm_topk_prob)
+        return MoeMlp(DenseProjection(w.vector(router), None), experts, self.cfg.experts_per_token, self.cfg.norm_topk_prob,
+                      kernels=self._moe_kernels(w))
+
+    def _moe_kernels(self, w: ModelWeights) -> bool:
+        """Whether a MoE layer read through `w` routes and combines with tandem's CPU kernels (`csrc/moe_ops.cpp`):
+        its weights are on the CPU and the model uses the kernels, which load."""
+        return self.use_kernels and w.device.type == "cpu" and load_cpu_kernels()
 
     def _gpt_oss_moe(self, w: ModelWeights, i: int) -> MoeMlp:
         """Layer i's router (with its bias) and experts, every expert a projection of the existing kernels, its bias
@@ -272,7 +278,8 @@ class LlamaModel:
                 gate_up_bias = torch.cat([w.vector(expert_bias_name(g)), w.vector(expert_bias_name(u))])  # [2 I]
                 split.append(Expert(make_linear([w.matrix(g), w.matrix(u)], gate_up_bias, k, dt),
                                     make_linear(w.matrix(d), w.vector(expert_bias_name(d)), k, dt)))
-            return GptOssMoe(router, split, self.cfg.experts_per_token, self.cfg.swiglu_alpha, self.cfg.swiglu_limit)
+            return GptOssMoe(router, split, self.cfg.experts_per_token, self.cfg.swiglu_alpha, self.cfg.swiglu_limit,
+                             kernels=self._moe_kernels(w))
         gate_up, gate_up_b = w.matrix(n.gate_up), w.vector(n.gate_up_bias)  # [E, hidden, 2 I], [E, 2 I]
         down, down_b = w.matrix(n.down), w.vector(n.down_bias)  # [E, I, hidden], [E, hidden]
         assert isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)  # stacked: read dense
@@ -282,7 +289,8 @@ class LlamaModel:
             fused = make_linear([gu[0::2].contiguous(), gu[1::2].contiguous()], torch.cat([gate_up_b[e, 0::2], gate_up_b[e, 1::2]]), k, dt)
             experts.append(Expert(fused, make_linear(down[e].t().contiguous(), down_b[e].contiguous(), k, dt)))
         del gate_up, down
-        return GptOssMoe(router, experts, self.cfg.experts_per_token, self.cfg.swiglu_alpha, self.cfg.swiglu_limit)
+        return GptOssMoe(router, experts, self.cfg.experts_per_token, self.cfg.swiglu_alpha, self.cfg.swiglu_limit,
+                         kernels=self._moe_kernels(w))
 
     @property
     def matmul_params(self) -> int:
@@ -316,9 +324,7 @@ class LlamaModel:
             qk = qkv[:, : self.q_size + self.kv_size].view(T, H + KVH, D)
             v = qkv[:, self.q_size + self.kv_size :].view(T, KVH, D)
             if layer.q_norm is not None and layer.k_norm is not None:
-                qk = torch.cat(
-                    [F.rms_norm(qk[:, :H], (D,), layer.q_norm, eps), F.rms_norm(qk[:, H:], (D,), layer.k_norm, eps)], dim=1
-                )
+                qk = ops.qk_norm(qk, layer.q_norm, layer.k_norm, eps, H)
             qk = ops.rope_write_kv(qk, v, rope, kv_cache, meta, H)  # [T, H + KVH, D], k and v now in the cache
             attn = ops.attention(qk, v, kv_cache, meta, H, self.scale, dt, window, layer.sinks)  # [T, H D]
             h = ops.add_rms_norm(x, self.tp.all_reduce(layer.o(attn)), layer.post_norm, eps, dt)

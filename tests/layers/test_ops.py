@@ -50,6 +50,20 @@ def test_add_rms_norm(dtype: torch.dtype, with_delta: bool) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [1, 3, 300])  # 300 rows: split across threads
+def test_qk_norm_of_a_strided_qkv_view(dtype: torch.dtype, T: int) -> None:
+    t, k = _ops(dtype)
+    g = _gen(3)
+    H, KVH, D = 4, 2, 16
+    qkv = torch.randn(T, (H + 2 * KVH) * D, generator=g).to(dtype)
+    qk = qkv[:, : (H + KVH) * D].view(T, H + KVH, D)  # as the forward cuts it: rows strided
+    qw, kw = (torch.rand(D, generator=g) + 0.5).to(dtype), (torch.rand(D, generator=g) + 0.5).to(dtype)
+    got, want = k.qk_norm(qk, qw, kw, 1e-6, H), t.qk_norm(qk, qw, kw, 1e-6, H)
+    assert got.dtype == dtype and got.shape == (T, H + KVH, D) and got.is_contiguous()
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-5 if dtype == torch.float32 else 1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_mul(dtype: torch.dtype) -> None:
     t, k = _ops(dtype)
     gu = torch.randn(3, 2 * 40, generator=_gen(2)).to(dtype)
