@@ -39,12 +39,15 @@ class ChatFormat(Protocol):
 
     name              "template" | "harmony"
     tool_call_parser  the tool-call format this chat format fixes (None: read off the template's text)
+    reasoning_parser  the reasoning parser this chat format implies, used when none is given (harmony's channels:
+                      "openai_gptoss"); None: no reasoning parser unless one is asked for
     stop_token_ids    tokens that end an assistant turn besides the tokenizer's EOS (added to its EOS ids)
     available         whether it can render at all (a template format without a template cannot)
     """
 
     name: str
     tool_call_parser: str | None
+    reasoning_parser: str | None
     stop_token_ids: tuple[int, ...]
 
     @property
@@ -233,6 +236,7 @@ class TemplateChatFormat:
 
     name = "template"
     tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
     stop_token_ids: tuple[int, ...] = ()
 
     def __init__(self, tokenizer: Tokenizer) -> None:

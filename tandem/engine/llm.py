@@ -83,7 +83,8 @@ def build_engine(
     "none" dequantizes them to `dtype`, "int8" stores dense matrices (safetensors) as per-channel int8.
     `tensor_parallel_size` > 1 shards the model over that many ranks (`runner/distributed.py`; worker processes, or
     Ray actors with `distributed_executor_backend="ray"`); `cpu_cores`: the cores this engine may use (pinned);
-    `reasoning_parser`: a name or {"name": ..., options}; `kv_share`: this engine's part of the host (replicas);
+    `reasoning_parser`: a name or {"name": ..., options} (None: the chat format's, "openai_gptoss" for harmony models,
+    else none); `kv_share`: this engine's part of the host (replicas);
     `cpu_offload_experts`: "all" or N, the MoE layers (below N) whose experts run on the host (`layers/moe_offload.py`)."""
     _before_load(device, cpu_cores, cpu_offload_experts)
     path, ckpt = _checkpoint(model, dtype, progress, quantization)
@@ -93,7 +94,7 @@ def build_engine(
                           device=device, seed=seed, cache=cache, num_threads=num_threads,
                           scheduler=_scheduler_config(ckpt.config, max_model_len, max_num_seqs, max_num_batched_tokens))
     tok = _tokenizer(ckpt, tokenizer, chat_template)
-    reasoner = _reasoner(reasoning_parser, tok)
+    reasoner = choose_reasoner(reasoning_parser, tok)
     sc = SpeculativeConfig.from_dict(speculative_config) if speculative_config is not None else None
     so_config = _structured_config(structured_outputs_config)
     budget = _cpu_budget(config, sc, so_config if structured_outputs_config is not None else None, cpu_cores, cpu_offload_experts)
@@ -117,8 +118,10 @@ def _before_load(device: str, cpu_cores: Sequence[int] | None, cpu_offload_exper
     check_offload_setting(cpu_offload_experts)
 
 
-def _reasoner(parser: str | Mapping[str, Any] | None, tok: Tokenizer) -> Reasoner | None:
-    return Reasoner(parser, tok) if parser is not None else None
+def choose_reasoner(parser: str | Mapping[str, Any] | None, tok: Tokenizer) -> Reasoner | None:
+    """The reasoning parser asked for, else the one the chat format implies (harmony's), else none."""
+    chosen = parser if parser is not None else tok.chat_format.reasoning_parser
+    return Reasoner(chosen, tok) if chosen is not None else None
 
 
 def _after_load(runner: ModelRunner, cpu_kernels: bool, mask_mode: str | None, progress: bool) -> None:

@@ -100,7 +100,8 @@ class ServerConfig:
     engine_start_timeout_s: float = 900.0
     tool_call_parser: str = "auto"  # 'auto' (the chat format's or template's) | 'hermes' | 'llama3_json' | 'mistral' | 'openai'
     shutdown_grace_period_s: float = 30.0  # on SIGTERM, how long requests in flight may run on before they are failed
-    reasoning_parser: str | None = None  # the engine's --reasoning-parser: answers show the thinking apart (reasoning.py)
+    reasoning_parser: str | None = None  # --reasoning-parser: answers show the thinking apart (reasoning.py); None: the
+    # one the model's chat format implies (harmony: openai_gptoss), as the engine core chooses it
     default_chat_template_kwargs: dict[str, Any] | None = None  # under each request's chat_template_kwargs
     thinking_token_budget: int | None = None  # for requests that give none (with a reasoning parser)
 
@@ -119,6 +120,14 @@ class ServerState:
     @property
     def model_name(self) -> str:
         return self.config.served_model_names[0]
+
+    @property
+    def reasoning_parser(self) -> str | None:
+        """The engine core's reasoning parser: --reasoning-parser's, else the chat format's (harmony models)."""
+        if self.config.reasoning_parser is not None:
+            return self.config.reasoning_parser
+        info = self.client.info
+        return info.reasoning_parser if info is not None else None
 
     def tool_format(self) -> tuple[ToolParser, bool]:
         """(the tool-call parser, whether the chat format renders tools itself), from --tool-call-parser and the
@@ -385,9 +394,8 @@ def create_app(client: ServingClient, config: ServerConfig) -> FastAPI:
         state.loop = asyncio.get_running_loop()
         info = await client.start(config.engine_start_timeout_s)
         logger.info("engine core ready (pid %s, max_model_len %d); serving %s", info.core_pid, info.max_model_len, state.model_name)
-        if info.tool_call_parser == "openai" and config.reasoning_parser is None:
-            logger.warning("this model speaks harmony (gpt-oss): without --reasoning-parser openai_gptoss its answers "
-                           "hold every channel's text, headers included")
+        if config.reasoning_parser is None and info.reasoning_parser is not None:
+            logger.info("reasoning parser %s (the model's chat format's)", info.reasoning_parser)
         try:
             yield
         finally:
@@ -530,7 +538,7 @@ def _prepare(state: ServerState, model: str | None, make_params: Callable[[], Sa
         raise APIError(f"the model {model!r} does not exist; this server serves {list(state.config.served_model_names)}",
                        404, param="model", code="model_not_found")
     try:
-        return with_thinking_budget(make_params(), state.config.reasoning_parser, state.config.thinking_token_budget)
+        return with_thinking_budget(make_params(), state.reasoning_parser, state.config.thinking_token_budget)
     except ToolError as e:
         raise APIError(str(e), 400, param=e.param) from e
     except ParamError as e:
@@ -620,7 +628,7 @@ async def _collect(gens: Sequence[Generation], firsts: Sequence[RequestDelta], f
 def _usage(gens: Sequence[Generation]) -> UsageInfo:
     prompt = sum(g.num_prompt_tokens for g in gens)
     gen = sum(g.num_generated for g in gens)
-    details = token_details(gens[0].state.config.reasoning_parser, sum(sum(g.reasoning_tokens.values()) for g in gens))
+    details = token_details(gens[0].state.reasoning_parser, sum(sum(g.reasoning_tokens.values()) for g in gens))
     return UsageInfo(prompt_tokens=prompt, completion_tokens=gen, total_tokens=prompt + gen, completion_tokens_details=details)
 
 
@@ -689,7 +697,7 @@ class _ChatFormat(_Format):
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
         self.created = int(time.time())
         self.parser = parser
-        self.reasoning = ChatReasoning(state.config.reasoning_parser, body.include_reasoning)
+        self.reasoning = ChatReasoning(state.reasoning_parser, body.include_reasoning)
         self._streams: dict[int, CallStream] = {}
 
     def _logprobs(self, positions: LogprobPositions | None) -> ChatLogprobs | None:
@@ -781,7 +789,7 @@ class _ResponsesFormat(_Format):
         self.builder = ResponseBuilder(rid, state.model_name if body.model is None else body.model, body, parser)
         self._stream: CallStream | None = parser.stream() if parser is not None else None
         self._finish: str | None = None
-        self.reasoning = ChatReasoning(state.config.reasoning_parser)
+        self.reasoning = ChatReasoning(state.reasoning_parser)
 
     def full_response(self, choices: list[_Choice], usage: UsageInfo) -> dict[str, Any]:
         c = choices[0]

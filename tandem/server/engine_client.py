@@ -161,6 +161,7 @@ def run_engine_core(
                             "has_chat_template": engine.tokenizer.has_chat_template, "pid": os.getpid(),
                             "chat_template": getattr(engine.tokenizer.hf, "chat_template", None),
                             "tool_call_parser": engine.tokenizer.chat_format.tool_call_parser,
+                            "reasoning_parser": engine.tokenizer.chat_format.reasoning_parser,
                             "stats": engine.get_stats()}))
     try:
         _core_loop(engine, commands, results, parent_pid)
@@ -310,6 +311,7 @@ class ModelInfo:
     core_pid: int
     chat_template: str | None = None
     tool_call_parser: str | None = None  # the call format the model's chat format fixes (harmony: "openai")
+    reasoning_parser: str | None = None  # the reasoning parser the chat format implies (harmony: "openai_gptoss")
 
 
 class RequestStream:
@@ -636,7 +638,8 @@ class EngineClient:
             self.stats = info.get("stats", {})  # a new core's own (idle) stats, not the last ones of one that died
             if self._ready is not None and not self._ready.done():
                 self._ready.set_result(ModelInfo(info["max_model_len"], info["vocab_size"], info["has_chat_template"], info["pid"],
-                                                 info.get("chat_template"), info.get("tool_call_parser")))
+                                                 info.get("chat_template"), info.get("tool_call_parser"),
+                                                 info.get("reasoning_parser")))
         elif kind in ("failed", "fatal"):
             self._mark_dead(f"engine core {'failed to start' if kind == 'failed' else 'failed'}: {msg[1]}")
 

@@ -151,6 +151,9 @@ class HarmonyChatFormat:
 
     name: str = "harmony"
     tool_call_parser: str | None = "openai"  # calls are commentary messages to functions.NAME
+    # its answers are channels: without this parser, text would hold every channel's headers (vLLM reads harmony
+    # whenever the model is gpt-oss, whatever --reasoning-parser says)
+    reasoning_parser: str | None = "openai_gptoss"
     available: bool = True  # no template needed
 
     def __init__(self, encoding: Any) -> None:

@@ -18,6 +18,7 @@ import pytest
 
 from tandem import LLM, SamplingParams, StructuredOutputsParams
 from tandem.config import ConfigError
+from tandem.engine.llm import choose_reasoner
 from tandem.reasoning import GptOssReasoningParser, HarmonyThinking, Reasoner, ReasoningError
 from tandem.tokenizer import Tokenizer
 from tandem.tools import ToolError, ToolPlan, choose_parser
@@ -352,6 +353,17 @@ def test_the_prompt_tail_sets_the_starting_state(enc: Any, tok: Tokenizer) -> No
                                           (None, "Some text") if not thinking else (None, None))
     with pytest.raises(ReasoningError, match="o200k_harmony"):
         Reasoner("openai_gptoss", Tokenizer.from_path(hm.SHARED_TIKTOKEN.parent / "gpt2"))
+
+
+def test_a_harmony_model_reads_its_channels_unasked(tok: Tokenizer) -> None:
+    """No reasoning parser given: harmony's chat format brings its own (vLLM reads harmony for gpt-oss whatever
+    --reasoning-parser says); a template model gets none unless asked, and an explicit one wins."""
+    chosen = choose_reasoner(None, tok)
+    assert chosen is not None and chosen.parser.name == "openai_gptoss"
+    plain = Tokenizer.from_path(hm.SHARED_TIKTOKEN.parent / "gpt2")
+    assert choose_reasoner(None, plain) is None
+    picked = choose_reasoner("generic", plain)
+    assert picked is not None and picked.parser.name == "generic"
 
 
 # ======================================================================================= the budget's forced end

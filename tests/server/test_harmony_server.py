@@ -1,4 +1,4 @@
-"""gpt-oss over HTTP (`tandem serve --reasoning-parser openai_gptoss`): harmony renders the chat (tools,
+"""gpt-oss over HTTP (`tandem serve`; harmony brings its `openai_gptoss` reasoning parser): harmony renders the chat (tools,
 reasoning_effort), the analysis channel comes back as `reasoning` / `reasoning_content`, the final channel as
 `content`, messages to `functions.NAME` as `tool_calls` (whole and streamed alike), and `<|return|>` ends a request.
 The first part replays recorded harmony outputs through the chat formatter (no server); the second drives a server
@@ -61,7 +61,8 @@ def _deltas(text: str, every: int) -> list[RequestDelta]:
 
 
 def _state() -> Any:
-    return SimpleNamespace(model_name=MODEL, config=SimpleNamespace(reasoning_parser="openai_gptoss"))
+    return SimpleNamespace(model_name=MODEL, reasoning_parser="openai_gptoss",
+                           config=SimpleNamespace(reasoning_parser="openai_gptoss"))
 
 
 @pytest.mark.parametrize("every", [1, 3, 1000])
@@ -102,7 +103,7 @@ def test_recorded_answer_is_the_final_channel() -> None:
 
 # ========================================================================================== a running server
 SERVER_ARGS = ["--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "4", "--num-kv-blocks", "200",
-               "--log-level", "warning", "--reasoning-parser", "openai_gptoss"]
+               "--log-level", "warning"]  # no --reasoning-parser: harmony's chat format brings openai_gptoss
 
 
 class Srv:
