@@ -16,6 +16,7 @@ import transformers
 from tandem import LLM, SamplingParams, StructuredOutputsParams
 from tandem.config import CacheConfig, ConfigError, ModelConfig, SchedulerConfig
 from tandem.core.plan import ScheduledRequest, StepPlan
+from tandem.layers.kernels import load_cpu_kernels
 from tandem.layers.linear import DenseProjection
 from tandem.layers.moe import Expert, MoeMlp
 from tandem.models.loader import load_checkpoint
@@ -66,6 +67,8 @@ def test_logits_match_transformers(arch: str, kernels: bool, tmp_path: Path) -> 
     ref = _tiny_moe(arch)
     ref.save_pretrained(tmp_path, safe_serialization=True)
     runner = tiny_runner(tmp_path, kernels)
+    moe = runner.model.layers[-1].moe
+    assert moe is not None and moe.kernels == (kernels and load_cpu_kernels())  # routing by csrc/moe_ops.cpp, or torch
     ids = torch.randint(0, 128, (1, 30), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = ref(ids).logits[0]  # [30, V]
