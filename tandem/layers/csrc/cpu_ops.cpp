@@ -36,20 +36,13 @@
 #include <vector>
 
 #include "amx_tiles.h"
+#include "float_dispatch.h"
 
 namespace {
 
 using at::Tensor;
 
-template <typename F>
-void dispatch_float(at::ScalarType t, const char* what, F&& f) {
-  switch (t) {
-    case at::kFloat: f(float{}); break;
-    case at::kBFloat16: f(c10::BFloat16{}); break;
-    case at::kHalf: f(c10::Half{}); break;
-    default: TORCH_CHECK(false, what, ": dtype ", t, " is not supported (float32, bfloat16, float16)");
-  }
-}
+using tandem_kernels::dispatch_float;
 
 // Loads and stores between a storage type and float32, written so that loops over them vectorise (bf16 <-> f32 is a
 // 16-bit shift; the store rounds to nearest-even as torch does and keeps NaN quiet).

@@ -31,6 +31,8 @@
 #include <tuple>
 #include <vector>
 
+#include "float_dispatch.h"
+
 // No fused multiply-adds but the explicit ones: the compiler would contract some loops and not others (the router's
 // 4-token and 1-token sums would then differ), and moe_combine rounds its product and sum apart as torch's two ops do.
 #pragma GCC optimize("fp-contract=off")
@@ -39,15 +41,7 @@ namespace {
 
 using at::Tensor;
 
-template <typename F>
-void dispatch_float(at::ScalarType t, const char* what, F&& f) {
-  switch (t) {
-    case at::kFloat: f(float{}); break;
-    case at::kBFloat16: f(c10::BFloat16{}); break;
-    case at::kHalf: f(c10::Half{}); break;
-    default: TORCH_CHECK(false, what, ": dtype ", t, " is not supported (float32, bfloat16, float16)");
-  }
-}
+using tandem_kernels::dispatch_float;
 
 // v rounded to T and back (identity for float32): what a torch op computing in float32 and storing T keeps
 template <typename T>
