@@ -15,8 +15,9 @@ gathered SDPA path stays as the fallback, `TANDEM_DECODE_ATTENTION=gather`).
 
 Attention sinks (gpt-oss): a learned logit per query head joins each softmax's denominator with no value, so every
 query's weights sum to less than one. Prefill SDPA gets them as one more key (zeros, with a zero value) whose logit the
-additive mask sets to the head's sink; the gathered decode group appends them as a column of its scores. FlexAttention
-decode and tandem's CPU kernels have none: a model with sinks runs these torch paths (`ops.select_ops`).
+additive mask sets to the head's sink; the gathered decode group appends them as a column of its scores; tandem's CPU
+decode kernel adds each head's sink to its softmax's denominator. FlexAttention decode has none: on the torch
+operations a model with sinks takes the gathered decode path (`ops.select_ops`).
 """
 
 from __future__ import annotations

@@ -186,19 +186,18 @@ class CpuKernelOps(LayerOps):
         self, qk: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, num_heads: int,
         scale: float, dtype: torch.dtype, window: int | None = None, sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if sinks is not None:  # the C++ decode kernel has no sinks: `select_ops` gives such a model TorchOps
-            raise ValueError("tandem's CPU kernels have no attention sinks; build the model's ops with sinks=True")
         T, _, D = qk.shape
         q = qk[:, :num_heads]  # [T, H, D] float32, rows strided
         out = torch.empty(T, num_heads * D, dtype=dtype)
         if meta.decode is not None:
-            self.ops.paged_attention(q, kv_cache, meta.decode.seq_info, meta.decode.block_tables, scale, out, window or 0)
+            self.ops.paged_attention(q, kv_cache, meta.decode.seq_info, meta.decode.block_tables, scale, out, window or 0,
+                                     sinks)
         if meta.prefills:
             view = out.view(T, num_heads, D)
             for p in meta.prefills:
                 s = p.token_slice
                 view[s] = prefill_attention(q[s], qk[s, num_heads:], v[s], kv_cache, p, scale, k_transposed=True,
-                                            window=window, math_dtype=self.prefill_dtype).to(dtype)
+                                            window=window, math_dtype=self.prefill_dtype, sinks=sinks).to(dtype)
         return out
 
     def silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
@@ -226,13 +225,9 @@ def select_ops(
     device: torch.device, cos_half: torch.Tensor, sin_half: torch.Tensor, dtype: torch.dtype, use_kernels: bool,
     sinks: bool = False,
 ) -> LayerOps:
-    """The fused CPU kernels on a CPU when wanted and buildable; torch operations otherwise. A model with attention
-    `sinks` (gpt-oss) gets the torch operations with the gathered decode path: the C++ attention kernels and
-    FlexAttention decode have no sinks."""
-    if sinks:
-        ops = select_ops(device, cos_half, sin_half, dtype, use_kernels=False)
-        ops.use_gathered_decode()
-        return ops
+    """The fused CPU kernels on a CPU when wanted and buildable (attention sinks included); torch operations
+    otherwise. A model with attention `sinks` (gpt-oss) on the torch operations takes the gathered decode path:
+    FlexAttention decode has no sinks."""
     if use_kernels and device.type == "cpu":
         from tandem.layers.kernels import load_cpu_kernels
 
@@ -240,7 +235,10 @@ def select_ops(
             return CpuKernelOps(cos_half, sin_half, dtype)
     cos = torch.cat([cos_half, cos_half], dim=-1).to(device=device, dtype=dtype)
     sin = torch.cat([-sin_half, sin_half], dim=-1).to(device=device, dtype=dtype)
-    return TorchOps(cos, sin, torch.float32 if device.type == "cpu" else dtype, paged_decode=use_paged_decode(device))
+    ops = TorchOps(cos, sin, torch.float32 if device.type == "cpu" else dtype, paged_decode=use_paged_decode(device))
+    if sinks:
+        ops.use_gathered_decode()
+    return ops
 
 
 def use_paged_decode(device: torch.device) -> bool:

@@ -101,10 +101,10 @@ def test_rope_write_kv_matches_torch(dtype: torch.dtype) -> None:
 
 def _dense_reference(
     qk: torch.Tensor, cache_std: torch.Tensor, plan: StepPlan, news: list[int], starts: list[int], H: int, D: int,
-    window: int | None,
+    window: int | None, sinks: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
-    """Plain SDPA per request over the keys / values its block table holds (in float32), causal and windowed by an
-    explicit mask: one [n, H * D] tensor per request."""
+    """Plain attention per request over the keys / values its block table holds (in float32), causal and windowed by
+    an explicit mask, with each head's sink logit in its softmax when given: one [n, H * D] tensor per request."""
     out, row = [], 0
     for r, n, s in zip(plan.requests, news, starts):
         slots = torch.tensor([r.block_table[p // BS] * BS + p % BS for p in range(s + n)])
@@ -113,21 +113,30 @@ def _dense_reference(
         keys = torch.arange(s + n)[None, :]
         mask = (keys <= pos) & ((keys > pos - window) if window is not None else True)
         q = qk[row : row + n, :H].transpose(0, 1)  # [H, n, D]
-        ref = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask, scale=D**-0.5, enable_gqa=True)
+        if sinks is None:
+            ref = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask, scale=D**-0.5, enable_gqa=True)
+        else:
+            G = H // kv.shape[1]
+            keys_h, values_h = kv[0].repeat_interleave(G, 0), kv[1].repeat_interleave(G, 0)  # [H, s + n, D]
+            scores = (q @ keys_h.transpose(1, 2) * D**-0.5).masked_fill(~mask, float("-inf"))  # [H, n, s + n]
+            column = sinks.view(H, 1, 1).expand(H, n, 1)
+            ref = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1] @ values_h
         out.append(ref.transpose(0, 1).reshape(n, H * D))
         row += n
     return out
 
 
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["no-sinks", "sinks"])
 @pytest.mark.parametrize("window", [None, 5], ids=["causal", "window5"])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16], ids=["f32-cache", "bf16-cache"])
 @pytest.mark.parametrize("H,KVH", [(4, 2), (3, 3), (6, 1), (8, 1)])
 def test_paged_attention_matches_dense_causal_attention(
-    H: int, KVH: int, cache_dtype: torch.dtype, window: int | None
+    H: int, KVH: int, cache_dtype: torch.dtype, window: int | None, with_sinks: bool
 ) -> None:
     """Mixed step: a fresh prefill, decodes and multi-token (speculative) queries with scattered blocks, against
     plain SDPA over what the cache holds; the kernels' cache in float32 and in bf16 (the model dtype it holds on a
-    bf16 model); with a sliding window, requests whose first blocks fall wholly outside it."""
+    bf16 model); with a sliding window, requests whose first blocks fall wholly outside it; with attention sinks
+    (gpt-oss), each head's sink logit in its softmax's denominator."""
     D = 16
     t, k = _ops(cache_dtype, D)
     g = _gen(4)
@@ -158,20 +167,25 @@ def test_paged_attention_matches_dense_causal_attention(
     rq_k = k.rope_write_kv(qk, v, k.rope_tables(meta.positions), cache_k, meta, H)
     rq_bm = k.rope_write_kv(qk, v, k.rope_tables(meta.positions), cache_bm, meta, H)
     assert torch.equal(rq_bm, rq_k) and torch.equal(cache_bm, cache_k)
-    got = k.attention(rq_k, v, cache_k, meta, H, D**-0.5, torch.float32, window)
-    assert torch.equal(k.attention(rq_bm, v, cache_bm, meta, H, D**-0.5, torch.float32, window), got)
-    refs = _dense_reference(rq_k, CpuKernelOps.to_standard_layout(cache_k), plan, news, starts, H, D, window)
+    sinks = torch.randn(H, generator=g) * 2 if with_sinks else None
+    got = k.attention(rq_k, v, cache_k, meta, H, D**-0.5, torch.float32, window, sinks)
+    assert torch.equal(k.attention(rq_bm, v, cache_bm, meta, H, D**-0.5, torch.float32, window, sinks), got)
+    refs = _dense_reference(rq_k, CpuKernelOps.to_standard_layout(cache_k), plan, news, starts, H, D, window, sinks)
     torch.testing.assert_close(got, torch.cat(refs), atol=1e-5, rtol=1e-4)
     if cache_dtype == torch.bfloat16:  # prefill attention in bf16 (the default over a bf16 cache on AMX CPUs)
         k.prefill_dtype = torch.bfloat16
-        torch.testing.assert_close(k.attention(rq_k, v, cache_k, meta, H, D**-0.5, torch.float32, window), got,
+        torch.testing.assert_close(k.attention(rq_k, v, cache_k, meta, H, D**-0.5, torch.float32, window, sinks), got,
                                    atol=3e-2, rtol=2e-2)
     if cache_dtype == torch.float32:  # and the torch path (its own float32 cache) gives the same
         rq_t = t.rope_write_kv(qk, v, t.rope_tables(meta.positions), cache_t, meta, H)
-        want = t.attention(rq_t, v, cache_t, meta, H, D**-0.5, torch.float32, window)
+        want = t.attention(rq_t, v, cache_t, meta, H, D**-0.5, torch.float32, window, sinks)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    if with_sinks:  # the sinks changed something: every query's weights sum to less than one
+        plain = torch.cat(_dense_reference(rq_k, CpuKernelOps.to_standard_layout(cache_k), plan, news, starts, H, D, window))
+        assert (got - plain).abs().max() > 1e-2
     if window is not None:  # the window changed something: requests longer than it differ from plain causal
-        causal = torch.cat(_dense_reference(rq_k, CpuKernelOps.to_standard_layout(cache_k), plan, news, starts, H, D, None))
+        causal = torch.cat(_dense_reference(rq_k, CpuKernelOps.to_standard_layout(cache_k), plan, news, starts, H, D, None,
+                                            sinks))
         assert (got - causal).abs().max() > 1e-2
 
 

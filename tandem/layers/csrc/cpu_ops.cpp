@@ -286,7 +286,8 @@ Tensor rope_write_kv(const Tensor& qk, const Tensor& v, const Tensor& positions,
 // seq_info int64 [B, 3] = (first row in T, number of queries n, tokens cached before them `start`);
 // block_tables int64 [B, max_blocks]; out [T, H * D] (any float dtype), rows of the listed requests written.
 // Query j of a request sits at position start + j and attends keys [0, start + j] (causal), or with a sliding
-// `window` > 0 the last `window` of them, [start + j - window + 1, start + j] (Mistral, Qwen2). Heads are grouped (GQA):
+// `window` > 0 the last `window` of them, [start + j - window + 1, start + j] (Mistral, Qwen2, gpt-oss); `sinks` float32
+// [H] or None: query head h's softmax has one more logit, sinks[h], with no value (gpt-oss). Heads are grouped (GQA):
 // query head h reads kv head h / G. One work item is (request, kv head): its n * G query rows read each key once.
 // The math is float32 whatever the cache holds.
 // dst[r, 0:BS] = scale * sum_d q[r][d] * K[d, 0:BS] for RBc query rows against one K block stored [D, BS]; dst rows
@@ -351,7 +352,7 @@ inline void value_tile(const float* const* w, const float* sc, const C* vc, int6
 template <int64_t DC, int64_t BSC, typename C, typename O>
 void attend_item(const float* qp, int64_t qs, const C* kc, const C* vc, const int64_t* table, int64_t row0, int64_t n,
                  int64_t start, int64_t kvh, int64_t G, int64_t H, int64_t SB, int64_t BSrt, int64_t Drt, float scale,
-                 int64_t window, O* op, std::vector<float>& p, std::vector<float>& kbuf) {
+                 int64_t window, const float* sinks, O* op, std::vector<float>& p, std::vector<float>& kbuf) {
   constexpr int64_t RB = 4;  // query rows per score tile
   const int64_t D = DC > 0 ? DC : Drt;
   const int64_t BS = BSC > 0 ? BSC : BSrt;
@@ -394,12 +395,15 @@ void attend_item(const float* qp, int64_t qs, const C* kc, const C* vc, const in
     float* pr = p.data() + r * Lp;
     float m = -std::numeric_limits<float>::infinity();
     for (int64_t t = lo; t < len; ++t) m = std::max(m, pr[t]);
+    const float sink = sinks != nullptr ? sinks[kvh * G + r % G] : 0.f;  // query head kvh * G + r % G's
+    if (sinks != nullptr) m = std::max(m, sink);
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
     for (int64_t t = lo; t < len; ++t) {
       pr[t] = exp_approx(pr[t] - m);
       sum += pr[t];
     }
+    if (sinks != nullptr) sum += exp_approx(sink - m);  // one more logit in the denominator, with no value
     std::fill(pr + b0 * BS, pr + lo, 0.f);
     std::fill(pr + len, pr + Lp, 0.f);
     inv[r % 64] = 1.f / sum;
@@ -432,7 +436,7 @@ void attend_item(const float* qp, int64_t qs, const C* kc, const C* vc, const in
 template <typename C, typename O>
 void attend(const float* qp, int64_t qs, const C* kc, const C* vc, const int64_t* info, const int64_t* tables,
             int64_t B, int64_t MB, int64_t H, int64_t KVH, int64_t SH, int64_t SB, int64_t BS, int64_t D, float scale,
-            int64_t window, O* op, int64_t grain) {
+            int64_t window, const float* sinks, O* op, int64_t grain) {
   const int64_t G = H / KVH;
   at::parallel_for(0, B * KVH, grain, [&](int64_t w0, int64_t w1) {
     std::vector<float> p, kbuf;
@@ -442,7 +446,7 @@ void attend(const float* qp, int64_t qs, const C* kc, const C* vc, const int64_t
       const int64_t* table = tables + b * MB;
       auto item = [&](auto dc, auto bsc) {
         attend_item<decltype(dc)::value, decltype(bsc)::value>(qp, qs, kc + kvh * SH, vc + kvh * SH, table, row0, n, start,
-                                                               kvh, G, H, SB, BS, D, scale, window, op, p, kbuf);
+                                                               kvh, G, H, SB, BS, D, scale, window, sinks, op, p, kbuf);
       };
       using D64 = std::integral_constant<int64_t, 64>;
       using D128 = std::integral_constant<int64_t, 128>;
@@ -460,7 +464,7 @@ void attend(const float* qp, int64_t qs, const C* kc, const C* vc, const int64_t
 }
 
 void paged_attention(const Tensor& q, const Tensor& kv_cache, const Tensor& seq_info, const Tensor& block_tables, double scale,
-                     Tensor out, int64_t window) {
+                     Tensor out, int64_t window, const c10::optional<Tensor>& sinks) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.stride(2) == 1 && q.stride(1) == q.size(2), "paged_attention: q must be float32 [T, H, D] with contiguous heads");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.stride(4) == 1 && kv_cache.stride(3) == kv_cache.size(4), "paged_attention: kv_cache must be [2, KVH, NB, BS, D] with contiguous blocks");
   TORCH_CHECK(seq_info.scalar_type() == at::kLong && seq_info.is_contiguous() && seq_info.dim() == 2 && seq_info.size(1) == 3, "paged_attention: seq_info must be int64 [B, 3]");
@@ -471,6 +475,10 @@ void paged_attention(const Tensor& q, const Tensor& kv_cache, const Tensor& seq_
   TORCH_CHECK(D <= 512 && BS <= 256, "paged_attention: head_dim <= 512 and block_size <= 256 are supported, got ", D,
               " and ", BS);
   TORCH_CHECK(window >= 0, "paged_attention: window must be >= 0 (0: no sliding window), got ", window);
+  const bool has_sinks = sinks.has_value() && sinks->defined();
+  TORCH_CHECK(!has_sinks || (sinks->scalar_type() == at::kFloat && sinks->is_contiguous() && sinks->numel() == H),
+              "paged_attention: sinks must be contiguous float32 [H]");
+  const float* sink_ptr = has_sinks ? sinks->data_ptr<float>() : nullptr;
   const int64_t B = seq_info.size(0), MB = block_tables.size(1);
   const int64_t* info = seq_info.data_ptr<int64_t>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
@@ -491,7 +499,8 @@ void paged_attention(const Tensor& q, const Tensor& kv_cache, const Tensor& seq_
       using O = decltype(otag);
       const C* kc = kv_cache.data_ptr<C>();
       attend<C, O>(q.data_ptr<float>(), q.stride(0), kc, kc + kv_cache.stride(0), info, tables, B, MB, H, KVH,
-                   kv_cache.stride(1), kv_cache.stride(2), BS, D, static_cast<float>(scale), window, out.data_ptr<O>(), grain);
+                   kv_cache.stride(1), kv_cache.stride(2), BS, D, static_cast<float>(scale), window, sink_ptr,
+                   out.data_ptr<O>(), grain);
     });
   });
 }
@@ -843,7 +852,7 @@ TORCH_LIBRARY(tandem, m) {
   m.def("silu_mul(Tensor gu) -> Tensor");
   m.def("qk_rms_norm(Tensor qk, Tensor q_weight, Tensor k_weight, float eps, int num_heads) -> Tensor");
   m.def("rope_write_kv(Tensor qk, Tensor v, Tensor positions, Tensor cos, Tensor sin, Tensor(a!) kv_cache, Tensor slots, int num_heads) -> Tensor");
-  m.def("paged_attention(Tensor q, Tensor kv_cache, Tensor seq_info, Tensor block_tables, float scale, Tensor(a!) out, int window=0) -> ()");
+  m.def("paged_attention(Tensor q, Tensor kv_cache, Tensor seq_info, Tensor block_tables, float scale, Tensor(a!) out, int window=0, Tensor? sinks=None) -> ()");
   m.def("linear_bf16(Tensor x, Tensor wp, Tensor? bias, int amx_rows=0) -> Tensor");
   m.def("greedy_tokens(Tensor logits, Tensor? bitmask, int vocab_size) -> Tensor");
   m.def("has_bf16_gemm() -> bool", &has_bf16_gemm);
