@@ -83,9 +83,8 @@ def build_engine(
     "none" dequantizes them to `dtype`, "int8" stores dense matrices (safetensors) as per-channel int8.
     `tensor_parallel_size` > 1 shards the model over that many ranks (`runner/distributed.py`; worker processes, or
     Ray actors with `distributed_executor_backend="ray"`); `cpu_cores`: the cores this engine may use (pinned);
-    `reasoning_parser`: a name or {"name": ..., options} (None: the chat format's, "openai_gptoss" for harmony models,
-    else none); `kv_share`: this engine's part of the host (replicas);
-    `cpu_offload_experts`: "all" or N, the MoE layers (below N) whose experts run on the host (`layers/moe_offload.py`)."""
+    `reasoning_parser`: a name or {"name": ..., options}, None for the chat format's (harmony's); `kv_share`: this
+    engine's part of the host; `cpu_offload_experts`: "all" or N, the MoE layers (below N) with host experts."""
     _before_load(device, cpu_cores, cpu_offload_experts)
     path, ckpt = _checkpoint(model, dtype, progress, quantization)
     cache = CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory, memory_fraction=memory_fraction, share=kv_share,

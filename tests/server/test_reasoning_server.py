@@ -135,7 +135,7 @@ def test_responses_reasoning_items_become_the_next_assistant_turn() -> None:
 
 
 def _fake_state(parser: str | None) -> Any:
-    return SimpleNamespace(model_name=MODEL, config=SimpleNamespace(reasoning_parser=parser))
+    return SimpleNamespace(model_name=MODEL, reasoning_parser=parser, config=SimpleNamespace(reasoning_parser=parser))
 
 
 def _delta(reasoning: str, content: str, finish: str | None = None, tokens: int = 1, thinking: int = 0,
