@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_ops.cpp", "quant_ops.cpp", "moe_ops.cpp")]
 # part of the build key, not compiled on their own
-HEADERS = [Path(__file__).parent / "csrc" / name for name in ("amx_tiles.h", "float_dispatch.h")]
+HEADERS = [Path(__file__).parent / "csrc" / name for name in ("amx_tiles.h", "float_types.h")]
 # no FP traps or errno: lets gcc vectorise loops with floor / conversions (the kernels never read FP exception flags)
 _CFLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fno-math-errno", "-mprefer-vector-width=512", "-fopenmp", "-std=c++17"]
 _lock = threading.Lock()

@@ -1,7 +1,7 @@
 """The per-layer operations of the decoder between its projections, behind one seam.
 
-`LayerOps` is what `LlamaModel.forward` calls between its matmuls: residual add + RMSNorm, q / k norms, RoPE + KV-cache write,
-attention over the paged cache, SiLU-and-multiply. Two implementations:
+`LayerOps` is what `LlamaModel.forward` calls between its matmuls: residual add + RMSNorm, q / k norms, RoPE +
+KV-cache write, attention over the paged cache, SiLU-and-multiply. Two implementations:
   * `TorchOps`: plain torch operations, any device (on CUDA, SDPA dispatches to fused kernels);
   * `CpuKernelOps`: tandem's fused CPU kernels (`csrc/cpu_ops.cpp`), one pass per operation, attention read straight
     from the paged cache; ~4 kernel calls per layer instead of ~20 torch ops, which is what a CPU decode step costs.
@@ -99,8 +99,8 @@ class TorchOps(LayerOps):
         self, qk: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float, num_heads: int
     ) -> torch.Tensor:
         D = qk.shape[-1]
-        return torch.cat([F.rms_norm(qk[:, :num_heads], (D,), q_weight, eps), F.rms_norm(qk[:, num_heads:], (D,), k_weight, eps)],
-                         dim=1)
+        q = F.rms_norm(qk[:, :num_heads], (D,), q_weight, eps)
+        return torch.cat([q, F.rms_norm(qk[:, num_heads:], (D,), k_weight, eps)], dim=1)
 
     def rope_tables(self, positions: torch.Tensor) -> object:
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # [T, 1, D] each

@@ -36,7 +36,7 @@
 #include <vector>
 
 #include "amx_tiles.h"
-#include "float_dispatch.h"
+#include "float_types.h"
 
 namespace {
 
@@ -763,11 +763,7 @@ inline void scan_word(const T* x, int64_t base, uint32_t bits, float& best, int6
 }
 
 #if defined(__AVX512F__)
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
+using tandem_kernels::load16;
 
 // words [0, nw) of a row, every one fully inside the vocabulary: per-lane maxima (strictly greater: a lane keeps its
 // first maximum), then the lowest index among the lanes holding the row's maximum

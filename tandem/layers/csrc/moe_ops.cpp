@@ -1,7 +1,7 @@
 // tandem's mixture-of-experts kernels around the expert projections (`tandem/layers/moe.py`), one pass each:
 //   moe_route    h [T, hidden] and the router's weight [E, hidden] -> its logits -> each token's k experts and
-//                weights, as (token, expert) pairs grouped by
-//                ascending expert (tokens ascending within an expert), the experts used and their pair counts
+//                weights, as (token, expert) pairs grouped by ascending expert (tokens ascending within an expert),
+//                the experts used and their pair counts
 //   moe_combine  the pairs' expert outputs scaled by their weights and added into their tokens' rows, in pair order
 // Measured on two AVX-512 cores (AMD EPYC), Qwen3-30B-A3B's shape at batch 1: the torch operations these replace
 // (the router's F.linear, softmax, top k, renormalise, sort, gather, scale, index_add: ~15 dispatches) cost ~0.3 ms a
@@ -18,10 +18,6 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -31,7 +27,7 @@
 #include <tuple>
 #include <vector>
 
-#include "float_dispatch.h"
+#include "float_types.h"
 
 // No fused multiply-adds but the explicit ones: the compiler would contract some loops and not others (the router's
 // 4-token and 1-token sums would then differ), and moe_combine rounds its product and sum apart as torch's two ops do.
@@ -98,14 +94,7 @@ void route_token(const float* l, int64_t E, int64_t k, bool renormalize, bool so
 // lanes then added in order, the same order whatever NT (so a token's logit does not depend on the tokens computed
 // beside it). AVX-512 loads 16 values a step (bf16 widened by a shift); the scalar loop keeps the same lanes.
 #if defined(__AVX512F__)
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-inline __m512 load16(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
+using tandem_kernels::load16;
 #endif
 
 template <int NT, int NE, typename S>
@@ -220,19 +209,17 @@ std::tuple<Tensor, Tensor, Tensor> moe_route(const Tensor& h, const Tensor& weig
   for (int64_t i = 0; i < P; ++i) ++start[ids[i] + 1];
   for (int64_t e = 0; e < E; ++e) start[e + 1] += start[e];
   std::vector<int64_t> next(start.begin(), start.end() - 1);
-  std::vector<float> sorted_w(P);
   Tensor tokens = at::empty({P}, x.options().dtype(at::kLong));
-  int64_t* tok = tokens.data_ptr<int64_t>();
-  for (int64_t i = 0; i < P; ++i) {
-    const int64_t slot = next[ids[i]]++;
-    tok[slot] = i / k;
-    sorted_w[slot] = w[i];
-  }
   Tensor scale = at::empty({P}, x.options());
+  int64_t* tok = tokens.data_ptr<int64_t>();
   dispatch_float(x.scalar_type(), "moe_route", [&](auto zero) {
     using S = decltype(zero);
     S* sc = scale.data_ptr<S>();
-    for (int64_t i = 0; i < P; ++i) sc[i] = static_cast<S>(sorted_w[i]);
+    for (int64_t i = 0; i < P; ++i) {
+      const int64_t slot = next[ids[i]]++;
+      tok[slot] = i / k;
+      sc[slot] = static_cast<S>(w[i]);
+    }
   });
   std::vector<int64_t> used;
   for (int64_t e = 0; e < E; ++e)
