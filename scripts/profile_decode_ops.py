@@ -1,0 +1,86 @@
+"""Where a batch-1 decode step's time goes, by operation, timed inside the engine (on its tensor thread).
+
+Wraps the model's layer operations (`LayerOps`: norms, q / k norms, RoPE + KV write, attention, SiLU), its projections,
+a MoE layer's routing (`MoeMlp.pairs`) and weighted sum (`MoeMlp.combine`), the forward and the output projection with
+timers, then decodes one request greedily and prints each one's ms a step, calls a step and us a call. The timers
+cost ~1 us a call. The figures of docs/benchmarks.md's MoE section ("routing and the q / k norms as kernels", "gpt-oss
+on the fused layer kernels") came from this. Run alone on the machine.
+
+Usage: python scripts/profile_decode_ops.py MODEL.gguf [--steps 64] [--dtype float32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import time
+from collections.abc import Callable
+from typing import Any
+
+from tandem import LLM, SamplingParams
+from tandem.bench.common import machine_line
+from tandem.layers import linear, moe, ops
+from tandem.models import llama
+
+TOTAL_S: collections.defaultdict[str, float] = collections.defaultdict(float)
+CALLS: collections.Counter[str] = collections.Counter()
+
+
+def timed(owner: Any, name: str, label: str) -> None:
+    """Replace owner.name (a function on a class) by one that adds its wall time to TOTAL_S[label]."""
+    fn: Callable[..., Any] = getattr(owner, name)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            TOTAL_S[label] += time.perf_counter() - t
+            CALLS[label] += 1
+
+    setattr(owner, name, wrapper)
+
+
+def instrument() -> None:
+    for cls in (ops.TorchOps, ops.CpuKernelOps):
+        for name in ("add_rms_norm", "qk_norm", "rope_write_kv", "attention", "silu_mul"):
+            timed(cls, name, name)
+    for cls in (linear.QuantProjection, linear.Bf16GemmProjection, linear.OneDnnProjection, linear.DenseProjection):
+        timed(cls, "__call__", f"projection ({cls.__name__})")
+    timed(linear.GroupedProjections, "__call__", "grouped experts")
+    timed(moe.MoeMlp, "pairs", "moe routing (pairs)")
+    timed(moe.MoeMlp, "combine", "moe weighted sum")
+    timed(moe.MoeMlp, "__call__", "moe layer (all)")
+    timed(llama.LlamaModel, "forward", "forward")
+    timed(llama.LlamaModel, "logits", "logits (output projection)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model")
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--dtype", default="float32")
+    args = ap.parse_args()
+    if args.steps < 1:
+        raise SystemExit("--steps must be >= 1")
+    instrument()
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=512, progress=False)
+    warm = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": list(range(1000, 1128))}], warm, use_tqdm=False)
+    TOTAL_S.clear()
+    CALLS.clear()
+    run = SamplingParams(max_tokens=args.steps + 1, temperature=0.0, ignore_eos=True)
+    t = time.perf_counter()
+    llm.generate([{"prompt_token_ids": [1000]}], run, use_tqdm=False)
+    elapsed = time.perf_counter() - t
+    llm.shutdown()
+    steps = CALLS["forward"]
+    print(f"machine: {machine_line()}")
+    print(f"{args.model}: {steps} forwards, {elapsed / steps * 1e3:.2f} ms a step end to end")
+    for label, total in sorted(TOTAL_S.items(), key=lambda kv: -kv[1]):
+        print(f"  {label:34s} {total / steps * 1e3:8.3f} ms/step  {CALLS[label] / steps:6.1f} calls/step  "
+              f"{total / CALLS[label] * 1e6:9.1f} us/call")
+
+
+if __name__ == "__main__":
+    main()
