@@ -71,6 +71,25 @@ class Projection(ABC):
         """The weight as tandem's quantized kernels hold it, for calls grouping many projections; None if it is not."""
         return None
 
+    def stack_entry(self) -> StackEntry | None:
+        """This projection's kernel call as a `DecodeStack` makes it from C++; None when it is not one of tandem's
+        CPU kernels (oneDNN, torch)."""
+        return None
+
+
+@dataclass(frozen=True)
+class StackEntry:
+    """A projection's kernel call as plain arguments of `DecodeStack.add_projection` (csrc/decode_stack.cpp): kind 0
+    is `quant_linear(x, packed, formats, ns, bias, isa, amx_rows)`, kind 1 `linear_bf16(x, packed[0], bias, amx_rows)`."""
+
+    kind: int
+    packed: list[torch.Tensor]
+    formats: list[int]
+    ns: list[int]
+    bias: torch.Tensor | None
+    isa: int
+    amx_rows: int
+
 
 @dataclass(frozen=True)
 class KernelSegments:
@@ -154,6 +173,9 @@ class Bf16GemmProjection(Projection):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self._gemm(x.contiguous(), self.packed, self.bias, self.amx_rows)
 
+    def stack_entry(self) -> StackEntry | None:
+        return StackEntry(1, [self.packed], [], [], self.bias, 0, self.amx_rows)
+
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         picked = self.packed[ids // 16, :, ids % 16, :]  # [R, K / 2, 2]
         return picked.reshape(ids.shape[0], self.in_features).float()
@@ -187,6 +209,9 @@ class QuantProjection(Projection):
     @property
     def has_rows(self) -> bool:  # type: ignore[override]
         return len(self.packed) == 1
+
+    def stack_entry(self) -> StackEntry | None:
+        return StackEntry(0, list(self.packed), list(self.formats), list(self.ns), self.bias, self.isa, self.amx_rows)
 
     def kernel_segments(self) -> KernelSegments:
         starts = [sum(self.ns[:i]) for i in range(len(self.ns))]

@@ -22,6 +22,7 @@ import torch
 
 from tandem.config import ConfigError, ModelConfig
 from tandem.layers.attention import AttentionMetadata
+from tandem.layers.decode_stack import build_decode_stack
 from tandem.layers.kernels import load_cpu_kernels
 from tandem.layers.linear import DenseProjection, Projection, Weight, make_linear
 from tandem.layers.moe import Expert, GptOssMoe, MoeMlp
@@ -45,6 +46,11 @@ class _Layer:
     k_norm: torch.Tensor | None
     moe: MoeMlp | HostExperts | None = None  # instead of gate_up / down in a mixture-of-experts layer
     sinks: torch.Tensor | None = None  # [H] float32: each head's sink logit (gpt-oss)
+
+    @property
+    def dense(self) -> bool:
+        """A dense MLP (gate_up and down), not a mixture of experts."""
+        return self.moe is None and self.gate_up is not None and self.down is not None
 
     @property
     def projections(self) -> list[Projection]:
@@ -189,6 +195,10 @@ class LlamaModel:
         cos, sin = (freqs.cos() * a, freqs.sin() * a) if a != 1.0 else (freqs.cos(), freqs.sin())
         # attention sinks (gpt-oss) run the torch operations: the fused C++ attention kernels have none
         self.ops: LayerOps = select_ops(device, cos, sin, dtype, use_kernels, sinks=cfg.attention_sinks)
+        # decode and verify steps as one C++ call where every layer runs on tandem's CPU kernels (one rank only)
+        self.decode_stack = None if self.tp.enabled else build_decode_stack(
+            self.layers, self.windows, self.norm, self.ops, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim, eps=cfg.rms_norm_eps, scale=self.scale, dtype=dtype)
 
     def _head_and_embedding(self, w: ModelWeights) -> tuple[Projection, Projection]:
         """The output projection and the embedding table; tied, they share one storage when the projection can hand
@@ -317,6 +327,8 @@ class LlamaModel:
         dt = self.dtype
         # the residual stream x stays float32 (norm weights too); each layer's output is added into it by the next norm
         x = self.tp.embed(self.embed, input_ids, self.vocab_size)  # [T, hidden] float32
+        if self.decode_stack is not None and self.decode_stack.accepts(meta):
+            return self.decode_stack(x, meta, kv_caches)  # the loop below, in C++ (bit-identical)
         delta: torch.Tensor | None = None
         for layer, kv_cache, window in zip(self.layers, kv_caches, self.windows):
             h = ops.add_rms_norm(x, delta, layer.input_norm, eps, dt)

@@ -184,6 +184,29 @@ Tensor qk_rms_norm(const Tensor& qk, const Tensor& q_weight, const Tensor& k_wei
   return out;
 }
 
+// silu(g) * u over one row of n: silu rounded to S before the product, as torch rounds it. Every element of a row goes
+// through the same code (the tail by masked lanes), so a row's result does not depend on n or on the rows beside it.
+// Written with intrinsics where AVX-512 is there: gcc left the portable loop scalar inside the parallel lambda
+// (measured: 8 x 1536 bf16 elements in 23 us, ~6 cycles an element; 2.0 us vectorised).
+template <typename S>
+inline void silu_mul_row(const S* g, const S* u, S* o, int64_t n) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  using namespace tandem_kernels;
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - i)) - 1);
+    const __m512 gv = load16(g + i, m);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+    const __m512 silu = round16<S>(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+    store16(o + i, _mm512_mul_ps(silu, load16(u + i, m)), m);
+  }
+#else
+  for (int64_t i = 0; i < n; ++i) {
+    const float gv = ld(g, i);
+    st(o, i, rnd<S>(gv / (1.f + exp_approx(-gv))) * ld(u, i));
+  }
+#endif
+}
+
 // ---- silu_mul: gu [T, 2I] -> silu(gu[:, :I]) * gu[:, I:] [T, I], same dtype, math in float32 ----
 Tensor silu_mul(const Tensor& gu) {
   TORCH_CHECK(gu.dim() == 2 && gu.is_contiguous() && gu.size(1) % 2 == 0, "silu_mul: gu must be contiguous [T, 2I]");
@@ -197,13 +220,7 @@ Tensor silu_mul(const Tensor& gu) {
     at::parallel_for(0, T, grain, [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) {
         const S* g = in + r * 2 * I;
-        const S* u = g + I;
-        S* o = op + r * I;
-#pragma omp simd
-        for (int64_t i = 0; i < I; ++i) {
-          const float gv = ld(g, i);
-          st(o, i, rnd<S>(gv / (1.f + exp_approx(-gv))) * ld(u, i));  // silu rounded before the product, as torch
-        }
+        silu_mul_row(g, g + I, op + r * I, I);
       }
     });
   });

@@ -1,0 +1,100 @@
+"""A dense decoder's decode and verify steps in one C++ call (`csrc/decode_stack.cpp`), where its layers run on tandem's
+CPU kernels.
+
+A decode step of a small model on a CPU spends a large share of its time between kernels: each projection call
+converts its argument lists (~5 us), each layer operation is a Python dispatch (~3 us), and SmolLM2-135M makes 270
+such calls a step over 30 layers (~1.5 ms of ~6 ms at batch 1 on two AVX-512 cores). `DecodeStack` holds the layers'
+weights (the projections' own packed tensors, shared) and calls the same kernels in the same order from C++, so its
+hidden states are bit-identical to `LlamaModel.forward`'s Python loop. Prefill steps keep the Python loop (their
+attention is not the paged decode kernel). Built only when every part has a C++ kernel call: the fused CPU operations,
+quantized or bf16-GEMM projections, dense MLPs, one tensor-parallel rank; `TANDEM_DECODE_STACK=0` turns it off.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+
+from tandem.layers.attention import AttentionMetadata
+from tandem.layers.linear import Projection, StackEntry
+from tandem.layers.ops import LayerOps
+
+ENV = "TANDEM_DECODE_STACK"
+
+
+class StackLayer(Protocol):
+    """What a decoder layer offers the stack (`models/llama.py: _Layer`)."""
+
+    input_norm: torch.Tensor
+    qkv: Projection
+    o: Projection
+    post_norm: torch.Tensor
+    gate_up: Projection | None
+    down: Projection | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    sinks: torch.Tensor | None
+
+    @property
+    def dense(self) -> bool: ...
+
+
+class DecodeStack:
+    """Runs every layer of a decode or verify step and the final norm as one call (module doc)."""
+
+    def __init__(self, stack: Any) -> None:
+        self._stack = stack  # torch.classes.tandem.DecodeStack (a ScriptObject: its methods are not typed)
+
+    def __call__(self, x: torch.Tensor, meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        """x [T, hidden] float32 embedded tokens (the residual stream, updated in place) -> final hidden [T, hidden]
+        in the model dtype; writes the step's K / V into `kv_caches`. `meta` must hold decode rows only."""
+        decode = meta.decode
+        assert decode is not None and not meta.prefills, "the decode stack runs decode and verify steps only"
+        return self._stack.forward(x, kv_caches, meta.positions, meta.slot_mapping, decode.seq_info, decode.block_tables)
+
+    @staticmethod
+    def accepts(meta: AttentionMetadata) -> bool:
+        """Whether a step is one the stack runs: decode (or verify) rows only."""
+        return meta.decode is not None and not meta.prefills
+
+
+def build_decode_stack(
+    layers: Sequence[StackLayer], windows: Sequence[int | None], norm: torch.Tensor, ops: LayerOps, *,
+    num_heads: int, num_kv_heads: int, head_dim: int, eps: float, scale: float, dtype: torch.dtype,
+) -> DecodeStack | None:
+    """A `DecodeStack` over `layers`, or None when some part has no C++ kernel call (or the stack is turned off)."""
+    tables = ops.decode_stack_tables()
+    if tables is None or os.environ.get(ENV, "1").strip() == "0" or not layers:
+        return None
+    entries = [_entries(layer) for layer in layers]
+    if any(e is None for e in entries):
+        return None
+    cos, sin, silu_rows = tables
+    dtype_name = str(dtype).removeprefix("torch.")
+    stack = torch.classes.tandem.DecodeStack(num_heads, num_kv_heads, head_dim, eps, scale, dtype_name, cos, sin, silu_rows)
+    ids: dict[int, int] = {}  # a projection shared by layers is added once
+
+    def add(p: Projection, entry: StackEntry) -> int:
+        if id(p) not in ids:
+            ids[id(p)] = stack.add_projection(entry.kind, entry.packed, entry.formats, entry.ns, entry.bias, entry.isa,
+                                              entry.amx_rows)
+        return ids[id(p)]
+
+    for layer, found, window in zip(layers, entries, windows, strict=True):
+        assert found is not None and layer.gate_up is not None and layer.down is not None
+        qkv, o, gate_up, down = (add(p, e) for p, e in zip((layer.qkv, layer.o, layer.gate_up, layer.down), found, strict=True))
+        stack.add_layer(layer.input_norm, qkv, layer.q_norm, layer.k_norm, o, layer.post_norm, gate_up, down, window or 0,
+                        layer.sinks)
+    stack.set_norm(norm)
+    return DecodeStack(stack)
+
+
+def _entries(layer: StackLayer) -> list[StackEntry] | None:
+    """The layer's four projections as kernel calls, or None when it is not dense or one of them has none."""
+    if not layer.dense or layer.gate_up is None or layer.down is None:
+        return None
+    found = [p.stack_entry() for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    return None if any(e is None for e in found) else [e for e in found if e is not None]
