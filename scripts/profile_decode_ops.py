@@ -3,16 +3,19 @@
 Wraps the model's layer operations (`LayerOps`: norms, q / k norms, RoPE + KV write, attention, SiLU), its projections,
 a MoE layer's routing (`MoeMlp.pairs`) and weighted sum (`MoeMlp.combine`), the forward and the output projection with
 timers, then decodes one request greedily and prints each one's ms a step, calls a step and us a call. The timers
-cost ~1 us a call. The figures of docs/benchmarks.md's MoE section ("routing and the q / k norms as kernels", "gpt-oss
+cost ~1 us a call. A dense model's decode steps run as one C++ call (`layers/decode_stack.py`), which no Python timer
+sees inside: the script turns that off (`TANDEM_DECODE_STACK=0`) unless `--stack` is given, so its per-operation figures
+are the Python loop's. The figures of docs/benchmarks.md's MoE section ("routing and the q / k norms as kernels", "gpt-oss
 on the fused layer kernels") came from this. Run alone on the machine.
 
-Usage: python scripts/profile_decode_ops.py MODEL.gguf [--steps 64] [--dtype float32]
+Usage: python scripts/profile_decode_ops.py MODEL.gguf [--steps 64] [--dtype float32] [--stack]
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -20,6 +23,7 @@ from typing import Any
 from tandem import LLM, SamplingParams
 from tandem.bench.common import machine_line
 from tandem.layers import linear, moe, ops
+from tandem.layers.decode_stack import ENV
 from tandem.models import llama
 
 TOTAL_S: collections.defaultdict[str, float] = collections.defaultdict(float)
@@ -60,7 +64,11 @@ def main() -> None:
     ap.add_argument("model")
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--stack", action="store_true", help="keep the decode stack (only the forward's total is timed)")
     args = ap.parse_args()
+    if not args.stack:
+        os.environ[ENV] = "0"
+
     if args.steps < 1:
         raise SystemExit("--steps must be >= 1")
     instrument()
