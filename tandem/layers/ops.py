@@ -22,9 +22,12 @@ from tandem.layers.paged_decode import flex_available
 
 logger = logging.getLogger(__name__)
 
-# Without AVX-512 the kernel's SiLU is a scalar loop: from this many rows torch's (Sleef, vectorised) outruns it. With
-# AVX-512 the kernel is vectorised and faster at every size measured (1-512 rows of 1,536 and 8,192: 2.9 against 5.9 us
-# at 1 x 1,536, 10.5 against 14.1 at 8, 274 against 304 at 512; AMD EPYC, 2 cores).
+# From this many rows torch's SiLU (Sleef) runs instead of the kernel's. Without AVX-512 the kernel is a scalar loop
+# that torch outruns from here; with AVX-512 the kernel is vectorised (bit-identical to the scalar loop) and faster at
+# every size measured (2.9 against 5.9 us at 1 x 1,536, 10.5 against 14.1 at 8, 274 against 304 at 512; AMD EPYC), but
+# torch's exp rounds differently from the kernel's: the split stays where it was, so prefill rows (and batches of 8 or
+# more) keep the numbers they had (the demo Q4_1 model's greedy agreement with llama.cpp moved from >= 48 of 96 tokens
+# to 38 with the kernel on every row: near-ties resolved the other way).
 SILU_KERNEL_MAX_ROWS = 8
 
 
@@ -159,11 +162,9 @@ class CpuKernelOps(LayerOps):
         self.sin = sin_half.to(dtype).float().contiguous()
         self.ops = torch.ops.tandem
         self.prefill_dtype = prefill_attention_dtype(dtype)
-        self.silu_kernel_max_rows = silu_kernel_max_rows()
 
     def decode_stack_tables(self) -> tuple[torch.Tensor, torch.Tensor, int] | None:
-        rows = self.silu_kernel_max_rows
-        return self.cos, self.sin, 2**62 if rows == float("inf") else int(rows)
+        return self.cos, self.sin, SILU_KERNEL_MAX_ROWS
 
     def add_rms_norm(
         self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, dtype: torch.dtype
@@ -214,17 +215,10 @@ class CpuKernelOps(LayerOps):
         return out
 
     def silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
-        if gu.shape[0] >= self.silu_kernel_max_rows:
+        if gu.shape[0] >= SILU_KERNEL_MAX_ROWS:
             g, u = gu.chunk(2, dim=-1)
             return F.silu(g) * u
         return self.ops.silu_mul(gu)  # few rows: one call instead of three ops' dispatch
-
-
-def silu_kernel_max_rows() -> int | float:
-    """Rows from which torch's SiLU runs instead of the kernel's: never where the kernel is vectorised (AVX-512 BW)."""
-    from tandem.cpu_features import cpu_features
-
-    return float("inf") if cpu_features().has("avx512f", "avx512bw") else SILU_KERNEL_MAX_ROWS
 
 
 def prefill_attention_dtype(cache_dtype: torch.dtype) -> torch.dtype:

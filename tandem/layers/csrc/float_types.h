@@ -6,8 +6,8 @@
 //   store16         (AVX-512 BW) 16 float32 lanes rounded to nearest-even into the storage type (bf16 NaN stays quiet,
 //                   as c10's conversion), masked lanes only
 //   round16<S>      (AVX-512 BW) the lanes rounded to S and back to float32 (where the reference rounds)
-//   exp16           (AVX-512) exp of 16 lanes: the kernels' exp_approx (Cody-Waite split, degree-6 polynomial,
-//                   ~1 ulp on [-87, 88], inputs clamped there)
+//   exp16           (AVX-512) exp of 16 lanes: the kernels' exp_approx op for op (Cody-Waite split, degree-6
+//                   polynomial, ~1 ulp on [-87, 88], inputs clamped there), the same bits
 #pragma once
 
 #include <ATen/ATen.h>
@@ -40,18 +40,16 @@ inline __m512 load16(const c10::BFloat16* p) {
 }
 inline __m512 load16(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 
+// Op for op the scalar exp_approx of cpu_ops.cpp as that file is built (ISO C++: no contraction into FMAs), so a
+// vectorised kernel gives the scalar loop's results to the bit.
 inline __m512 exp16(__m512 x) {
   x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504f), _mm512_set1_ps(0.5f)),
+  const __m512 n = _mm512_roundscale_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _mm512_set1_ps(0.5f)),
                                         _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
+  const __m512 r = _mm512_add_ps(_mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f))),
+                                 _mm512_mul_ps(n, _mm512_set1_ps(2.12194440e-4f)));
   __m512 p = _mm512_set1_ps(1.f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(c));
   const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
 }
