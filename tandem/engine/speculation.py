@@ -237,6 +237,7 @@ class SpeculativeDecoder(Speculation):
         self._chosen_at, self._chosen_for = 0.0, 0  # when the ahead policy last chose, and for how many requests
         self._emitted = 0  # tokens emitted since
         self._waited_catch_up = False  # ... and whether a catch-up proposal was waited for meanwhile
+        self._pending: tuple[int, AheadChoice, float] | None = None  # the last period's (batch, choice, seconds)
         self._step = 0  # draft_ahead calls
         self._asked: dict[str, int] = {}  # request -> the step a cheap proposer was last asked for it
         self._empty: dict[str, int] = {}  # request -> its consecutive empty proposals
@@ -351,9 +352,11 @@ class SpeculativeDecoder(Speculation):
         # is not its speed
         behind = max(len(dr.token_ids) - self._drafted.get(dr.request_id, 0) for dr in batch)
         future = self.proposer.propose_async(batch)
+        # every request of a proposal that catches one up waits as that one does: they share its answer (waiting
+        # for a request's drafts without a deadline behind another's catch-up stalled 8-concurrent steps 260-400 ms)
+        catch_up = behind > CATCH_UP_TOKENS
         for dr in batch:
             a = assumed[dr.request_id]
-            catch_up = len(dr.token_ids) - self._drafted.get(dr.request_id, 0) > CATCH_UP_TOKENS
             self._ahead[dr.request_id] = _Ahead(len(dr.token_ids) - len(a), a, future, catch_up)
             self._drafted[dr.request_id] = len(dr.token_ids)
         if timed and self.policy is not None:
@@ -438,10 +441,18 @@ class SpeculativeDecoder(Speculation):
         if self.policy is None:
             return frozenset()
         now = time.perf_counter()
-        # the step since the last choice: its period and the tokens it emitted (not when it waited for the drafter
-        # catching up on a new request's prompt: that is the request's arrival, not the choice's cost)
-        if self._chosen_at and not self._waited_catch_up:
-            self.policy.observe_period(self._chosen_for, self._choice, now - self._chosen_at, self._emitted)
+        # a step's choice is measured by its period (the time from its choice to the next, which holds the wait for
+        # its drafts) and the tokens its plan emitted. Scheduled ahead, those tokens land one period later: crediting
+        # a period with the tokens that arrived in it gave the first period after a change the previous choice's
+        # tokens (measured, 8 concurrent with a draft model: K = 2's first periods got 8 tokens each, K = 0's first
+        # 24), which kept drafting off for the rest of the run although K = 1 gave 569 tok/s against 427 off. Not
+        # measured: a period that waited for the drafter catching up on a new request's prompt (the request's
+        # arrival, not the choice's cost).
+        if self._pending is not None:
+            batch, choice, seconds = self._pending
+            self.policy.observe_period(batch, choice, seconds, self._emitted)
+        waited = self._waited_catch_up
+        self._pending = None if not self._chosen_at or waited else (self._chosen_for, self._choice, now - self._chosen_at)
         self._waited_catch_up = False
         self._choice, self._chosen_for, self._chosen_at = self.policy.choose(len(decoding)), len(decoding), now
         self._emitted = 0

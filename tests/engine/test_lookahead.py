@@ -130,3 +130,24 @@ def test_a_prompt_caught_up_beside_a_forward_on_the_same_cores_teaches_no_cost()
         spec.draft_ahead([req], lambda r: 8, None)  # one new token: an ordinary step
         spec.observe_step(4, 0.012, 0.0, shared_cores=shared)
         assert spec.adaptive.verify_seconds(4) == pytest.approx(0.012 if shared else 0.050 + 0.2 * (0.012 - 0.050))
+
+
+def test_the_ahead_policy_credits_a_plans_tokens_to_the_choice_that_made_it() -> None:
+    """Scheduled ahead, the tokens of the plan chosen in one period land in the next: each period is measured with
+    the tokens its own plan emitted, so the first period after a change is not credited with the previous
+    choice's tokens."""
+    from tandem.spec_decode.ahead_policy import AheadChoice
+
+    spec, _, req = _setup()
+    assert spec.policy is not None
+    seen: list[tuple[int, int]] = []
+    choices = iter([AheadChoice(k, False, 0.0) for k in (2, 2, 0, 0, 0)])
+    spec.policy.choose = lambda batch: next(choices)  # type: ignore[method-assign]
+    spec.policy.observe_period = lambda batch, choice, seconds, tokens: seen.append((choice.k, tokens))  # type: ignore[method-assign]
+    emitted = [1, 3, 3, 1]  # what lands during each period: the outcome of the plan chosen one period earlier
+    for n in emitted:
+        spec.draft_ahead([req], lambda r: 8, None)
+        spec.observe(req, [], list(range(n)))
+    spec.draft_ahead([req], lambda r: 8, None)
+    # plans: K = 2 (its 3 tokens land in period 2), K = 2 (3, period 3), K = 0 (1, period 4), K = 0 (next period)
+    assert seen == [(2, 3), (2, 3), (0, 1)]
