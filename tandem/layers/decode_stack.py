@@ -7,11 +7,12 @@ such calls a step over 30 layers (~1.5 ms of ~6 ms at batch 1 on two AVX-512 cor
 weights (the projections' own packed tensors, shared) and calls the same kernels in the same order from C++, so its
 hidden states are bit-identical to `LlamaModel.forward`'s Python loop. Prefill steps keep the Python loop (their
 attention is not the paged decode kernel). Built only when every part has a C++ kernel call: the fused CPU operations,
-quantized or bf16-GEMM projections, dense MLPs, one tensor-parallel rank; `TANDEM_DECODE_STACK=0` turns it off.
+quantized or bf16-GEMM projections, dense MLPs, one tensor-parallel rank; `TANDEM_DECODE_STACK=0` (or off / false) turns it off.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -23,6 +24,7 @@ from tandem.layers.linear import Projection, StackEntry
 from tandem.layers.ops import LayerOps
 
 ENV = "TANDEM_DECODE_STACK"
+logger = logging.getLogger(__name__)
 
 
 class StackLayer(Protocol):
@@ -67,7 +69,7 @@ def build_decode_stack(
 ) -> DecodeStack | None:
     """A `DecodeStack` over `layers`, or None when some part has no C++ kernel call (or the stack is turned off)."""
     tables = ops.decode_stack_tables()
-    if tables is None or os.environ.get(ENV, "1").strip() == "0" or not layers:
+    if tables is None or not stack_wanted() or not layers:
         return None
     entries = [_entries(layer) for layer in layers]
     if any(e is None for e in entries):
@@ -90,6 +92,15 @@ def build_decode_stack(
                         layer.sinks)
     stack.set_norm(norm)
     return DecodeStack(stack)
+
+
+def stack_wanted() -> bool:
+    """`TANDEM_DECODE_STACK`: 1 / on / true (the default) or 0 / off / false; anything else is named in a warning and
+    leaves the stack on."""
+    wanted = os.environ.get(ENV, "1").strip().lower()
+    if wanted not in ("1", "on", "true", "0", "off", "false"):
+        logger.warning("%s=%r is not one of 1, on, true, 0, off, false: the decode stack stays on", ENV, wanted)
+    return wanted not in ("0", "off", "false")
 
 
 def _entries(layer: StackLayer) -> list[StackEntry] | None:

@@ -89,3 +89,17 @@ def test_no_stack_without_the_kernels_or_for_experts(tmp_path: Path, monkeypatch
     runner = ModelRunner(moe.config, moe.weights, torch.bfloat16, "cpu", CacheConfig(block_size=4, num_blocks=8),
                          SchedulerConfig(max_model_len=32), num_threads=1)
     assert runner.model.decode_stack is None
+
+
+def test_the_switch_reads_its_values_and_names_a_bad_one(monkeypatch: pytest.MonkeyPatch,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    from tandem.layers.decode_stack import stack_wanted
+
+    monkeypatch.delenv(ENV, raising=False)
+    assert stack_wanted() is True  # on by default
+    for value, on in (("1", True), ("on", True), ("0", False), ("OFF", False), ("false", False)):
+        monkeypatch.setenv(ENV, value)
+        assert stack_wanted() is on, value
+    monkeypatch.setenv(ENV, "maybe")
+    assert stack_wanted() is True
+    assert "TANDEM_DECODE_STACK='maybe'" in caplog.text
