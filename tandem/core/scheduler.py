@@ -329,27 +329,32 @@ class Scheduler:
         keeps that row's drafts if it is in `keep` (they assumed this outcome); any other has its row moved back to
         where its accepted tokens end, without drafts, and the blocks that held only its rejected drafts released.
         Returns the requests whose rows of `next_plan` lost their drafts or moved."""
+        # on the launch's critical path (~1 us a row at 256 rows): locals, no property calls
         rows = {sr.request_id: sr for sr in next_plan.requests}
-        changed: list[str] = []
+        requests, running, changed = self._requests, RequestStatus.RUNNING, []
         for sr in plan.requests:
-            toks = tokens.get(sr.request_id)
-            req = self._requests.get(sr.request_id)
-            if not toks or not sr.needs_logits or req is None or req.status is not RequestStatus.RUNNING:
+            rid = sr.request_id
+            toks = tokens.get(rid)
+            if not toks or not sr.needs_logits:
                 continue
-            nxt = rows.get(sr.request_id)
+            req = requests.get(rid)
+            if req is None or req.status is not running:
+                continue
+            nxt = rows.get(rid)
             k = sr.num_draft_tokens
             if len(toks) == k + 1:  # every draft accepted: the row of next_plan stands where it was scheduled
-                req.token_ids[sr.start_pos + sr.num_tokens] = toks[-1]
+                last = toks[-1]
+                req.token_ids[sr.start_pos + len(sr.input_ids)] = last
                 req.num_tentative -= k + 1
                 if nxt is not None:
-                    nxt.input_ids[0] = toks[-1]
-                    if nxt.num_draft_tokens and sr.request_id not in keep:
+                    nxt.input_ids[0] = last
+                    if nxt.num_draft_tokens and rid not in keep:
                         self._drop_drafts(req, nxt)
-                        changed.append(sr.request_id)
+                        changed.append(rid)
             else:
                 self._move_back(req, sr, toks, nxt)
                 if nxt is not None:
-                    changed.append(sr.request_id)
+                    changed.append(rid)
         return changed
 
     def _drop_drafts(self, req: Request, row: ScheduledRequest) -> None:

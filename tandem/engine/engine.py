@@ -90,10 +90,16 @@ SLACK_SHARE = 0.85
 # fills and the rest of the host's step must still fit before the forward ends
 DRAFT_SHARE = 0.6
 # Scheduling ahead with a cheap proposer, rows whose drafts were dropped (their assumed outcome did not happen) are
-# drafted again between sampling and the launch, REDRAFT_CHUNK requests at a time while this share of the shortest
-# recent forward has not been spent: at batch 1 that is every miss, at 256 requests the first few dozen
+# drafted again between sampling and the launch, up to REDRAFT_CHUNK requests at a time, while this share of the
+# shortest recent forward has not been spent and the next request's measured cost still fits in it
 REDRAFT_SHARE = 0.02
 REDRAFT_CHUNK = 8
+# ... and only while one redraft, which delays every row of the launch, costs the plan less than this many tokens of
+# a step (cost x rows / forward). A redraft yields its row ~0-0.2 accepted tokens on replayed MT-Bench outputs: 256
+# suffix requests beside a 20 ms step emitted 251.6 tokens a step without redrafts and 249.1-254.3 with them, while
+# the device waited 6.0-6.1 % of the step without and 9.2-11.5 % with (AMD EPYC, 2 cores). At batch 1 (a miss's
+# redraft is its next step's drafts: copy tasks) it stays on: 40 us x 1 row against 0.25 x a 17 ms forward.
+REDRAFT_YIELD = 0.25
 IDLE_GAP_S = 1.0  # a longer gap between two forwards is an engine without work, not a device waiting for the host
 UNMASKED_CANDIDATES = 16  # top logits tried, in order, for an unmasked greedy row whose argmax the grammar rejected
 TIED_LIMIT = 64  # tokens tied at the 16th value walked before giving up (filling the mask)
@@ -170,6 +176,7 @@ class LLMEngine:
         self._inflight: _InFlight | None = None  # scheduling ahead: the plan whose forward runs
         self._rows_memo: tuple[StepPlan | None, dict[str, int]] = (None, {})  # see _plain_rows
         self._forward_s: deque[float] = deque(maxlen=4)  # the last forwards' device time (see _slack_deadline)
+        self._redraft_s = 0.0  # seconds one request's redraft took, smoothed (see _redraft)
         self._forward_end = 0.0  # the synchronous step: when the previous forward ended
         # grammar masks filled while the forward runs, unless the forward runs on these same cores: a fill beside it
         # preempts a thread of its OpenMP team and the whole team waits at the next barrier (measured: docs/benchmarks.md)
@@ -397,22 +404,43 @@ class LLMEngine:
         real outcome, for as many of those rows as a small share of a forward's time allows (cheap proposers)."""
         changed = self.scheduler.settle(plan, tokens, nxt, self.speculation.still_valid(tokens))
         self.speculation.missed(len(changed))
-        if not self.speculation.drafts_cheaply or not self._forward_s:
+        budget = self._redraft_budget(len(nxt.requests))
+        if budget <= 0.0:
             return
         # those that lost their drafts first, then the other rows without any (their proposal past the outcome in
         # flight had nothing: the real outcome may match)
         lost = set(changed)
         bare = changed + [sr.request_id for sr in nxt.requests
                           if sr.num_tokens == 1 and sr.needs_logits and not sr.num_draft_tokens and sr.request_id not in lost]
-        budget, t0 = REDRAFT_SHARE * min(self._forward_s), time.perf_counter()
-        drafts: dict[str, list[int]] = {}
-        for i in range(0, len(bare), REDRAFT_CHUNK):
-            if time.perf_counter() - t0 >= budget:
-                break
-            reqs = [self._seqs[rid].req for rid in bare[i : i + REDRAFT_CHUNK] if rid in self._seqs]
-            drafts.update(self.speculation.redraft(reqs, self._max_drafts))
+        drafts = self._redraft(bare, budget)
         if drafts:
             self.scheduler.add_drafts(nxt, drafts)
+
+    def _redraft_budget(self, rows: int) -> float:
+        """Seconds the launch of a plan of `rows` rows may wait for redrafts: `REDRAFT_SHARE` of the shortest recent
+        forward; none while one redraft costs the plan more than `REDRAFT_YIELD` tokens of a step, or the proposer
+        is not cheap."""
+        if not self.speculation.drafts_cheaply or not self._forward_s:
+            return 0.0
+        forward = min(self._forward_s)
+        return 0.0 if self._redraft_s * rows > REDRAFT_YIELD * forward else REDRAFT_SHARE * forward
+
+    def _redraft(self, request_ids: list[str], budget: float) -> dict[str, list[int]]:
+        """Drafts, now, for the first of `request_ids`: as many as `budget` seconds hold at their measured cost."""
+        t0 = time.perf_counter()
+        drafts: dict[str, list[int]] = {}
+        i = 0
+        while i < len(request_ids):
+            t = time.perf_counter()
+            n = min(REDRAFT_CHUNK, int((budget - (t - t0)) / max(self._redraft_s, 1e-6)))  # those that still fit
+            if n <= 0:
+                break
+            reqs = [self._seqs[rid].req for rid in request_ids[i : i + n] if rid in self._seqs]
+            i += n
+            drafts.update(self.speculation.redraft(reqs, self._max_drafts))
+            if reqs:  # the cost of one request's redraft, smoothed (its tree's size and the proposer's state move it)
+                self._redraft_s += 0.25 * ((time.perf_counter() - t) / len(reqs) - self._redraft_s)
+        return drafts
 
     def _sampling(self, plan: StepPlan) -> list[Request]:
         """The live requests of `plan` that sample in it."""

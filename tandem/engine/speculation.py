@@ -123,7 +123,7 @@ class Speculation(ABC):
         wait for a concurrent drafter whose proposal was not sized to the step (None: until it answers)."""
 
     @abstractmethod
-    def still_valid(self, tokens: Mapping[str, Sequence[int]]) -> list[str]:
+    def still_valid(self, tokens: Mapping[str, Sequence[int]]) -> set[str]:
         """The requests whose drafts of the last `draft_ahead` assumed the outcome `tokens` now gives them."""
 
     @abstractmethod
@@ -180,8 +180,8 @@ class NoSpeculation(Speculation):
     def draft_ahead(self, running: Sequence[Request], allowed: MaxDrafts, deadline: float | None) -> frozenset[str]:
         return frozenset()
 
-    def still_valid(self, tokens: Mapping[str, Sequence[int]]) -> list[str]:
-        return []
+    def still_valid(self, tokens: Mapping[str, Sequence[int]]) -> set[str]:
+        return set()
 
     def lookahead_ahead(self, launched: Sequence[Request], parked: Sequence[Request]) -> None:
         pass
@@ -524,12 +524,12 @@ class SpeculativeDecoder(Speculation):
             return None, rest
         return (rest[0], rest[1:]) if rest else None
 
-    def still_valid(self, tokens: Mapping[str, Sequence[int]]) -> list[str]:
-        keep = []
+    def still_valid(self, tokens: Mapping[str, Sequence[int]]) -> set[str]:
+        keep = set()
         for rid, want in self._expected.items():
             got = tokens.get(rid)
             if got is not None and list(got) == want:
-                keep.append(rid)
+                keep.add(rid)
             if self.policy is not None and got is not None and len(got) == len(want):  # every draft accepted
                 self.policy.observe_outcome(0, 0, got[-1] == want[-1])
         return keep

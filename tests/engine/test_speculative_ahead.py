@@ -230,3 +230,25 @@ def test_a_request_that_ends_while_its_drafted_row_is_in_flight(stories_engine_f
     assert _tokens(got) == _tokens(want) and _texts(got) == _texts(want)
     assert sum(o.outputs[0].stop_reason is not None for o in got.values()) >= 4
     assert ahead.get_stats()["spec_num_drafted"] > 0
+
+
+def test_misses_are_redrafted_while_a_redraft_pays(stories_engine_factory) -> None:  # type: ignore[no-untyped-def]
+    """A cheap proposer's misses get drafts again before the launch at a few rows (outputs still the target's); a
+    redraft that would cost a plan of many rows more than REDRAFT_YIELD tokens of a step is not made (it delays
+    every row of the launch)."""
+    from tandem.engine.engine import REDRAFT_SHARE, REDRAFT_YIELD
+
+    base = stories_engine_factory(async_scheduling=False)
+    ahead = stories_engine_factory(async_scheduling=True, speculative_config=SUFFIX)
+    prompts = _story_prompts(base, 2)
+    want = run_all(base, prompts, GREEDY)
+    got = run_all(ahead, prompts, GREEDY)
+    assert _tokens(got) == _tokens(want)
+    stats = ahead.get_stats()
+    assert stats["spec_optimistic_misses"] > 0 and stats["spec_redrafted"] > 0
+    ahead._forward_s.clear()
+    ahead._forward_s.append(0.02)  # a 20 ms forward
+    ahead._redraft_s = 40e-6  # one request's redraft: 40 us
+    assert ahead._redraft_budget(1) == pytest.approx(REDRAFT_SHARE * 0.02)
+    rows = REDRAFT_YIELD * 0.02 / 40e-6  # a redraft costs this many rows REDRAFT_YIELD tokens of a step
+    assert ahead._redraft_budget(int(0.9 * rows)) > 0.0 and ahead._redraft_budget(int(1.1 * rows)) == 0.0
