@@ -1,4 +1,4 @@
-"""A dense decoder's decode and verify steps in one C++ call (`csrc/decode_stack.cpp`), where its layers run on tandem's
+"""A decoder's decode and verify steps in one C++ call (`csrc/decode_stack.cpp`), where its layers run on tandem's
 CPU kernels.
 
 A decode step of a small model on a CPU spends a large share of its time between kernels: each projection call
@@ -7,7 +7,10 @@ such calls a step over 30 layers (~1.5 ms of ~6 ms at batch 1 on two AVX-512 cor
 weights (the projections' own packed tensors, shared) and calls the same kernels in the same order from C++, so its
 hidden states are bit-identical to `LlamaModel.forward`'s Python loop. Prefill steps keep the Python loop (their
 attention is not the paged decode kernel). Built only when every part has a C++ kernel call: the fused CPU operations,
-quantized or bf16-GEMM projections, dense MLPs, one tensor-parallel rank; `TANDEM_DECODE_STACK=0` (or off / false) turns it off.
+quantized or bf16-GEMM projections, dense MLPs or mixtures of experts run by the MoE kernels (`moe_route`, one
+`quant_grouped` for the chosen experts' gate / ups and one for their downs, `moe_combine`: Qwen3-MoE, Mixtral; not
+gpt-oss's clamped SwiGLU nor experts across a bus), one tensor-parallel rank; `TANDEM_DECODE_STACK=0` (or off / false)
+turns it off.
 """
 
 from __future__ import annotations
@@ -21,10 +24,17 @@ import torch
 
 from tandem.layers.attention import AttentionMetadata
 from tandem.layers.linear import Projection, StackEntry
+from tandem.layers.moe import MoeStackEntry
 from tandem.layers.ops import LayerOps
 
 ENV = "TANDEM_DECODE_STACK"
 logger = logging.getLogger(__name__)
+
+
+class StackMoe(Protocol):
+    """A mixture-of-experts MLP as the stack sees it (`MoeMlp`, `HostExperts`)."""
+
+    def stack_entry(self) -> MoeStackEntry | None: ...
 
 
 class StackLayer(Protocol):
@@ -41,7 +51,7 @@ class StackLayer(Protocol):
     sinks: torch.Tensor | None
 
     @property
-    def dense(self) -> bool: ...
+    def moe(self) -> StackMoe | None: ...
 
 
 class DecodeStack:
@@ -86,12 +96,24 @@ def build_decode_stack(
         return ids[id(p)]
 
     for layer, found, window in zip(layers, entries, windows, strict=True):
-        assert found is not None and layer.gate_up is not None and layer.down is not None
-        qkv, o, gate_up, down = (add(p, e) for p, e in zip((layer.qkv, layer.o, layer.gate_up, layer.down), found, strict=True))
+        assert found is not None
+        projections, moe = found
+        qkv, o, *mlp = (add(p, e) for p, e in projections)
+        gate_up, down = mlp if mlp else (-1, -1)
         stack.add_layer(layer.input_norm, qkv, layer.q_norm, layer.k_norm, o, layer.post_norm, gate_up, down, window or 0,
-                        layer.sinks)
+                        layer.sinks, _add_moe(stack, moe) if moe is not None else -1)
     stack.set_norm(norm)
     return DecodeStack(stack)
+
+
+def _add_moe(stack: Any, moe: MoeStackEntry) -> int:
+    """The layer's router and experts into the stack; returns its id there."""
+    moe_id: int = stack.add_moe(moe.router_weight, moe.router_bias, moe.top_k, moe.renormalize, moe.softmax_after_topk,
+                                moe.isa, moe.amx_rows)
+    for gu, dn in zip(moe.gate_ups, moe.downs, strict=True):
+        stack.add_expert(moe_id, list(gu.packed), list(gu.formats), list(gu.ns), list(dn.packed), list(dn.formats),
+                         list(dn.ns))
+    return moe_id
 
 
 def stack_wanted() -> bool:
@@ -103,9 +125,19 @@ def stack_wanted() -> bool:
     return wanted not in ("0", "off", "false")
 
 
-def _entries(layer: StackLayer) -> list[StackEntry] | None:
-    """The layer's four projections as kernel calls, or None when it is not dense or one of them has none."""
-    if not layer.dense or layer.gate_up is None or layer.down is None:
+_LayerEntries = tuple[list[tuple[Projection, StackEntry]], MoeStackEntry | None]
+
+
+def _entries(layer: StackLayer) -> _LayerEntries | None:
+    """The layer's projections as kernel calls (qkv, o, then a dense MLP's gate_up and down) and its experts', or None
+    when one of them has none."""
+    moe = layer.moe.stack_entry() if layer.moe is not None else None
+    if layer.moe is not None and moe is None:
         return None
-    found = [p.stack_entry() for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-    return None if any(e is None for e in found) else [e for e in found if e is not None]
+    mlp = (layer.gate_up, layer.down) if moe is None else ()
+    if any(p is None for p in mlp):
+        return None
+    found = [(p, p.stack_entry()) for p in (layer.qkv, layer.o, *mlp) if p is not None]
+    if any(e is None for _, e in found):
+        return None
+    return [(p, e) for p, e in found if e is not None], moe

@@ -26,12 +26,12 @@ experts carry biases, which their projections add after the matmul (`make_linear
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from tandem.layers.linear import DenseProjection, GroupedProjections, Projection
+from tandem.layers.linear import DenseProjection, GroupedProjections, KernelSegments, Projection
+from tandem.layers.ops import SiluMul
 
 
 @dataclass
@@ -83,16 +83,29 @@ class MoeMlp:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(logits.dtype), ids
 
-    def activation(self, gu: torch.Tensor, silu_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """An expert's fused gate / up output gu [n, 2 I] -> [n, I]: silu(gate) * up (the ops' kernel)."""
-        return silu_mul(gu)
+    def activation(self, gu: torch.Tensor, silu_mul: SiluMul, tokens: int) -> torch.Tensor:
+        """An expert's fused gate / up output gu [n, 2 I] -> [n, I] in a step of `tokens` tokens: silu(gate) * up (the
+        ops' kernel in a decode step, as a dense MLP's, however many pairs its k experts make)."""
+        return silu_mul(gu, tokens)
 
-    def __call__(self, h: torch.Tensor, silu_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    def __call__(self, h: torch.Tensor, silu_mul: SiluMul) -> torch.Tensor:
         """h [T, hidden] (model dtype) -> the weighted sum of each token's k experts [T, hidden] (model dtype)."""
         tokens, scale, chosen, counts = self.pairs(h)
         x = h.index_select(0, tokens)  # [P, hidden]: pair p's token, pairs grouped by expert
-        y = self.downs(self.activation(self.gate_ups(x, chosen, counts), silu_mul), chosen, counts)  # [P, hidden]
-        return self.combine(y, scale, tokens, h.shape[0])
+        y = self.downs(self.activation(self.gate_ups(x, chosen, counts), silu_mul, h.shape[0]), chosen, counts)
+        return self.combine(y, scale, tokens, h.shape[0])  # y [P, hidden]
+
+    def stack_entry(self) -> MoeStackEntry | None:
+        """This layer as a `DecodeStack` runs it from C++ (`layers/decode_stack.py`): routing and sums by the kernels,
+        every expert quantized for them without biases, SiLU; None otherwise."""
+        gate_ups, downs = self.gate_ups.segments, self.downs.segments
+        if not self.kernels or gate_ups is None or downs is None:
+            return None
+        segments = [*gate_ups, *downs]
+        if any(b is not None for seg in segments for b in seg.biases) or len({(s.isa, s.amx_rows) for s in segments}) != 1:
+            return None
+        return MoeStackEntry(self.router.weight, self.router.bias, self.top_k, self.renormalize, self.softmax_after_topk,
+                             gate_ups, downs, segments[0].isa, segments[0].amx_rows)
 
     def pairs(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
         """h [T, hidden] -> the step's (token, expert) pairs grouped by ascending expert, tokens ascending within one:
@@ -147,9 +160,28 @@ class GptOssMoe(MoeMlp):
         top, ids = torch.topk(logits, self.top_k, dim=-1)
         return torch.softmax(top, dim=-1, dtype=top.dtype), ids
 
-    def activation(self, gu: torch.Tensor, silu_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    def activation(self, gu: torch.Tensor, silu_mul: SiluMul, tokens: int) -> torch.Tensor:
         """gu [n, 2 I] (gate | up, de-interleaved at load) -> [n, I]."""
         gate, up = gu.chunk(2, dim=-1)
         gate = gate.clamp(max=self.limit)
         up = up.clamp(min=-self.limit, max=self.limit)
         return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+    def stack_entry(self) -> MoeStackEntry | None:
+        return None  # the clamped SwiGLU has no C++ kernel call
+
+
+@dataclass(frozen=True)
+class MoeStackEntry:
+    """A MoE layer as plain arguments of `DecodeStack.add_moe` / `add_expert` (csrc/decode_stack.cpp): the router's
+    weight [E, hidden] and bias for `moe_route`, each expert's gate / up and down segments for `quant_grouped`."""
+
+    router_weight: torch.Tensor
+    router_bias: torch.Tensor | None
+    top_k: int
+    renormalize: bool
+    softmax_after_topk: bool
+    gate_ups: list[KernelSegments]
+    downs: list[KernelSegments]
+    isa: int
+    amx_rows: int

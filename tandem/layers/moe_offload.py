@@ -24,7 +24,6 @@ CPU device (the CPU-only machine's normal path) the hop copies nothing.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -32,14 +31,13 @@ import torch
 from tandem.config import ConfigError, ModelConfig
 from tandem.layers.linear import Projection
 from tandem.layers.moe import Expert, MoeMlp
-from tandem.layers.ops import select_ops
+from tandem.layers.ops import SiluMul, select_ops
 
 logger = logging.getLogger("tandem")
 
 HOST = torch.device("cpu")
 OFFLOAD_ALL = "all"
 OffloadSetting = int | str | None  # noqa: UP007 (a runtime alias on Python 3.10)
-SiluMul = Callable[[torch.Tensor], torch.Tensor]
 
 
 def check_offload_setting(setting: OffloadSetting) -> int | str:
@@ -190,6 +188,10 @@ class HostExperts:
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h [T, hidden] on the host -> the wrapped layer's (weights [T, k], expert ids [T, k])."""
         return self.moe.route(h)
+
+    def stack_entry(self) -> None:
+        """No `DecodeStack` runs a layer whose experts sit across a bus from its attention."""
+        return None
 
     def __call__(self, h: torch.Tensor, silu_mul: SiluMul) -> torch.Tensor:  # noqa: ARG002 - the device's silu_mul
         """h [T, hidden] (device, model dtype) -> the weighted sum of each token's k experts [T, hidden] on the

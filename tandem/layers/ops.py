@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 from abc import ABC, abstractmethod
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +30,13 @@ logger = logging.getLogger(__name__)
 # more) keep the numbers they had (the demo Q4_1 model's greedy agreement with llama.cpp moved from >= 48 of 96 tokens
 # to 38 with the kernel on every row: near-ties resolved the other way).
 SILU_KERNEL_MAX_ROWS = 8
+
+
+class SiluMul(Protocol):
+    """`LayerOps.silu_mul`: gu [n, 2I] -> [n, I]; `tokens`, when given, is the step's token count, which chooses the
+    path instead of n (a MoE layer's n pairs are k per token: a decode step of one token has k rows)."""
+
+    def __call__(self, gu: torch.Tensor, tokens: int | None = None) -> torch.Tensor: ...
 
 
 class LayerOps(ABC):
@@ -83,8 +91,8 @@ class LayerOps(ABC):
         each head's sink logit joins its softmax's denominator (gpt-oss; the torch operations only)."""
 
     @abstractmethod
-    def silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
-        """gu [T, 2I] -> silu(gu[:, :I]) * gu[:, I:] [T, I]."""
+    def silu_mul(self, gu: torch.Tensor, tokens: int | None = None) -> torch.Tensor:
+        """gu [n, 2I] -> silu(gu[:, :I]) * gu[:, I:] [n, I]; `tokens`: the step's tokens, where n is not (`SiluMul`)."""
 
 
 class TorchOps(LayerOps):
@@ -134,7 +142,7 @@ class TorchOps(LayerOps):
         q, k = qk[:, :num_heads], qk[:, num_heads:]
         return paged_attention(q, k, v, kv_cache, meta, scale, window, sinks).to(dtype)
 
-    def silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
+    def silu_mul(self, gu: torch.Tensor, tokens: int | None = None) -> torch.Tensor:
         g, u = gu.chunk(2, dim=-1)
         return F.silu(g) * u
 
@@ -214,11 +222,11 @@ class CpuKernelOps(LayerOps):
                                             window=window, math_dtype=self.prefill_dtype, sinks=sinks).to(dtype)
         return out
 
-    def silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
-        if gu.shape[0] >= SILU_KERNEL_MAX_ROWS:
+    def silu_mul(self, gu: torch.Tensor, tokens: int | None = None) -> torch.Tensor:
+        if (gu.shape[0] if tokens is None else tokens) >= SILU_KERNEL_MAX_ROWS:
             g, u = gu.chunk(2, dim=-1)
             return F.silu(g) * u
-        return self.ops.silu_mul(gu)  # few rows: one call instead of three ops' dispatch
+        return self.ops.silu_mul(gu)  # a decode step: one call instead of three ops' dispatch
 
 
 def prefill_attention_dtype(cache_dtype: torch.dtype) -> torch.dtype:

@@ -24,7 +24,7 @@ def _moe(cls: type[MoeMlp], E: int, k: int, hidden: int, dtype: torch.dtype, ker
     return MoeMlp(router, experts, k, renormalize, kernels=kernels)
 
 
-def _silu_mul(gu: torch.Tensor) -> torch.Tensor:
+def _silu_mul(gu: torch.Tensor, tokens: int | None = None) -> torch.Tensor:  # noqa: ARG001 - a `SiluMul`
     g, u = gu.chunk(2, dim=-1)
     return F.silu(g) * u
 

@@ -130,7 +130,7 @@ def test_each_chosen_expert_runs_once_per_step_and_the_others_never() -> None:
     moe = MoeMlp(DenseProjection(torch.randn(6, 8), None), experts, top_k=2, renormalize=True)
     h = torch.randn(5, 8)
     weights, ids = moe.route(h)
-    out = moe(h, lambda x: torch.nn.functional.silu(x[:, :8]) * x[:, 8:])
+    out = moe(h, lambda x, tokens=None: torch.nn.functional.silu(x[:, :8]) * x[:, 8:])
     chosen = set(ids.flatten().tolist())
     assert all((len(c) == 1) == (e in chosen) for e, c in enumerate(calls))  # once, or never
     assert sum(c[0] for c in calls if c) == 10  # every (token, expert) pair once
