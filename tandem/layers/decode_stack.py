@@ -8,9 +8,9 @@ weights (the projections' own packed tensors, shared) and calls the same kernels
 hidden states are bit-identical to `LlamaModel.forward`'s Python loop. Prefill steps keep the Python loop (their
 attention is not the paged decode kernel). Built only when every part has a C++ kernel call: the fused CPU operations,
 quantized or bf16-GEMM projections, dense MLPs or mixtures of experts run by the MoE kernels (`moe_route`, one
-`quant_grouped` for the chosen experts' gate / ups and one for their downs, `moe_combine`: Qwen3-MoE, Mixtral; not
-gpt-oss's clamped SwiGLU nor experts across a bus), one tensor-parallel rank; `TANDEM_DECODE_STACK=0` (or off / false)
-turns it off.
+`quant_grouped` for the chosen experts' gate / ups and one for their downs, `moe_combine`: Qwen3-MoE, Mixtral, gpt-oss
+with its biases and clamped SwiGLU; not experts across a bus), one tensor-parallel rank; `TANDEM_DECODE_STACK=0` (or
+off / false) turns it off.
 """
 
 from __future__ import annotations
@@ -109,10 +109,10 @@ def build_decode_stack(
 def _add_moe(stack: Any, moe: MoeStackEntry) -> int:
     """The layer's router and experts into the stack; returns its id there."""
     moe_id: int = stack.add_moe(moe.router_weight, moe.router_bias, moe.top_k, moe.renormalize, moe.softmax_after_topk,
-                                moe.isa, moe.amx_rows)
+                                moe.isa, moe.amx_rows, moe.activation, moe.alpha, moe.limit)
     for gu, dn in zip(moe.gate_ups, moe.downs, strict=True):
-        stack.add_expert(moe_id, list(gu.packed), list(gu.formats), list(gu.ns), list(dn.packed), list(dn.formats),
-                         list(dn.ns))
+        stack.add_expert(moe_id, list(gu.packed), list(gu.formats), list(gu.ns), [b for b in gu.biases if b is not None],
+                         list(dn.packed), list(dn.formats), list(dn.ns), [b for b in dn.biases if b is not None])
     return moe_id
 
 

@@ -95,17 +95,23 @@ class MoeMlp:
         y = self.downs(self.activation(self.gate_ups(x, chosen, counts), silu_mul, h.shape[0]), chosen, counts)
         return self.combine(y, scale, tokens, h.shape[0])  # y [P, hidden]
 
+    def stack_activation(self) -> tuple[int, float, float]:
+        """The activation as `DecodeStack` names it: (0: SiLU, alpha, limit unused) here."""
+        return 0, 0.0, 0.0
+
     def stack_entry(self) -> MoeStackEntry | None:
         """This layer as a `DecodeStack` runs it from C++ (`layers/decode_stack.py`): routing and sums by the kernels,
-        every expert quantized for them without biases, SiLU; None otherwise."""
+        every expert quantized for them, with a bias on every part or on none; None otherwise."""
         gate_ups, downs = self.gate_ups.segments, self.downs.segments
         if not self.kernels or gate_ups is None or downs is None:
             return None
         segments = [*gate_ups, *downs]
-        if any(b is not None for seg in segments for b in seg.biases) or len({(s.isa, s.amx_rows) for s in segments}) != 1:
+        with_bias = {b is not None for seg in segments for b in seg.biases}
+        if len(with_bias) != 1 or len({(s.isa, s.amx_rows) for s in segments}) != 1:
             return None
+        kind, alpha, limit = self.stack_activation()
         return MoeStackEntry(self.router.weight, self.router.bias, self.top_k, self.renormalize, self.softmax_after_topk,
-                             gate_ups, downs, segments[0].isa, segments[0].amx_rows)
+                             gate_ups, downs, segments[0].isa, segments[0].amx_rows, kind, alpha, limit)
 
     def pairs(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
         """h [T, hidden] -> the step's (token, expert) pairs grouped by ascending expert, tokens ascending within one:
@@ -167,14 +173,15 @@ class GptOssMoe(MoeMlp):
         up = up.clamp(min=-self.limit, max=self.limit)
         return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
-    def stack_entry(self) -> MoeStackEntry | None:
-        return None  # the clamped SwiGLU has no C++ kernel call
+    def stack_activation(self) -> tuple[int, float, float]:
+        return 1, self.alpha, self.limit  # 1: the clamped SwiGLU above
 
 
 @dataclass(frozen=True)
 class MoeStackEntry:
     """A MoE layer as plain arguments of `DecodeStack.add_moe` / `add_expert` (csrc/decode_stack.cpp): the router's
-    weight [E, hidden] and bias for `moe_route`, each expert's gate / up and down segments for `quant_grouped`."""
+    weight [E, hidden] and bias for `moe_route`, each expert's gate / up and down segments (and their biases) for
+    `quant_grouped`, the activation between them."""
 
     router_weight: torch.Tensor
     router_bias: torch.Tensor | None
@@ -185,3 +192,6 @@ class MoeStackEntry:
     downs: list[KernelSegments]
     isa: int
     amx_rows: int
+    activation: int  # 0: silu(gate) * up; 1: gpt-oss's clamped SwiGLU with `alpha` and `limit`
+    alpha: float
+    limit: float

@@ -1,7 +1,7 @@
 """The decode stack (csrc/decode_stack.cpp): decode and verify steps as one C++ call give the Python layer loop's
 logits to the bit, for every dense family it takes (biases, q / k norms, sliding windows), bf16 GEMM and quantized
-projections, mixtures of quantized experts (Qwen3-MoE, Mixtral), one or several requests and several queries a request;
-it is not built where a part has no C++ call (torch operations, bf16 experts, gpt-oss's activation)."""
+projections, mixtures of quantized experts (Qwen3-MoE, Mixtral, gpt-oss), one or several requests and several queries a
+request; it is not built where a part has no C++ call (torch operations, bf16 experts)."""
 
 from __future__ import annotations
 
@@ -76,26 +76,19 @@ def test_quantized_model_decodes_as_the_python_loop(file_type: str, tmp_path: Pa
 
 
 @pytest.mark.skipif(quant_isa() == 0, reason="no quantized CPU kernels here")
-@pytest.mark.parametrize(("family", "file_type"), [("qwen3moe", "Q8_0"), ("qwen3moe", "Q4_K_M"), ("mixtral", "Q4_K_M")])
+@pytest.mark.parametrize(("family", "file_type"), [("qwen3moe", "Q8_0"), ("qwen3moe", "Q4_K_M"), ("mixtral", "Q4_K_M"),
+                                                  ("gpt-oss", "MXFP4_MOE")])
 def test_quantized_experts_decode_as_the_python_loop(family: str, file_type: str, tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """A mixture of experts in the stack (moe_route, the grouped expert calls, moe_combine): two requests routed to
-    different experts in one step, and a verify step, give the Python loop's logits to the bit."""
+    """A mixture of experts in the stack (moe_route, the grouped expert calls, moe_combine; gpt-oss: expert and
+    router biases, its clamped SwiGLU, sinks, sliding windows): two requests routed to different experts in one step,
+    and a verify step, give the Python loop's logits to the bit."""
     from tests.models.test_moe_gguf import TINY_SHAPES, write_tiny_moe
 
     path = write_tiny_moe(tmp_path, family, file_type)
     for dtype in (torch.float32, torch.bfloat16):
         _same_with_and_without(path, dtype, TINY_SHAPES[family].vocab, monkeypatch)
     assert _runner(path, torch.float32, True, monkeypatch).model.decode_stack is not None
-
-
-@pytest.mark.skipif(quant_isa() == 0, reason="no quantized CPU kernels here")
-def test_no_stack_for_gpt_oss_experts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """gpt-oss's clamped SwiGLU has no C++ kernel call: its decode steps stay in the Python loop."""
-    from tests.models.test_moe_gguf import write_tiny_moe
-
-    path = write_tiny_moe(tmp_path, "gpt-oss", "MXFP4_MOE")
-    assert _runner(path, torch.float32, True, monkeypatch).model.decode_stack is None
 
 
 @needs_kernels

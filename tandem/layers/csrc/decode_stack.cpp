@@ -3,8 +3,8 @@
 // them from Python, through the dispatcher's typed handles:
 //   add_rms_norm -> qkv -> [qk_rms_norm] -> rope_write_kv -> paged_attention -> o -> add_rms_norm -> gate_up ->
 //   silu_mul -> down, and the final add_rms_norm; a mixture-of-experts layer's MLP as `MoeMlp` runs it: moe_route ->
-//   index_select -> quant_grouped (the chosen experts' gate / ups) -> silu_mul -> quant_grouped (their downs) ->
-//   moe_combine.
+//   index_select -> quant_grouped (the chosen experts' gate / ups) -> silu_mul, or gpt-oss's clamped SwiGLU as
+//   `GptOssMoe.activation` computes it (the same ATen operations) -> quant_grouped (their downs) -> moe_combine.
 // The same kernels on the same inputs in the same order: the hidden states are bit-identical to the Python loop's.
 // What goes away is the Python between them: ~5 us a projection call (its argument lists converted every call),
 // ~3 us a layer operation, the views and slices; at batch 1 ~1.5 ms of a ~6 ms step of SmolLM2-135M (30 layers, 9
@@ -14,8 +14,10 @@
 //   add_projection(kind, packed, fmts, ns, bias, isa, amx_rows) -> id   kind 0: quant_linear(x, packed, fmts, ns, bias,
 //                                                                      isa, amx_rows); 1: linear_bf16(x, packed[0],
 //                                                                      bias, amx_rows)
-//   add_moe(router_weight, router_bias, top_k, renormalize, softmax_after_topk, isa, amx_rows) -> id
-//   add_expert(moe, gate_up_packed, gate_up_fmts, gate_up_ns, down_packed, down_fmts, down_ns)   experts in id order
+//   add_moe(router_weight, router_bias, top_k, renormalize, softmax_after_topk, isa, amx_rows, activation, alpha,
+//           limit) -> id                                               activation 0: SiLU; 1: clamped SwiGLU
+//   add_expert(moe, gate_up_packed, gate_up_fmts, gate_up_ns, gate_up_biases, down_packed, down_fmts, down_ns,
+//              down_biases)                                            experts in id order; biases: one a part or none
 //   add_layer(input_norm, qkv, q_norm, k_norm, o, post_norm, gate_up, down, window, sinks, moe)   moe -1: dense MLP
 //                                                                      (gate_up, down), else those are -1
 //   set_norm(norm)
@@ -45,8 +47,8 @@ struct Projection {
   int64_t isa, amx_rows;
 };
 
-struct Segments {  // one expert projection's packed parts, stacked along N
-  std::vector<Tensor> packed;
+struct Segments {  // one expert projection's packed parts, stacked along N, and their biases (one a part, or none)
+  std::vector<Tensor> packed, biases;
   std::vector<int64_t> fmts, ns;
 };
 
@@ -55,7 +57,8 @@ struct Moe {
   c10::optional<Tensor> router_bias;
   int64_t top_k;
   bool renormalize, softmax_after_topk;
-  int64_t isa, amx_rows;
+  int64_t isa, amx_rows, activation;
+  double alpha, limit;
   std::vector<Segments> gate_ups, downs;  // [expert]
 };
 
@@ -130,21 +133,34 @@ struct DecodeStack : torch::CustomClassHolder {
   }
 
   int64_t add_moe(Tensor router_weight, c10::optional<Tensor> router_bias, int64_t top_k, bool renormalize,
-                  bool softmax_after_topk, int64_t isa, int64_t amx_rows) {
+                  bool softmax_after_topk, int64_t isa, int64_t amx_rows, int64_t activation, double alpha, double limit) {
     TORCH_CHECK(router_weight.dim() == 2 && top_k > 0 && top_k <= router_weight.size(0),
                 "DecodeStack: a router [E, hidden] and 0 < top_k <= E");
-    moes.push_back({std::move(router_weight), std::move(router_bias), top_k, renormalize, softmax_after_topk, isa, amx_rows, {}, {}});
+    TORCH_CHECK(activation == 0 || activation == 1, "DecodeStack: activation 0 (SiLU) or 1 (clamped SwiGLU)");
+    moes.push_back({std::move(router_weight), std::move(router_bias), top_k, renormalize, softmax_after_topk, isa, amx_rows,
+                    activation, alpha, limit, {}, {}});
     return static_cast<int64_t>(moes.size()) - 1;
   }
 
+  static Segments segments(std::vector<Tensor> packed, std::vector<int64_t> fmts, std::vector<int64_t> ns,
+                           std::vector<Tensor> biases) {
+    TORCH_CHECK(!packed.empty() && packed.size() == fmts.size() && packed.size() == ns.size() &&
+                    (biases.empty() || biases.size() == packed.size()),
+                "DecodeStack: an expert projection needs its packed parts, a format and N for each, and a bias for each or none");
+    return {std::move(packed), std::move(biases), std::move(fmts), std::move(ns)};
+  }
+
   void add_expert(int64_t moe, std::vector<Tensor> gu_packed, std::vector<int64_t> gu_fmts, std::vector<int64_t> gu_ns,
-                  std::vector<Tensor> dn_packed, std::vector<int64_t> dn_fmts, std::vector<int64_t> dn_ns) {
+                  std::vector<Tensor> gu_biases, std::vector<Tensor> dn_packed, std::vector<int64_t> dn_fmts,
+                  std::vector<int64_t> dn_ns, std::vector<Tensor> dn_biases) {
     TORCH_CHECK(moe >= 0 && moe < static_cast<int64_t>(moes.size()), "DecodeStack: unknown MoE layer ", moe);
-    TORCH_CHECK(!gu_packed.empty() && gu_packed.size() == gu_fmts.size() && gu_packed.size() == gu_ns.size() &&
-                    !dn_packed.empty() && dn_packed.size() == dn_fmts.size() && dn_packed.size() == dn_ns.size(),
-                "DecodeStack: an expert's gate / up and down need their packed parts, a format and N for each");
-    moes[moe].gate_ups.push_back({std::move(gu_packed), std::move(gu_fmts), std::move(gu_ns)});
-    moes[moe].downs.push_back({std::move(dn_packed), std::move(dn_fmts), std::move(dn_ns)});
+    Moe& m = moes[moe];
+    m.gate_ups.push_back(segments(std::move(gu_packed), std::move(gu_fmts), std::move(gu_ns), std::move(gu_biases)));
+    m.downs.push_back(segments(std::move(dn_packed), std::move(dn_fmts), std::move(dn_ns), std::move(dn_biases)));
+    const bool biased = !m.gate_ups.front().biases.empty();
+    TORCH_CHECK(!m.gate_ups.back().biases.empty() == biased && !m.downs.back().biases.empty() == biased &&
+                    !m.downs.front().biases.empty() == biased,
+                "DecodeStack: a layer's experts have biases on every projection or on none");
   }
 
   void add_layer(Tensor input_norm, int64_t qkv, c10::optional<Tensor> q_norm, c10::optional<Tensor> k_norm, int64_t o,
@@ -182,7 +198,7 @@ struct DecodeStack : torch::CustomClassHolder {
   Tensor grouped(const Moe& m, const std::vector<Segments>& experts, const Tensor& x, const Tensor& plan) const {
     const int64_t U = plan.size(1);
     const int64_t* pl = plan.data_ptr<int64_t>();
-    std::vector<Tensor> packed;
+    std::vector<Tensor> packed, biases;
     std::vector<int64_t> fmts, ns, cols, row0, row1;
     int64_t start = 0;
     for (int64_t u = 0; u < U; ++u) {
@@ -192,6 +208,7 @@ struct DecodeStack : torch::CustomClassHolder {
         int64_t col = 0;
         for (size_t i = 0; i < sg.packed.size(); ++i) {
           packed.push_back(sg.packed[i]);
+          if (!sg.biases.empty()) biases.push_back(sg.biases[i]);
           fmts.push_back(sg.fmts[i]);
           ns.push_back(sg.ns[i]);
           cols.push_back(col);
@@ -202,7 +219,16 @@ struct DecodeStack : torch::CustomClassHolder {
       }
       start += rows;
     }
-    return k.quant_grouped.call(x.contiguous(), packed, fmts, ns, cols, row0, row1, {}, m.isa, m.amx_rows);
+    return k.quant_grouped.call(x.contiguous(), packed, fmts, ns, cols, row0, row1, biases, m.isa, m.amx_rows);
+  }
+
+  // MoeMlp.activation / GptOssMoe.activation: gu [P, 2 I] -> [P, I]
+  Tensor activate(const Moe& m, const Tensor& gu, int64_t tokens) const {
+    if (m.activation == 0) return silu(gu, tokens);
+    const auto halves = gu.chunk(2, -1);
+    const Tensor gate = halves[0].clamp_max(m.limit);
+    const Tensor up = halves[1].clamp(-m.limit, m.limit);
+    return (up + 1) * (gate * at::sigmoid(gate * m.alpha));
   }
 
   Tensor mlp(const Layer& l, const Tensor& h, int64_t T) const {
@@ -211,7 +237,7 @@ struct DecodeStack : torch::CustomClassHolder {
     const auto [tokens, scale, plan] = k.moe_route.call(h, m.router_weight, m.router_bias, m.top_k, m.renormalize,
                                                         m.softmax_after_topk);  // pairs grouped by expert
     const Tensor x = h.index_select(0, tokens);  // [P, hidden]
-    const Tensor y = grouped(m, m.downs, silu(grouped(m, m.gate_ups, x, plan), T), plan);  // [P, hidden]
+    const Tensor y = grouped(m, m.downs, activate(m, grouped(m, m.gate_ups, x, plan), T), plan);  // [P, hidden]
     return k.moe_combine.call(y, scale, tokens, T);
   }
 
