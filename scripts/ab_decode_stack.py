@@ -46,6 +46,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--rows-silu", action="store_true", help="the loop with the SiLU rule of before (rows, not tokens)")
     args = ap.parse_args()
+    if args.rounds < 1 or args.tokens < 1:
+        raise SystemExit(f"--rounds and --tokens must be >= 1, got {args.rounds} and {args.tokens}")
     llm = LLM(args.model, dtype=args.dtype, max_model_len=512, progress=False)
     model = llm.llm_engine.runner.model
     stack = model.decode_stack

@@ -114,12 +114,8 @@ class ReplayLogits(LogitsSource):
         return lambda: self._build(self._targets(keys))
 
     def _targets(self, keys: Sequence[RowKey]) -> torch.Tensor:
-        end, expected, targets = self.end_token, self._expected, []
         with self._lock:
-            for rid, pos, _ in keys:  # `target` inlined
-                tokens = expected.get(rid)
-                targets.append(int(tokens[pos + 1]) if tokens is not None and pos + 1 < len(tokens) else end)
-        return torch.tensor(targets, dtype=torch.long)  # [R]
+            return torch.tensor([self.target(key) for key in keys], dtype=torch.long)  # [R]
 
     def _build(self, index: torch.Tensor) -> torch.Tensor:
         out = self.noise.index_select(0, index % self.noise.shape[0])  # [R, V]
