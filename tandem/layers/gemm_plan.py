@@ -1,5 +1,6 @@
-"""Which unit runs this CPU's projections, AMX tiles or AVX512 (BF16 / VNNI): measured once per CPU, cached under
-`$TANDEM_HOME/calibration/` (`bf16_plan` for bf16 weights, `int8_plan` for the Q8_0 / I8 formats).
+"""Which unit runs this CPU's projections, AMX tiles or AVX512 (BF16 / VNNI), and how its quantized decode tiles are
+shaped: measured once per CPU, cached under `$TANDEM_HOME/calibration/` (`bf16_plan` for bf16 weights, `int8_plan`
+for the Q8_0 / I8 formats, `decode_tile_plan` for the K-quants' one- and two-row tiles).
 
 Both kernels (`csrc/cpu_ops.cpp: linear_bf16`) read the same packed weight, so switching costs no memory. They are
 mixed by row count only when they round alike on this CPU: a request's numbers must not depend on the batch it runs
@@ -252,3 +253,101 @@ def _amx_int8_available() -> bool:
     from tandem.layers.kernels import load_cpu_kernels
 
     return load_cpu_kernels() and hasattr(torch.ops.tandem, "has_amx_int8") and bool(torch.ops.tandem.has_amx_int8())
+
+
+@dataclass(frozen=True)
+class DecodeTilePlan:
+    """Whether K-quant (Q4_K / Q5_K / Q6_K) tiles of one or two rows take one 16-lane group (`narrow`: one weight
+    stream per thread) or four (two): the kernels' `quant_set_narrow_kquant_tiles`. Results are the same either way;
+    `gbps` is the weight read rate of each shape at calibration ("wide" / "narrow" -> rows -> GB/s)."""
+
+    narrow: bool
+    reason: str
+    gbps: dict[str, dict[int, float]] = field(default_factory=dict)
+
+
+TILES_ENV = "TANDEM_DECODE_TILES"  # auto | narrow | wide
+TILE_ROWS = (1, 2)
+NARROW_MIN_GAIN = 1.03  # narrow tiles' speed over wide ones (geometric mean over TILE_ROWS) that switches them on
+TILE_SHAPE = (8192, 2048)  # a Q4_K weight of 9.7 MB packed; copies of it fill past the last-level cache
+TILE_MIN_BYTES = 64 << 20
+
+
+def decode_tile_plan() -> DecodeTilePlan:
+    """This process's K-quant decode tile shape (measured once per CPU, cached), set in the kernels on first call."""
+    plan = _TILES.get("plan")
+    if plan is None:
+        plan = _TILES["plan"] = _make_tile_plan()
+        torch.ops.tandem.quant_set_narrow_kquant_tiles(plan.narrow)
+        logger.info("K-quant decode tiles: %s (%s)", "narrow" if plan.narrow else "wide", plan.reason)
+    return plan
+
+
+_TILES: dict[str, DecodeTilePlan] = {}
+
+
+def _make_tile_plan() -> DecodeTilePlan:
+    wanted = os.environ.get(TILES_ENV, "auto").strip().lower()
+    if wanted in ("narrow", "wide"):
+        return DecodeTilePlan(wanted == "narrow", f"{TILES_ENV}={wanted}")
+    if wanted != "auto":
+        logger.warning("%s=%r is not one of auto, narrow, wide: measuring as with auto", TILES_ENV, wanted)
+    path = _cache_file("decode-tiles")
+    raw = _read_json(path)
+    if raw is not None:
+        try:
+            return DecodeTilePlan(narrow=raw["narrow"], reason=raw["reason"],
+                                  gbps={u: {int(m): v for m, v in d.items()} for u, d in raw.get("gbps", {}).items()})
+        except (KeyError, TypeError, AttributeError):
+            pass
+    plan = calibrate_decode_tiles()
+    _write_json(path, asdict(plan))
+    return plan
+
+
+def calibrate_decode_tiles(shape: tuple[int, int] = TILE_SHAPE, min_bytes: int = TILE_MIN_BYTES) -> DecodeTilePlan:
+    """Both tile shapes on copies of one Q4_K weight that together stream from DRAM (past the last-level cache), as a
+    real model's decode reads its weights, at each of TILE_ROWS; narrow where it wins by NARROW_MIN_GAIN. Leaves the
+    kernels' setting as it found it."""
+    import numpy as np
+
+    from tandem.layers.quant import FORMATS
+
+    n, k = shape
+    fmt = FORMATS["Q4_K"]
+    raw = np.random.default_rng(0).integers(0, 256, size=(n, k // fmt.block, fmt.block_bytes), dtype=np.uint8)
+    raw[..., 0:4] = np.full((*raw.shape[:2], 2), 0.01, dtype=np.float16).view(np.uint8)  # d, dmin finite
+    first = torch.ops.tandem.quant_pack(torch.from_numpy(raw.reshape(n, -1)), fmt.kernel_id, n, k)
+    copies = [first] + [first.clone() for _ in range(max(1, -(-max(min_bytes, 2 * _last_level_cache()) // first.nbytes)) - 1)]
+    op, nbytes = torch.ops.tandem.quant_linear, first.nbytes * len(copies)
+    before = torch.ops.tandem.quant_set_narrow_kquant_tiles(False)
+    gbps: dict[str, dict[int, float]] = {"wide": {}, "narrow": {}}
+    try:
+        for m in TILE_ROWS:
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(0))
+
+            def stream(narrow: bool, x: torch.Tensor = x) -> None:
+                torch.ops.tandem.quant_set_narrow_kquant_tiles(narrow)
+                for w in copies:
+                    op(x, [w], [fmt.kernel_id], [n], None, 2, 0)
+
+            wide_s, narrow_s = _race([partial(stream, False), partial(stream, True)], budget_s=0.2, min_calls=6)
+            gbps["wide"][m], gbps["narrow"][m] = round(nbytes / wide_s / 1e9, 2), round(nbytes / narrow_s / 1e9, 2)
+    finally:
+        torch.ops.tandem.quant_set_narrow_kquant_tiles(before)
+    gains = [gbps["narrow"][m] / gbps["wide"][m] for m in TILE_ROWS]
+    gain = float(np.prod(gains)) ** (1 / len(gains))
+    return DecodeTilePlan(gain >= NARROW_MIN_GAIN, f"narrow tiles {gain:.2f}x wide ones streaming "
+                          f"{nbytes >> 20} MiB of Q4_K at {', '.join(map(str, TILE_ROWS))} rows", gbps)
+
+
+def _last_level_cache() -> int:
+    """Bytes of CPU 0's largest cache as Linux reports it (sysfs); 0 where it does not."""
+    sizes = [0]
+    for size in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            text = size.read_text().strip().upper()
+            sizes.append(int(text.rstrip("KMG")) << {"K": 10, "M": 20, "G": 30}.get(text[-1:], 0))
+        except (OSError, ValueError):
+            continue
+    return max(sizes)

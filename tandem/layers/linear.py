@@ -201,6 +201,8 @@ class QuantProjection(Projection):
         self.isa = isa
         # Q8_0 / I8 segments on AMX int8 tiles from this many rows (0: never; same results either way)
         self.amx_rows = _int8_amx_rows(self.qtypes) if isa == 2 else 0
+        if isa == 2 and any(q in KQUANTS for q in self.qtypes):
+            _set_decode_tiles()
         self._op = torch.ops.tandem.quant_linear
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -298,6 +300,16 @@ def _int8_amx_rows(qtypes: Sequence[str]) -> int:
     return int8_plan().amx_rows
 
 
+KQUANTS = ("Q4_K", "Q5_K", "Q6_K")  # the formats whose one- and two-row tiles decode_tile_plan shapes
+
+
+def _set_decode_tiles() -> None:
+    """The K-quant decode tile shape measured for this CPU, set in the kernels (once a process)."""
+    from tandem.layers.gemm_plan import decode_tile_plan
+
+    decode_tile_plan()
+
+
 def make_linear(
     weight: Weight | Sequence[Weight], bias: torch.Tensor | None = None, use_kernels: bool = False,
     dtype: torch.dtype | None = None,
@@ -376,10 +388,11 @@ def kernel_paths() -> dict[str, str]:
         bf16 = "onednn" if _onednn_ok(torch.bfloat16) else "torch"
     quant = {2: "avx512-vnni", 1: "avx2"}.get(quant_isa(), "dequantized to bf16")
     if quant == "avx512-vnni":
-        from tandem.layers.gemm_plan import int8_plan
+        from tandem.layers.gemm_plan import decode_tile_plan, int8_plan
 
         rows = int8_plan().amx_rows
         quant += f" (Q8_0 / I8 on amx-int8 tiles from {rows} rows)" if rows else ""
+        quant += "; K-quant decode tiles " + ("narrow" if decode_tile_plan().narrow else "wide")
     return {"bf16": bf16, "quantized": quant}
 
 

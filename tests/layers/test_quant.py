@@ -217,6 +217,79 @@ def test_int8_plan_only_mixes_bitwise_equal_paths(monkeypatch: pytest.MonkeyPatc
 
 
 @needs_kernels
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
+def test_narrow_kquant_tiles_equal_wide_ones(qtype: str) -> None:
+    """The decode tile shape is a speed choice only: one lane group per one- or two-row tile gives the wide tiles'
+    bits, through quant_linear (a partial last group, a bias) and quant_grouped (experts' rows apart), float32 and
+    bf16, on every row count that reaches the decode tiles (1, 2, and 5 = a 4-row tile + 1)."""
+    if quant_isa() < 2:
+        pytest.skip("the tile shape is an AVX512 choice (AVX2 tiles are one group already)")
+    proj = QuantProjection([random_blocks(qtype, 150, 512, 7)], torch.randn(150), 2)
+    experts = [QuantProjection([random_blocks(qtype, 80, 512, s)], None, 2) for s in (8, 9, 10)]
+    before = torch.ops.tandem.quant_set_narrow_kquant_tiles(False)
+    try:
+        for m in (1, 2, 5):
+            for dtype in (torch.float32, torch.bfloat16):
+                x = torch.randn(m, 512).to(dtype)
+                wide = proj(x), _grouped(experts, x)
+                torch.ops.tandem.quant_set_narrow_kquant_tiles(True)
+                narrow = proj(x), _grouped(experts, x)
+                torch.ops.tandem.quant_set_narrow_kquant_tiles(False)
+                assert all(torch.equal(a, b) for a, b in zip(wide, narrow)), (m, dtype)
+    finally:
+        torch.ops.tandem.quant_set_narrow_kquant_tiles(before)
+
+
+def _grouped(experts: Sequence[QuantProjection], x: torch.Tensor) -> torch.Tensor:
+    """Each of x's rows through one expert (row i -> expert i % 3, rows grouped by expert), as a MoE layer calls."""
+    order = sorted(range(x.shape[0]), key=lambda i: i % len(experts))
+    xs = x[order].contiguous()
+    row0, row1, packed, fmts, ns = [], [], [], [], []
+    start = 0
+    for e, proj in enumerate(experts):
+        rows = sum(1 for i in order if i % len(experts) == e)
+        packed += proj.packed
+        fmts += proj.formats
+        ns += proj.ns
+        row0.append(start)
+        row1.append(start + rows)
+        start += rows
+    cols = [0] * len(experts)
+    return torch.ops.tandem.quant_grouped(xs, packed, fmts, ns, cols, row0, row1, [], 2, 0)
+
+
+def test_decode_tile_plan_is_measured_once_per_cpu(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """The plan streams both tile shapes, sets its choice in the kernels, is cached per CPU, and yields to the env."""
+    from tandem.layers import gemm_plan
+
+    if not load_cpu_kernels() or quant_isa() < 2:
+        pytest.skip("needs the AVX512 quantized kernels")
+    plan = gemm_plan.calibrate_decode_tiles(shape=(256, 512), min_bytes=4 << 20)
+    assert set(plan.gbps) == {"wide", "narrow"} and all(v > 0 for d in plan.gbps.values() for v in d.values())
+    monkeypatch.setenv("TANDEM_HOME", str(tmp_path))
+    monkeypatch.delenv(gemm_plan.TILES_ENV, raising=False)
+    monkeypatch.setattr(gemm_plan, "TILE_SHAPE", (256, 512))
+    monkeypatch.setattr(gemm_plan, "TILE_MIN_BYTES", 4 << 20)
+    before = torch.ops.tandem.quant_set_narrow_kquant_tiles(False)
+    try:
+        monkeypatch.setattr(gemm_plan, "_TILES", {})
+        first = gemm_plan.decode_tile_plan()
+        assert torch.ops.tandem.quant_set_narrow_kquant_tiles(first.narrow) == first.narrow  # set in the kernels
+        assert gemm_plan._cache_file("decode-tiles").exists()
+        monkeypatch.setattr(gemm_plan, "calibrate_decode_tiles", lambda *a, **k: pytest.fail("calibrated again"))
+        monkeypatch.setattr(gemm_plan, "_TILES", {})
+        assert gemm_plan.decode_tile_plan() == first
+        for forced in ("narrow", "wide"):
+            monkeypatch.setenv(gemm_plan.TILES_ENV, forced)
+            monkeypatch.setattr(gemm_plan, "_TILES", {})
+            assert gemm_plan.decode_tile_plan().narrow is (forced == "narrow")
+            assert torch.ops.tandem.quant_set_narrow_kquant_tiles(False) is (forced == "narrow")
+    finally:
+        torch.ops.tandem.quant_set_narrow_kquant_tiles(before)
+        gemm_plan._TILES.clear()
+
+
+@needs_kernels
 def test_fused_group_of_mixed_formats_with_bias() -> None:
     """q, k, v as a Q4_K_M file stores them (v in Q6_K): one call, one output, same as three projections."""
     parts = [random_blocks("Q4_K", 64, 256, 1), random_blocks("Q4_K", 32, 256, 2), random_blocks("Q6_K", 32, 256, 3)]

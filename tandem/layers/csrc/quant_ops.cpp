@@ -7,6 +7,8 @@
 //   quant_grouped(x, packed, fmts, ns, cols, row0, row1, biases, isa)   a layer's experts in one call: segment i
 //                                     multiplies rows [row0_i, row1_i) of x into columns [cols_i, cols_i + ns_i)
 //   quant_rows(packed, fmt, N, K, ids)             rows of W dequantized to float32 (embedding lookups, tests)
+//   quant_set_narrow_kquant_tiles(on) -> previous  K-quant tiles of one or two rows take one lane group (a speed
+//                                     choice per CPU, gemm_plan.decode_tile_plan; results are the same either way)
 //
 // As llama.cpp does, activations are quantized per row to int8 on the fly: blocks of 32 with an fp16-rounded scale
 // (its Q8_0 / Q8_1) for the 32-blocks formats, blocks of 256 with a float scale and sums of 16 (its Q8_K) for the
@@ -50,6 +52,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -984,20 +987,36 @@ void row_tile(const Segment& sg, const Act& a, int64_t r, int64_t g, int64_t g1,
   for (; g < g1; ++g) tile<V, MR, 1, F>(sg, a, r, g, out, ldo);
 }
 
+// K-quant tiles of one or two rows (decode) over one lane group instead of several: set per CPU from a measurement
+// (gemm_plan.decode_tile_plan). On an AMD EPYC (Zen 4, 2 threads) a weight streamed from DRAM runs 1.1-1.4x faster
+// as one stream per thread than as 4 (2) interleaved group streams; from cache the wide tiles are ~10 % faster. Each
+// group's sums are its own, so the results are the same either way.
+std::atomic<bool> g_narrow_kquant_tiles{false};
+
+constexpr bool is_kquant(int64_t f) { return f == kQ4_K || f == kQ5_K || f == kQ6_K; }
+
 // Rows [r0, r1) x groups [g0, g1) of one segment; row tiles of up to kMaxRows. One or two rows (decode) take 4 groups
-// per tile on AVX512 (more weight streams in flight), more rows kGroups (their accumulators fill the registers).
+// per tile on AVX512 (more weight streams in flight; K-quants: one, where narrow tiles are set), more rows kGroups
+// (their accumulators fill the registers).
 template <class V, int64_t F, typename O>
 void strip(const Segment& sg, const Act& a, int64_t r0, int64_t r1, int64_t g0, int64_t g1, O* out, int64_t ldo) {
   constexpr int NG = V::kGroups;
   constexpr int NGW = V::kWideGroups;
+  const bool narrow = is_kquant(F) && g_narrow_kquant_tiles.load(std::memory_order_relaxed);
   for (int64_t r = r0; r < r1; r += V::kMaxRows) {
     const int mr = static_cast<int>(std::min<int64_t>(V::kMaxRows, r1 - r));
     switch (mr) {
       case 4: if constexpr (V::kMaxRows >= 4) { row_tile<V, 4, NG, F>(sg, a, r, g0, g1, out, ldo); break; } [[fallthrough]];
       case 3: if constexpr (V::kMaxRows >= 3) { row_tile<V, 3, NG, F>(sg, a, r, g0, g1, out, ldo); break; } [[fallthrough]];
       // Q4_K / Q5_K keep three accumulators per lane group: two rows of four groups would spill (measured 1.5x slower)
-      case 2: row_tile<V, 2, (F == kQ4_K || F == kQ5_K) ? NG : NGW, F>(sg, a, r, g0, g1, out, ldo); break;
-      default: row_tile<V, 1, NGW, F>(sg, a, r, g0, g1, out, ldo); break;
+      case 2:
+        if (narrow) row_tile<V, 2, 1, F>(sg, a, r, g0, g1, out, ldo);
+        else row_tile<V, 2, (F == kQ4_K || F == kQ5_K) ? NG : NGW, F>(sg, a, r, g0, g1, out, ldo);
+        break;
+      default:
+        if (narrow) row_tile<V, 1, 1, F>(sg, a, r, g0, g1, out, ldo);
+        else row_tile<V, 1, NGW, F>(sg, a, r, g0, g1, out, ldo);
+        break;
     }
   }
 }
@@ -1140,6 +1159,8 @@ int best_isa() {
 }
 
 int64_t quant_isa() { return best_isa(); }
+
+bool quant_set_narrow_kquant_tiles(bool on) { return g_narrow_kquant_tiles.exchange(on); }
 
 // Work units: (row block of kRowBlock rows, strip of kStripGroups groups of one segment). Row blocks keep a block of
 // quantized activations in L2 while strips of weights stream past; strips are the parallel grain for decode.
@@ -1318,6 +1339,7 @@ TORCH_LIBRARY_FRAGMENT(tandem, m) {
   m.def("quant_grouped(Tensor x, Tensor[] packed, int[] fmts, int[] ns, int[] cols, int[] row0, int[] row1, Tensor[] biases, int isa, int amx_rows=0) -> Tensor");
   m.def("quant_rows(Tensor packed, int fmt, int N, int K, Tensor ids) -> Tensor");
   m.def("quant_isa() -> int", &quant_isa);
+  m.def("quant_set_narrow_kquant_tiles(bool on) -> bool", &quant_set_narrow_kquant_tiles);
   m.def("has_amx_int8() -> bool", &has_amx_int8);
 }
 
