@@ -257,8 +257,9 @@ def _amx_int8_available() -> bool:
 
 @dataclass(frozen=True)
 class DecodeTilePlan:
-    """Whether K-quant (Q4_K / Q5_K / Q6_K) tiles of one or two rows take one 16-lane group (`narrow`: one weight
-    stream per thread) or four (two): the kernels' `quant_set_narrow_kquant_tiles`. Results are the same either way;
+    """Whether K-quant (Q4_K / Q5_K / Q6_K) tiles of one or two rows over short rows (<= 24 KB a 16-lane group, see
+    quant_ops.cpp) take one group (`narrow`: one weight stream per thread) or four (two): the kernels'
+    `quant_set_narrow_kquant_tiles`. Results are the same either way;
     `gbps` is the weight read rate of each shape at calibration ("wide" / "narrow" -> rows -> GB/s)."""
 
     narrow: bool
@@ -269,7 +270,7 @@ class DecodeTilePlan:
 TILES_ENV = "TANDEM_DECODE_TILES"  # auto | narrow | wide
 TILE_ROWS = (1, 2)
 NARROW_MIN_GAIN = 1.03  # narrow tiles' speed over wide ones (geometric mean over TILE_ROWS) that switches them on
-TILE_SHAPE = (8192, 2048)  # a Q4_K weight of 9.7 MB packed; copies of it fill past the last-level cache
+TILE_SHAPE = (8192, 2048)  # Q4_K, 9.7 MB packed, rows of 19 KB a group (short); copies fill past the last-level cache
 TILE_MIN_BYTES = 64 << 20
 
 

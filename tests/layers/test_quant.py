@@ -224,18 +224,23 @@ def test_narrow_kquant_tiles_equal_wide_ones(qtype: str) -> None:
     bf16, on every row count that reaches the decode tiles (1, 2, and 5 = a 4-row tile + 1)."""
     if quant_isa() < 2:
         pytest.skip("the tile shape is an AVX512 choice (AVX2 tiles are one group already)")
-    proj = QuantProjection([random_blocks(qtype, 150, 512, 7)], torch.randn(150), 2)
-    experts = [QuantProjection([random_blocks(qtype, 80, 512, s)], None, 2) for s in (8, 9, 10)]
+    _narrow_equals_wide(qtype, 512)
+    _narrow_equals_wide(qtype, 4096)  # rows past the narrow tiles' bound: wide either way
+
+
+def _narrow_equals_wide(qtype: str, k: int) -> None:
+    proj = QuantProjection([random_blocks(qtype, 150, k, 7)], torch.randn(150), 2)
+    experts = [QuantProjection([random_blocks(qtype, 80, k, s)], None, 2) for s in (8, 9, 10)]
     before = torch.ops.tandem.quant_set_narrow_kquant_tiles(False)
     try:
         for m in (1, 2, 5):
             for dtype in (torch.float32, torch.bfloat16):
-                x = torch.randn(m, 512).to(dtype)
+                x = torch.randn(m, k).to(dtype)
                 wide = proj(x), _grouped(experts, x)
                 torch.ops.tandem.quant_set_narrow_kquant_tiles(True)
                 narrow = proj(x), _grouped(experts, x)
                 torch.ops.tandem.quant_set_narrow_kquant_tiles(False)
-                assert all(torch.equal(a, b) for a, b in zip(wide, narrow)), (m, dtype)
+                assert all(torch.equal(a, b) for a, b in zip(wide, narrow)), (k, m, dtype)
     finally:
         torch.ops.tandem.quant_set_narrow_kquant_tiles(before)
 

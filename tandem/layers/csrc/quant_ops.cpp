@@ -7,8 +7,8 @@
 //   quant_grouped(x, packed, fmts, ns, cols, row0, row1, biases, isa)   a layer's experts in one call: segment i
 //                                     multiplies rows [row0_i, row1_i) of x into columns [cols_i, cols_i + ns_i)
 //   quant_rows(packed, fmt, N, K, ids)             rows of W dequantized to float32 (embedding lookups, tests)
-//   quant_set_narrow_kquant_tiles(on) -> previous  K-quant tiles of one or two rows take one lane group (a speed
-//                                     choice per CPU, gemm_plan.decode_tile_plan; results are the same either way)
+//   quant_set_narrow_kquant_tiles(on) -> previous  K-quant tiles of one or two rows over short rows take one lane
+//                                     group (a speed choice per CPU, gemm_plan.decode_tile_plan; the same results)
 //
 // As llama.cpp does, activations are quantized per row to int8 on the fly: blocks of 32 with an fp16-rounded scale
 // (its Q8_0 / Q8_1) for the 32-blocks formats, blocks of 256 with a float scale and sums of 16 (its Q8_K) for the
@@ -987,11 +987,15 @@ void row_tile(const Segment& sg, const Act& a, int64_t r, int64_t g, int64_t g1,
   for (; g < g1; ++g) tile<V, MR, 1, F>(sg, a, r, g, out, ldo);
 }
 
-// K-quant tiles of one or two rows (decode) over one lane group instead of several: set per CPU from a measurement
-// (gemm_plan.decode_tile_plan). On an AMD EPYC (Zen 4, 2 threads) a weight streamed from DRAM runs 1.1-1.4x faster
-// as one stream per thread than as 4 (2) interleaved group streams; from cache the wide tiles are ~10 % faster. Each
-// group's sums are its own, so the results are the same either way.
+// K-quant tiles of one or two rows (decode) over one lane group instead of several, for short rows: set per CPU from
+// a measurement (gemm_plan.decode_tile_plan). A wide tile starts 4 (2) weight streams, one per group, each a group's
+// whole row of blocks; one group a tile reads one stream a thread, running on from group to group. On an AMD EPYC
+// (Zen 4, 2 threads, weights from DRAM) narrow tiles read Q4_K / Q6_K rows of K = 768 1.3-1.5x faster, K = 2048 Q4_K
+// 1.3x (Q6_K, 26 KB a group's row: 0.96-1.16x), and from K = 4096 (38 KB and up) 0.84-1.05x: past
+// kNarrowMaxGroupBytes the streams' start-up is paid off and the wide tile's shared activation loads win. From cache
+// wide tiles are ~10 % faster. Each group's sums are its own, so the results are the same either way.
 std::atomic<bool> g_narrow_kquant_tiles{false};
+constexpr int64_t kNarrowMaxGroupBytes = 24 << 10;
 
 constexpr bool is_kquant(int64_t f) { return f == kQ4_K || f == kQ5_K || f == kQ6_K; }
 
@@ -1002,7 +1006,7 @@ template <class V, int64_t F, typename O>
 void strip(const Segment& sg, const Act& a, int64_t r0, int64_t r1, int64_t g0, int64_t g1, O* out, int64_t ldo) {
   constexpr int NG = V::kGroups;
   constexpr int NGW = V::kWideGroups;
-  const bool narrow = is_kquant(F) && g_narrow_kquant_tiles.load(std::memory_order_relaxed);
+  const bool narrow = is_kquant(F) && sg.gbytes <= kNarrowMaxGroupBytes && g_narrow_kquant_tiles.load(std::memory_order_relaxed);
   for (int64_t r = r0; r < r1; r += V::kMaxRows) {
     const int mr = static_cast<int>(std::min<int64_t>(V::kMaxRows, r1 - r));
     switch (mr) {
