@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
@@ -149,7 +150,9 @@ def _read_json(path: Path) -> dict | None:  # type: ignore[type-arg]
     """A cached plan's fields (row counts back to ints), or None when missing or unreadable."""
     try:
         raw = json.loads(path.read_text())
-        raw["gflops"] = {u: {int(m): v for m, v in d.items()} for u, d in raw.get("gflops", {}).items()}
+        for rates in ("gflops", "gbps"):  # unit -> rows -> rate, rows back to ints
+            if rates in raw:
+                raw[rates] = {u: {int(m): v for m, v in d.items()} for u, d in raw[rates].items()}
         return raw  # type: ignore[no-any-return]
     except (OSError, ValueError, TypeError, AttributeError):
         return None
@@ -220,18 +223,10 @@ INT8_ENV = "TANDEM_INT8_AMX_ROWS"  # a row count forces that threshold (0: VNNI 
 
 def calibrate_int8(shape: tuple[int, int] = CALIBRATION_SHAPE, rows: tuple[int, ...] = INT8_ROWS) -> Int8Plan:
     """Q8_0 on VNNI and on AMX at each row count: equal bitwise (else never AMX), then the threshold."""
-    import numpy as np
-
-    from tandem.layers.quant import FORMATS, QuantizedTensor
+    from tandem.layers.quant import FORMATS
 
     n, k = shape
-    fmt = FORMATS["Q8_0"]
-    rng = np.random.default_rng(0)
-    raw = rng.integers(0, 256, size=(n, k // fmt.block, fmt.block_bytes), dtype=np.uint8)
-    raw[..., 0:2] = np.full(raw.shape[:2], 0.01, dtype=np.float16).view(np.uint8).reshape(*raw.shape[:2], 2)
-    w = QuantizedTensor("Q8_0", (n, k), torch.from_numpy(raw.reshape(n, -1)))
-    packed = [torch.ops.tandem.quant_pack(w.data.contiguous(), w.format.kernel_id, n, k)]
-    fmts, ns = [w.format.kernel_id], [n]
+    packed, fmts, ns = [_random_packed("Q8_0", n, k, 1)], [FORMATS["Q8_0"].kernel_id], [n]
     op = torch.ops.tandem.quant_linear
     gflops: dict[str, dict[int, float]] = {"vnni": {}, "amx": {}}
     g = torch.Generator().manual_seed(0)
@@ -297,9 +292,8 @@ def _make_tile_plan() -> DecodeTilePlan:
     raw = _read_json(path)
     if raw is not None:
         try:
-            return DecodeTilePlan(narrow=raw["narrow"], reason=raw["reason"],
-                                  gbps={u: {int(m): v for m, v in d.items()} for u, d in raw.get("gbps", {}).items()})
-        except (KeyError, TypeError, AttributeError):
+            return DecodeTilePlan(**raw)
+        except TypeError:  # a file written by another version of the plan
             pass
     plan = calibrate_decode_tiles()
     _write_json(path, asdict(plan))
@@ -310,16 +304,13 @@ def calibrate_decode_tiles(shape: tuple[int, int] = TILE_SHAPE, min_bytes: int =
     """Both tile shapes on copies of one Q4_K weight that together stream from DRAM (past the last-level cache), as a
     real model's decode reads its weights, at each of TILE_ROWS; narrow where it wins by NARROW_MIN_GAIN. Leaves the
     kernels' setting as it found it."""
-    import numpy as np
-
     from tandem.layers.quant import FORMATS
 
     n, k = shape
     fmt = FORMATS["Q4_K"]
-    raw = np.random.default_rng(0).integers(0, 256, size=(n, k // fmt.block, fmt.block_bytes), dtype=np.uint8)
-    raw[..., 0:4] = np.full((*raw.shape[:2], 2), 0.01, dtype=np.float16).view(np.uint8)  # d, dmin finite
-    first = torch.ops.tandem.quant_pack(torch.from_numpy(raw.reshape(n, -1)), fmt.kernel_id, n, k)
-    copies = [first] + [first.clone() for _ in range(max(1, -(-max(min_bytes, 2 * _last_level_cache()) // first.nbytes)) - 1)]
+    first = _random_packed("Q4_K", n, k, 2)  # d, dmin
+    count = math.ceil(max(min_bytes, 2 * _last_level_cache()) / first.nbytes)
+    copies = [first] + [first.clone() for _ in range(count - 1)]
     op, nbytes = torch.ops.tandem.quant_linear, first.nbytes * len(copies)
     before = torch.ops.tandem.quant_set_narrow_kquant_tiles(False)
     gbps: dict[str, dict[int, float]] = {"wide": {}, "narrow": {}}
@@ -337,7 +328,7 @@ def calibrate_decode_tiles(shape: tuple[int, int] = TILE_SHAPE, min_bytes: int =
     finally:
         torch.ops.tandem.quant_set_narrow_kquant_tiles(before)
     gains = [gbps["narrow"][m] / gbps["wide"][m] for m in TILE_ROWS]
-    gain = float(np.prod(gains)) ** (1 / len(gains))
+    gain = math.prod(gains) ** (1 / len(gains))
     return DecodeTilePlan(gain >= NARROW_MIN_GAIN, f"narrow tiles {gain:.2f}x wide ones streaming "
                           f"{nbytes >> 20} MiB of Q4_K at {', '.join(map(str, TILE_ROWS))} rows", gbps)
 
@@ -352,3 +343,16 @@ def _last_level_cache() -> int:
         except (OSError, ValueError):
             continue
     return max(sizes)
+
+
+def _random_packed(qtype: str, n: int, k: int, scales: int) -> torch.Tensor:
+    """A packed [n, k] weight of random blocks whose first `scales` fp16 fields (d, dmin) are 0.01 (finite, so no
+    inf / nan in the sums): what the calibrations time, their speed does not depend on the values."""
+    import numpy as np
+
+    from tandem.layers.quant import FORMATS
+
+    fmt = FORMATS[qtype]
+    raw = np.random.default_rng(0).integers(0, 256, size=(n, k // fmt.block, fmt.block_bytes), dtype=np.uint8)
+    raw[..., : 2 * scales] = np.full((*raw.shape[:2], scales), 0.01, dtype=np.float16).view(np.uint8)
+    return torch.ops.tandem.quant_pack(torch.from_numpy(raw.reshape(n, -1)), fmt.kernel_id, n, k)  # type: ignore[no-any-return]

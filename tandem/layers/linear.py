@@ -202,7 +202,9 @@ class QuantProjection(Projection):
         # Q8_0 / I8 segments on AMX int8 tiles from this many rows (0: never; same results either way)
         self.amx_rows = _int8_amx_rows(self.qtypes) if isa == 2 else 0
         if isa == 2 and any(q in KQUANTS for q in self.qtypes):
-            _set_decode_tiles()
+            from tandem.layers.gemm_plan import decode_tile_plan
+
+            decode_tile_plan()  # this CPU's K-quant decode tile shape, set in the kernels (measured once per CPU)
         self._op = torch.ops.tandem.quant_linear
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -301,13 +303,6 @@ def _int8_amx_rows(qtypes: Sequence[str]) -> int:
 
 
 KQUANTS = ("Q4_K", "Q5_K", "Q6_K")  # the formats whose one- and two-row tiles decode_tile_plan shapes
-
-
-def _set_decode_tiles() -> None:
-    """The K-quant decode tile shape measured for this CPU, set in the kernels (once a process)."""
-    from tandem.layers.gemm_plan import decode_tile_plan
-
-    decode_tile_plan()
 
 
 def make_linear(

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tandem.layers.kernels import load_cpu_kernels
-from tandem.layers.linear import QuantProjection, make_linear, quant_isa
+from tandem.layers.linear import GroupedProjections, QuantProjection, make_linear, quant_isa
 from tandem.layers.quant import FORMATS, QuantizedTensor, concat_rows, e8m0_half, quantize_int8
 
 GGUF_FORMATS = [f for f in FORMATS if f != "I8"]
@@ -248,19 +248,10 @@ def _narrow_equals_wide(qtype: str, k: int) -> None:
 def _grouped(experts: Sequence[QuantProjection], x: torch.Tensor) -> torch.Tensor:
     """Each of x's rows through one expert (row i -> expert i % 3, rows grouped by expert), as a MoE layer calls."""
     order = sorted(range(x.shape[0]), key=lambda i: i % len(experts))
-    xs = x[order].contiguous()
-    row0, row1, packed, fmts, ns = [], [], [], [], []
-    start = 0
-    for e, proj in enumerate(experts):
-        rows = sum(1 for i in order if i % len(experts) == e)
-        packed += proj.packed
-        fmts += proj.formats
-        ns += proj.ns
-        row0.append(start)
-        row1.append(start + rows)
-        start += rows
-    cols = [0] * len(experts)
-    return torch.ops.tandem.quant_grouped(xs, packed, fmts, ns, cols, row0, row1, [], 2, 0)
+    counts = [sum(1 for i in order if i % len(experts) == e) for e in range(len(experts))]
+    grouped = GroupedProjections(experts)
+    assert grouped.segments is not None  # one quant_grouped call
+    return grouped(x[order].contiguous(), list(range(len(experts))), counts)
 
 
 def test_decode_tile_plan_is_measured_once_per_cpu(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
