@@ -17,7 +17,9 @@ plan's inputs) before the next plan is launched. With drafts, `settle(plan, toke
 instead: a request whose drafts were all accepted keeps its row of the next plan (its drafts too when `keep` says
 they still hold), any other has that row moved back to where its accepted tokens end, without drafts, and the KV
 slots of its rejected drafts released. A request whose token needs more work than the launch can wait for is
-`withdraw`n from the next plan and resolved later.
+`withdraw`n from the next plan and resolved later; a token found wrong after that launch (an unmasked argmax the
+grammar rejects) is `retract`ed: replaced, and the request's row in the running plan thrown away (the plan after it
+feeds that position again).
 """
 
 from __future__ import annotations
@@ -440,6 +442,26 @@ class Scheduler:
                 req.num_tentative -= 1 + sr.num_draft_tokens
             req.num_computed_tokens = sr.start_pos
         plan.requests = kept
+
+    def retract(self, plan: StepPlan, request_id: str, position: int, token: int) -> bool:
+        """Scheduling ahead without drafts: `plan` (launched) was fed `request_id`'s token at `position`, which
+        turned out wrong (an unmasked argmax the grammar rejected, resolved already); `token` replaces it. When `plan`
+        computes that position, the request's row there is garbage: the position counts as not computed (the next
+        `schedule` feeds it again, overwriting its KV slot after `plan` wrote it), the tentative tail `plan` was to
+        sample into is dropped and the blocks past the position released. Returns whether the row in `plan` is
+        garbage (its logits must be thrown away)."""
+        req = self._requests.get(request_id)
+        if req is None or req.status is not RequestStatus.RUNNING or position >= len(req.token_ids):
+            return False
+        req.token_ids[position] = token
+        sr = next((sr for sr in plan.requests if sr.request_id == request_id), None)
+        if sr is None or not sr.start_pos <= position < sr.start_pos + sr.num_tokens:
+            return False
+        del req.token_ids[position + 1 :]  # the placeholder `plan` samples into (its only tentative tail: no drafts)
+        req.num_tentative = 0
+        req.num_computed_tokens = position
+        self.block_manager.truncate(req, len(req.token_ids))
+        return True
 
     @staticmethod
     def _check_accepted(sr: ScheduledRequest, accepted: list[int]) -> None:

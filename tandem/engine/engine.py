@@ -17,7 +17,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -34,6 +34,7 @@ from tandem.engine.step_sampler import StagedMasks, StepSampler, plain_rows
 from tandem.engine.stop import StopChecker, StopDecision
 from tandem.engine.thinking import Thinking
 from tandem.engine.timing import EngineStats, StepTimer
+from tandem.engine.unmasked import UnmaskedCheckPolicy
 from tandem.params import ParamError, RequestOutputKind, SamplingParams
 from tandem.reasoning import Reasoner
 from tandem.request import Request, RequestMetrics, RequestOutput, RequestStatus
@@ -58,6 +59,7 @@ class _InFlight:
     launched_at: float = 0.0
     filled_at: float = 0.0
     fill: PendingMasks | None = None
+    garbage: set[str] = field(default_factory=set)  # requests whose row was fed a retracted token: thrown away
 
     @property
     def has_drafts(self) -> bool:
@@ -177,6 +179,7 @@ class LLMEngine:
         self._rows_memo: tuple[StepPlan | None, dict[str, int]] = (None, {})  # see _plain_rows
         self._forward_s: deque[float] = deque(maxlen=4)  # the last forwards' device time (see _slack_deadline)
         self._redraft_s = 0.0  # seconds one request's redraft took, smoothed (see _redraft)
+        self.unmasked_checks = UnmaskedCheckPolicy()  # scheduling ahead: check unmasked argmaxes before / after a launch
         self._forward_end = 0.0  # the synchronous step: when the previous forward ended
         # grammar masks filled while the forward runs, unless the forward runs on these same cores: a fill beside it
         # preempts a thread of its OpenMP team and the whole team waits at the next barrier (measured: docs/benchmarks.md)
@@ -362,13 +365,17 @@ class LLMEngine:
             self._forward_s.append(cur.handle.finished_at - cur.launched_at)
             self.guidance.record_wait(cur.masks.filled, cur.filled_at, cur.handle.finished_at)
             tokens = self.runner.on_tensor_thread(self.step_sampler.sample, cur.plan, logits, cur.masks.staged, self._seqs)
+            for rid in cur.garbage:
+                tokens.pop(rid, None)
             self.thinking.limit(tokens, self._seqs)
             timer.mark("sampled")
-            unsettled = self._check_unmasked(cur.plan, logits, cur.masks.filled, tokens)
+            speculative = self.speculation.active
+            check_late = not speculative and bool(cur.masks.filled.unmasked) and self.unmasked_checks.after_launch(
+                nxt.num_tokens, min(self._forward_s, default=0.0))
+            unsettled = [] if check_late else self._check_unmasked(cur.plan, logits, cur.masks.filled, tokens)
             held = self._rows_of(cur.plan, logits, unsettled) if unsettled else None  # [n, V]: copied before the launch
             # their tokens come during the next forward (or never: the request failed): they sit it out
             self.scheduler.withdraw(nxt, [rid for rid, toks in tokens.items() if not toks])
-            speculative = self.speculation.active
             if speculative:
                 self._settle_ahead(cur.plan, tokens, nxt)
             else:
@@ -378,6 +385,8 @@ class LLMEngine:
         self._idle_since(cur.handle.finished_at, timer.at("launched"))
         if not speculative:
             self.scheduler.resolve(cur.plan, tokens, None, commit=False)  # the requests' own token lists
+            if check_late:
+                self._check_after_launch(cur.plan, logits, cur.masks.filled, tokens, nxt)
         drafts = cur.drafts()
         accepted = self._accept_ahead(tokens, drafts)  # the matchers are where the next step starts: its fill may begin
         if self._inflight is not None:  # llguidance's threads fill beside the work below (nxt lacks the unsettled)
@@ -553,6 +562,26 @@ class LLMEngine:
         self.stats.num_prompt_tokens += sum(sr.num_tokens for sr in plan.requests if sr.is_prefill)
         return self._outputs(touched.values(), now)
 
+    def _check_after_launch(self, plan: StepPlan, logits: torch.Tensor, masks: StepMasks,
+                            tokens: dict[str, list[int]], nxt: StepPlan) -> None:
+        """Scheduling ahead without drafts: `nxt` was launched fed the unmasked rows' argmaxes, unchecked, and
+        `plan` resolved with them. Check them now, while it runs: a rejected one is replaced by the masked argmax (a
+        top candidate, or its row of `logits` [R, V], which no forward writes again, sampled with its mask filled)
+        and retracted, its row of `nxt` thrown away when collected (the request sits out that step)."""
+        argmax = {rid: toks[0] for rid in masks.unmasked if (toks := tokens.get(rid))}
+        unsettled = self._check_unmasked(plan, logits, masks, tokens)
+        if unsettled:
+            tokens.update(self._resample(self._rows_of(plan, logits, unsettled), unsettled, late=True))
+        inflight = self._inflight
+        for sr in plan.requests:
+            rid = sr.request_id
+            toks = tokens.get(rid)
+            if rid not in argmax or not toks or toks[0] == argmax[rid] or self.guidance.failure(rid) is not None:
+                continue
+            if self.scheduler.retract(nxt, rid, sr.start_pos + sr.num_tokens, toks[0]) and inflight is not None:
+                inflight.garbage.add(rid)
+                self.stats.num_retracted_rows += 1
+
     def _check_unmasked(self, plan: StepPlan, logits: torch.Tensor, masks: StepMasks,
                         tokens: dict[str, list[int]]) -> list[str]:
         """Greedy rows sampled without their grammar mask: keep each token the grammar accepts; for the others take
@@ -561,7 +590,9 @@ class LLMEngine:
         work beside an accelerator), the checks as host time."""
         if not masks.unmasked:
             return []
+        t0 = time.perf_counter()
         rejected = self.guidance.check_unmasked(masks.unmasked, tokens)
+        self.unmasked_checks.observe(len(masks.unmasked), len(rejected), time.perf_counter() - t0)
         if not rejected:
             return []
         rows = self._plain_rows(plan)
@@ -602,7 +633,7 @@ class LLMEngine:
         return unsettled
 
     def _rows_of(self, plan: StepPlan, logits: torch.Tensor, request_ids: Sequence[str]) -> torch.Tensor:
-        """The plain logits rows of `request_ids` [n, V], copied (the runner may reuse `logits` for its next forward).
+        """The plain logits rows of `request_ids` [n, V], in that order (a copy).
         The copy counts as sampling (`stats.sample_s`): device work beside an accelerator."""
         rows = self._plain_rows(plan)
         index = torch.tensor([rows[rid] for rid in request_ids], device=logits.device)

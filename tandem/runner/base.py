@@ -45,7 +45,8 @@ class Runner(ABC):
         """Start the forward of `plan` and return at once; the CPU is free until `collect`."""
 
     def collect(self, handle: ForwardHandle) -> torch.Tensor:
-        """Wait for the forward; logits [R, V] float32 on the device, R = plan.num_logits_rows, in plan order."""
+        """Wait for the forward; logits [R, V] float32 on the device, R = plan.num_logits_rows, in plan order. The
+        tensor is the caller's: no later forward writes it (the engine checks rows of it during the next forward)."""
         logits, handle.finished_at = handle.future.result()
         return logits
 

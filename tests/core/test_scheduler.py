@@ -543,14 +543,11 @@ def test_abort_between_schedule_and_update_is_skipped() -> None:
     assert eng.bm.num_free_blocks == 16
 
 
-def test_withdraw_takes_a_request_out_of_a_plan_scheduled_ahead() -> None:
-    """Scheduling ahead, a request whose sampled token comes late sits out the next plan: `withdraw` undoes its
-    reservation, the late token resolves its placeholder, and the plan after feeds it; no placeholder reaches the
-    prefix cache."""
-    from tandem.core.scheduler import PLACEHOLDER
-
-    bm = BlockManager(16, 2, enable_prefix_caching=True)
-    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64), bm)
+def _two_scheduled_ahead() -> tuple[Scheduler, Request, Request, StepPlan, StepPlan]:
+    """Requests a [1, 2, 3] and b [4, 5, 6] (blocks of 2, prefix caching), their prompts' plan and the next one
+    scheduled ahead of its outcome, both reserved."""
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64),
+                      BlockManager(16, 2, enable_prefix_caching=True))
     a, b = Request("a", [1, 2, 3], SamplingParams(max_tokens=8)), Request("b", [4, 5, 6], SamplingParams(max_tokens=8))
     sched.add(a)
     sched.add(b)
@@ -558,6 +555,16 @@ def test_withdraw_takes_a_request_out_of_a_plan_scheduled_ahead() -> None:
     sched.reserve(cur)
     nxt = sched.schedule(frozenset({"a", "b"}))
     sched.reserve(nxt)
+    return sched, a, b, cur, nxt
+
+
+def test_withdraw_takes_a_request_out_of_a_plan_scheduled_ahead() -> None:
+    """Scheduling ahead, a request whose sampled token comes late sits out the next plan: `withdraw` undoes its
+    reservation, the late token resolves its placeholder, and the plan after feeds it; no placeholder reaches the
+    prefix cache."""
+    from tandem.core.scheduler import PLACEHOLDER
+
+    sched, a, b, cur, nxt = _two_scheduled_ahead()
     assert a.token_ids == [1, 2, 3, PLACEHOLDER, PLACEHOLDER] and a.num_computed_tokens == 4
     sched.withdraw(nxt, ["a"])
     assert [sr.request_id for sr in nxt.requests] == ["b"]
@@ -573,6 +580,33 @@ def test_withdraw_takes_a_request_out_of_a_plan_scheduled_ahead() -> None:
     sched.resolve(after, {"a": [5], "b": [6]}, None)
     first = hash_block(ROOT_HASH, [1, 2])
     assert a.block_hashes == [first, hash_block(first, [3, 9])]  # the late token, never the placeholder
+
+
+def test_retract_throws_away_the_row_fed_a_wrong_token_and_feeds_the_position_again() -> None:
+    """Scheduling ahead, the next plan was launched fed an unchecked token the grammar then rejected: `retract`
+    replaces it, the request's row in that plan becomes garbage (its position counts as not computed, the
+    placeholder it samples into is dropped), and the plan after feeds the position again with
+    the right token; the prefix cache never learns the wrong one. A request whose row of the plan does not compute
+    that position only has its token replaced."""
+    from tandem.core.scheduler import PLACEHOLDER
+
+    sched, a, b, cur, nxt = _two_scheduled_ahead()
+    # a's 7 goes out unchecked, in nxt's inputs; the prefix cache is offered blocks only after the checks (commit)
+    sched.resolve(cur, {"a": [7], "b": [8]}, nxt, commit=False)
+    assert a.token_ids == [1, 2, 3, 7, PLACEHOLDER] and a.num_computed_tokens == 4 and len(a.block_ids) == 2
+    assert sched.retract(nxt, "a", 3, 9)
+    assert a.token_ids == [1, 2, 3, 9] and a.num_computed_tokens == 3 and a.num_tentative == 0
+    assert len(a.block_ids) == 2  # position 3's block kept: the plan after writes it again
+    sched.commit(cur)
+    after = sched.schedule(frozenset({"a", "b"}))
+    assert [(sr.request_id, sr.input_ids, sr.start_pos) for sr in after.requests] == [("a", [9], 3), ("b", [PLACEHOLDER], 4)]
+    sched.reserve(after)
+    sched.resolve(nxt, {"b": [5]}, after)  # a's row of nxt (garbage) is thrown away: no token from it
+    sched.resolve(after, {"a": [6], "b": [6]}, None)
+    first = hash_block(ROOT_HASH, [1, 2])
+    assert a.token_ids == [1, 2, 3, 9, 6] and a.block_hashes == [first, hash_block(first, [3, 9])]
+    assert not sched.retract(after, "b", 3, 2)  # b's row of `after` computes position 4, not 3: kept
+    assert b.token_ids[3] == 2 and b.num_computed_tokens == 5
 
 
 def test_feed_before_the_launch_then_resolve_is_resolve_with_the_next_plan() -> None:

@@ -59,8 +59,9 @@ def test_random_logits_give_the_masked_tokens(gpt2: Tokenizer, speculative: bool
     spec = SpeculativeConfig(method="suffix", num_speculative_tokens=3, adaptive=False) if speculative else None
     requests = _schema_requests(24)
     # every fill counts as costly (GPT-2's 50k vocabulary fills fast on a quick machine): the same paths everywhere
-    unmasked, stats = _run(simulated_engine(gpt2, 0.0, 24, "llguidance", spec, rows_by_token=True,
-                                            unmasked_min_fill_ms=0.0), requests)
+    engine = simulated_engine(gpt2, 0.0, 24, "llguidance", spec, rows_by_token=True, unmasked_min_fill_ms=0.0)
+    engine.unmasked_checks.forced = False  # checked before each launch (after it: the test below)
+    unmasked, stats = _run(engine, requests)
     masked, plain_stats = _run(simulated_engine(gpt2, 0.0, 24, "llguidance", spec, unmasked_greedy=False,
                                                 rows_by_token=True), requests)
     assert unmasked == masked
@@ -73,6 +74,24 @@ def test_random_logits_give_the_masked_tokens(gpt2: Tokenizer, speculative: bool
     # scheduled ahead, a refilled row is sampled during the next forward, which its request sits out
     assert stats["num_late_rows"] == stats["guided_refills"]
     assert stats["grammar_rows_filled"] < plain_stats["grammar_rows_filled"]
+
+
+def test_argmaxes_checked_after_the_next_launch_give_the_masked_tokens(gpt2: Tokenizer) -> None:
+    """Scheduling ahead, the next plan launched fed the unchecked argmaxes (`UnmaskedCheckPolicy` forced to check
+    after the launch; tests/engine/test_unmasked.py: when it chooses to): every rejected one is retracted, its row
+    of the plan in flight thrown away and its position fed again; the tokens, finish reasons and errors are those of
+    an engine that fills every mask."""
+    requests = _schema_requests(24)
+    engine = simulated_engine(gpt2, 0.0, 24, "llguidance", None, rows_by_token=True, unmasked_min_fill_ms=0.0)
+    engine.unmasked_checks.forced = True
+    late, stats = _run(engine, requests)
+    masked, _ = _run(simulated_engine(gpt2, 0.0, 24, "llguidance", None, unmasked_greedy=False, rows_by_token=True),
+                     requests)
+    assert late == masked
+    assert all(err is None for _, _, err in late.values())
+    assert stats["guided_unmasked_rejected"] > 10
+    assert stats["num_retracted_rows"] == stats["guided_unmasked_rejected"]  # each one's row in flight thrown away
+    assert stats["num_late_rows"] == 0  # nothing withdrawn before a launch
 
 
 # 6 ms, not 3: on the Xeon of this kind, in the full suite, a 3 ms forward's slack once fitted no row at all
