@@ -364,14 +364,10 @@ class LLMEngine:
             timer.mark("collected")
             self._forward_s.append(cur.handle.finished_at - cur.launched_at)
             self.guidance.record_wait(cur.masks.filled, cur.filled_at, cur.handle.finished_at)
-            tokens = self.runner.on_tensor_thread(self.step_sampler.sample, cur.plan, logits, cur.masks.staged, self._seqs)
-            for rid in cur.garbage:
-                tokens.pop(rid, None)
-            self.thinking.limit(tokens, self._seqs)
+            tokens = self._sample_ahead(cur, logits)
             timer.mark("sampled")
             speculative = self.speculation.active
-            check_late = not speculative and bool(cur.masks.filled.unmasked) and self.unmasked_checks.after_launch(
-                nxt.num_tokens, min(self._forward_s, default=0.0))
+            check_late = not speculative and self._checks_after_launch(cur, nxt)
             unsettled = [] if check_late else self._check_unmasked(cur.plan, logits, cur.masks.filled, tokens)
             held = self._rows_of(cur.plan, logits, unsettled) if unsettled else None  # [n, V]: copied before the launch
             # their tokens come during the next forward (or never: the request failed): they sit it out
@@ -406,6 +402,19 @@ class LLMEngine:
         if self._inflight is not None and not any(sr.request_id in self._seqs for sr in nxt.requests):
             self._drop_inflight()  # every request of it has ended: nothing to collect
         return outputs + self._drain_errors()
+
+    def _sample_ahead(self, cur: _InFlight, logits: torch.Tensor) -> dict[str, list[int]]:
+        """The tokens of `cur`'s rows `logits` [R, V], those of rows fed a retracted token left out."""
+        tokens = self.runner.on_tensor_thread(self.step_sampler.sample, cur.plan, logits, cur.masks.staged, self._seqs)
+        for rid in cur.garbage:
+            tokens.pop(rid, None)
+        self.thinking.limit(tokens, self._seqs)
+        return tokens
+
+    def _checks_after_launch(self, cur: _InFlight, nxt: StepPlan) -> bool:
+        """Check `cur`'s unmasked argmaxes after `nxt`'s launch (no drafts: see engine/unmasked.py)."""
+        return bool(cur.masks.filled.unmasked) and self.unmasked_checks.after_launch(
+            nxt.num_tokens, min(self._forward_s, default=0.0))
 
     def _settle_ahead(self, plan: StepPlan, tokens: Mapping[str, list[int]], nxt: StepPlan) -> None:
         """Before nxt's launch, with drafts: `plan`'s outcome into the requests and into nxt (rows whose drafts
