@@ -20,7 +20,7 @@ run step20_table simulated --step-ms 20 --concurrency 256 --modes text,guided,gu
 # the CPU-draft setup: Llama-2-7B fp16 on an RTX 4090 as the target's timing, drafts computed on this machine
 run rtx4090_chat simulated --logits replay --device-model llama2-7b-rtx4090 --workload mt_bench --concurrency 1,8 \
     --requests 16 --output-len 128 --modes text,ngram,suffix,draft,draft-groups,draft-sequential \
-    --drafts q4_1,distilled --draft-threads 2 --json docs/bench/spec_ahead_rtx4090_chat.json
+    --drafts q4_1,distilled,distilled:16384 --draft-threads 2 --json docs/bench/spec_ahead_rtx4090_chat.json
 run rtx4090_copy simulated --logits replay --device-model llama2-7b-rtx4090 --workload copy --concurrency 1 \
     --requests 16 --output-len 128 --modes text,ngram,suffix --spec-k 8 --json docs/bench/spec_ahead_rtx4090_copy.json
 # Llama-3.1-8B bf16 on an H200, 64 concurrent chat requests

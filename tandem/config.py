@@ -64,6 +64,9 @@ class ModelConfig:
     moe_layers: tuple[int, ...] = ()
     expert_names: str = "qwen"  # checkpoint naming: "qwen" (mlp.experts.E.gate_proj ...) | "mixtral" (block_sparse_moe.experts.E.w1 ...)
     # | "gpt_oss" (mlp.router with a bias; mlp.experts.gate_up_proj [E, hidden, 2 I] stacked, gate / up interleaved)
+    # logits for the ids below this only (a draft model proposing from the start of its vocabulary, where a BPE
+    # vocabulary keeps its most frequent tokens: spec_decode/draft_model.py); None: every id
+    output_rows: int | None = None
     swiglu_alpha: float = 1.702  # gpt-oss experts: out = (clamp(up) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)
     swiglu_limit: float = 7.0
 

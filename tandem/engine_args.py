@@ -87,6 +87,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="schedule each step while the previous one runs (default: on for accelerators, no drafts)")
     g.add_argument("--engine-arg", type=_key_value, action="append", default=[], metavar="KEY=VALUE",
                    help="any other build_engine keyword (VALUE parsed as JSON); repeatable")
+    _add_reasoning_and_speculative_args(p)
+
+
+def _add_reasoning_and_speculative_args(p: argparse.ArgumentParser) -> None:
     r = p.add_argument_group("reasoning models")
     r.add_argument("--reasoning-parser", default=None, metavar="NAME",
                    help="split the thinking off and apply structured outputs after it: qwen3 (Qwen3 / 3.5 / 3.6, "
@@ -100,6 +104,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--draft-device", default="cpu")
     s.add_argument("--draft-dtype", default="bfloat16")
     s.add_argument("--draft-threads", type=int, default=None)
+    s.add_argument("--draft-vocab-size", type=int, default=None,
+                   help="the draft proposes among the first N ids of the vocabulary only (method draft_model)")
     s.add_argument("--prompt-lookup-min", type=int, default=1)
     s.add_argument("--prompt-lookup-max", type=int, default=4)
     s.add_argument("--no-adaptive", action="store_true", help="always draft K tokens")
@@ -157,6 +163,7 @@ def speculative_from_args(args: argparse.Namespace) -> dict[str, Any] | None:
         "draft_device": args.draft_device,
         "draft_dtype": args.draft_dtype,
         "draft_threads": args.draft_threads,
+        "draft_vocab_size": args.draft_vocab_size,
         "prompt_lookup_min": args.prompt_lookup_min,
         "prompt_lookup_max": args.prompt_lookup_max,
         "adaptive": not args.no_adaptive,

@@ -69,7 +69,9 @@ def add_parser(bsub: Any) -> None:
     p.add_argument("--spec-k", type=int, default=4, help="drafts per step (the most, with adaptive K)")
     p.add_argument("--fixed-k", action="store_true", help="n-gram / suffix: K fixed at --spec-k (no adaptive K)")
     p.add_argument("--drafts", default="q4_1", help="draft models of the draft modes: q4_1 (the demo model's own "
-                                                    "file), distilled (make draft), or a path; comma-separated")
+                                                    "file), distilled (make draft), or a path, each optionally "
+                                                    "with :N (drafts among the first N ids only: draft_vocab_size); "
+                                                    "comma-separated")
     p.add_argument("--draft-threads", type=int, default=None, help="torch threads of the draft worker")
     p.add_argument("--always-mask", action="store_true",
                    help="fill every guided row's mask (no unmasked greedy rows): the comparison for that optimisation")
@@ -153,8 +155,9 @@ class Mode:
     async_scheduling: bool | None = None  # None: the engine's default beside an accelerator (ahead)
 
 
-def parse_mode(name: str, args: argparse.Namespace, draft: str | None = None) -> Mode:
-    """`name` (one of MODES) as a configuration; `draft`: the draft model's path for the draft modes."""
+def parse_mode(name: str, args: argparse.Namespace, draft: str | None = None, draft_vocab: int | None = None) -> Mode:
+    """`name` (one of MODES) as a configuration; `draft`: the draft model's path for the draft modes, drafting
+    among its first `draft_vocab` ids (None: all)."""
     if name not in MODES:
         raise ValueError(f"unknown mode {name!r}; known: {', '.join(MODES)}")
     guided = name.startswith("guided")
@@ -166,28 +169,31 @@ def parse_mode(name: str, args: argparse.Namespace, draft: str | None = None) ->
         sequential = method == "draft-sequential"
         spec = SpeculativeConfig(method="draft_model", model=draft, num_speculative_tokens=args.spec_k, adaptive=False,
                                  lookahead=not sequential, draft_threads=args.draft_threads,
-                                 alternate_groups=method == "draft-groups")
+                                 alternate_groups=method == "draft-groups", draft_vocab_size=draft_vocab)
         return Mode(name, guided, spec, async_scheduling=False if sequential else None)
     return Mode(name, guided, None)
 
 
-def draft_paths(spec: str) -> dict[str, str]:
-    """--drafts as {label: checkpoint path}: q4_1 (the demo model's GGUF), distilled (make draft's), or a path."""
+def draft_paths(spec: str) -> dict[str, tuple[str, int | None]]:
+    """--drafts as {label: (checkpoint path, draft vocabulary or None)}: q4_1 (the demo model's GGUF), distilled
+    (make draft's), or a path, each optionally followed by `:N` (its drafts among the first N ids)."""
     from tandem.bench.spec import default_draft
     from tandem.models.demo import find_demo_gguf
 
-    out: dict[str, str] = {}
-    for item in [s.strip() for s in spec.split(",") if s.strip()]:
+    out: dict[str, tuple[str, int | None]] = {}
+    for label in [s.strip() for s in spec.split(",") if s.strip()]:
+        item, _, rows = label.partition(":")
+        vocab = int(rows) if rows else None
         if item == "q4_1":
-            out[item] = str(find_demo_gguf())
+            out[label] = (str(find_demo_gguf()), vocab)
         elif item == "distilled":
             found = default_draft()
             if found is None:
                 print("the distilled draft is missing (run `make draft`); its rows are skipped")
                 continue
-            out[item] = found
+            out[label] = (found, vocab)
         else:
-            out[Path(item).name] = item
+            out[Path(item).name + (f":{rows}" if rows else "")] = (item, vocab)
     return out
 
 
@@ -203,9 +209,9 @@ def run(args: argparse.Namespace) -> int:
     for level in [int(x) for x in args.concurrency.split(",")]:
         n = args.requests or 2 * level
         for name in modes:
-            labels = drafts if name.startswith("draft") else {"": None}
-            for label, path in labels.items():
-                row = _run_mode(tok, parse_mode(name, args, path), level, n, args)
+            labels = drafts if name.startswith("draft") else {"": (None, None)}
+            for label, (path, vocab) in labels.items():
+                row = _run_mode(tok, parse_mode(name, args, path, vocab), level, n, args)
                 if label:
                     row["mode"] = f"{name}[{label}]"
                 rows.append(row)

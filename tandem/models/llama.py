@@ -24,7 +24,7 @@ from tandem.config import ConfigError, ModelConfig
 from tandem.layers.attention import AttentionMetadata
 from tandem.layers.decode_stack import build_decode_stack
 from tandem.layers.kernels import load_cpu_kernels
-from tandem.layers.linear import DenseProjection, Projection, Weight, make_linear
+from tandem.layers.linear import DenseProjection, Projection, Weight, first_rows, make_linear
 from tandem.layers.moe import Expert, GptOssMoe, MoeMlp
 from tandem.layers.moe_offload import HOST, ExpertBus, HostExperts, host_silu_mul
 from tandem.layers.ops import LayerOps, select_ops
@@ -205,7 +205,13 @@ class LlamaModel:
         its rows back (bf16 GEMM packing, quantized blocks, plain tensors), else the table is kept beside it."""
         embed = w.matrix("model.embed_tokens.weight")  # [V, hidden]
         tied = self.cfg.tie_word_embeddings or "lm_head.weight" not in w.names
-        head = make_linear(embed if tied else w.matrix("lm_head.weight"), use_kernels=self.use_kernels, dtype=self.dtype)
+        head_weight = embed if tied else w.matrix("lm_head.weight")
+        rows = self.cfg.output_rows
+        if rows is not None and rows < head_weight.shape[0]:
+            if self.tp.enabled:
+                raise ConfigError("output_rows (a draft's restricted vocabulary) runs on one rank only")
+            head_weight, tied = first_rows(head_weight, rows), False  # the table keeps every row
+        head = make_linear(head_weight, use_kernels=self.use_kernels, dtype=self.dtype)
         if tied and head.has_rows:
             return head, head
         return head, self._embedding_table(embed)

@@ -25,6 +25,10 @@ class SpeculativeConfig:
     draft_threads: int | None = None
     draft_cores: tuple[int, ...] | None = None
     draft_in_process: bool = False
+    # the draft proposes among the first ids of its vocabulary only, its output projection cut to those rows (a BPE
+    # vocabulary's first 16,384 ids held 95 % of the demo model's MT-Bench answers; the distilled 4-layer draft's
+    # projection is two thirds of its weights); None: every id
+    draft_vocab_size: int | None = None
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     adaptive: bool = True
@@ -46,6 +50,8 @@ class SpeculativeConfig:
             raise ConfigError(f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
         if self.method == "draft_model" and not self.model:
             raise ConfigError("speculative method 'draft_model' needs 'model': the path of a draft checkpoint")
+        if self.draft_vocab_size is not None and (not isinstance(self.draft_vocab_size, int) or self.draft_vocab_size < 1):
+            raise ConfigError(f"draft_vocab_size must be a positive integer or None, got {self.draft_vocab_size!r}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ConfigError(
                 f"need 1 <= prompt_lookup_min ({self.prompt_lookup_min}) <= prompt_lookup_max ({self.prompt_lookup_max})"
@@ -80,6 +86,7 @@ class SpeculativeConfig:
             "draft_threads": self.draft_threads,
             "cpu_cores": self.draft_cores,
             "in_process": self.draft_in_process,
+            "draft_vocab_size": self.draft_vocab_size,
             **dict(self.extra),
         }
 

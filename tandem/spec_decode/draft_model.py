@@ -103,6 +103,7 @@ class DraftModelOptions:
     max_model_len: int | None = None  # None: the draft's max_position_embeddings
     kv_cache_memory: int | None = None
     num_blocks: int | None = None
+    vocab_rows: int | None = None  # drafts only among ids < vocab_rows: the output projection keeps those rows
 
 
 @dataclass(frozen=True)
@@ -135,7 +136,7 @@ class DraftModelCore:
             raise ConfigError(f"draft_dtype must be one of {sorted(_DTYPES)}, got {options.dtype!r}")
         dtype = _DTYPES[options.dtype]
         ckpt = load_checkpoint(options.model_path, dtype, progress=False)
-        cfg = ckpt.config
+        cfg = dataclasses.replace(ckpt.config, output_rows=options.vocab_rows)
         max_len = min(options.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         sched = SchedulerConfig(
             max_num_seqs=options.max_num_seqs, max_num_batched_tokens=max_len, max_model_len=max_len
@@ -153,7 +154,8 @@ class DraftModelCore:
             cfg, ckpt.weights, dtype, options.device, cache, sched, num_threads=options.num_threads
         )
         self.blocks = BlockManager(self.runner.num_blocks, options.block_size, enable_prefix_caching=False)
-        self.vocab_limit = min(cfg.vocab_size, options.target_vocab_size)  # drafts are ids < vocab_limit
+        # drafts are ids < vocab_limit
+        self.vocab_limit = min(cfg.vocab_size, options.target_vocab_size, options.vocab_rows or cfg.vocab_size)
         self.info = DraftModelInfo(
             vocab_size=cfg.vocab_size,
             tokenizer_path=str(ckpt.tokenizer_path),
@@ -482,11 +484,13 @@ class DraftModelProposer(Proposer):
         max_model_len: int | None = None,
         kv_cache_memory: int | None = None,
         num_kv_blocks: int | None = None,
+        draft_vocab_size: int | None = None,
         timeout_s: float = 30.0,
         startup_timeout_s: float = 300.0,
     ) -> None:
         """Load the draft (in a pinned worker process unless in-process) and check its vocabulary against the target's.
 
+        `draft_vocab_size`: draft only among the first ids of the vocabulary (see `DraftModelOptions.vocab_rows`).
         Raises ConfigError for bad options or a vocabulary / tokenizer mismatch, DraftWorkerError when the worker
         does not come up within `startup_timeout_s`. In a worker, torch uses `draft_threads` threads (default: the
         number of `cpu_cores`, else 1); in-process, the process-wide thread count is left as the target set it.
@@ -502,7 +506,8 @@ class DraftModelProposer(Proposer):
         options = draft_options(
             model_path, target_vocab_size, draft_dtype, device, draft_threads, cpu_cores, self.in_process,
             DraftModelOptions(model_path="", target_vocab_size=0, block_size=block_size, max_num_seqs=max_num_seqs,
-                              max_model_len=max_model_len, kv_cache_memory=kv_cache_memory, num_blocks=num_kv_blocks),
+                              max_model_len=max_model_len, kv_cache_memory=kv_cache_memory, num_blocks=num_kv_blocks,
+                              vocab_rows=draft_vocab_size),
         )
         self.num_speculative_tokens = num_speculative_tokens
         self.backend = _start_backend(options, self.in_process, timeout_s, startup_timeout_s)

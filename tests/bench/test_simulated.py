@@ -30,6 +30,10 @@ def test_modes_parse_to_their_configuration() -> None:
     groups = simulated.parse_mode("draft-groups", args, "/x/draft.gguf")
     assert groups.speculative is not None and groups.speculative.alternate_groups is True
     assert simulated.parse_mode("draft", args, "/x/draft.gguf").async_scheduling is None  # ahead (the default)
+    restricted = simulated.parse_mode("draft", args, "/x/draft.gguf", 16384).speculative
+    assert restricted is not None and restricted.draft_vocab_size == 16384
+    assert simulated.draft_paths("/x/draft.gguf,/x/draft.gguf:16384") == {
+        "draft.gguf": ("/x/draft.gguf", None), "draft.gguf:16384": ("/x/draft.gguf", 16384)}
     with pytest.raises(ValueError, match="known: text"):
         simulated.parse_mode("fast", args)
 

@@ -21,6 +21,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from tandem.config import ConfigError
 from tandem.models.llama2c import convert_llama2c
+from tandem.spec_decode.config import SpeculativeConfig
 from tandem.spec_decode.draft_model import DraftModelProposer, make_draft_model_proposer
 from tandem.spec_decode.proposer import DraftRequest, Drafts
 
@@ -37,8 +38,9 @@ def target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return convert_llama2c(STORIES / "stories260K.bin", STORIES / "tok512.model", out)
 
 
-def hf_greedy(folder: Path) -> Reference:
-    """tokens, n -> the model's next n greedy tokens, each from a full forward over the whole context (memoised)."""
+def hf_greedy(folder: Path, limit: int | None = None) -> Reference:
+    """tokens, n -> the model's next n greedy tokens (among ids < `limit`), each from a full forward over the whole
+    context (memoised)."""
     model = LlamaForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
     memo: dict[tuple[int, ...], int] = {}
 
@@ -46,7 +48,7 @@ def hf_greedy(folder: Path) -> Reference:
         key = tuple(context)
         if key not in memo:
             with torch.no_grad():
-                memo[key] = int(model(torch.tensor([context])).logits[0, -1].argmax())
+                memo[key] = int(model(torch.tensor([context])).logits[0, -1, :limit].argmax())
         return memo[key]
 
     def greedy(tokens: list[int], n: int) -> list[int]:
@@ -127,6 +129,17 @@ def test_draft_equal_to_target_drafts_its_greedy_continuation(target_dir: Path, 
         assert p.backend.core.num_requests == 3  # type: ignore[attr-defined]  # a, c, d (b released, z never drafted)
 
 
+def test_a_draft_vocabulary_drafts_the_greedy_continuation_among_its_first_ids(target_dir: Path) -> None:
+    """`draft_vocab_size`: the draft's output projection keeps its first rows, and every draft is the greedy token
+    among those ids (the embedding still reads every id: the context may hold any)."""
+    with make(target_dir, target_dir, draft_vocab_size=300) as p:
+        assert p.info.vocab_size == VOCAB
+        simulate(p, hf_greedy(target_dir, limit=300))
+        core = p.backend.core  # type: ignore[attr-defined]
+        assert core.vocab_limit == 300 and core.runner.model.lm_head.out_features == 300
+        assert max(t for seq in core._seqs.values() for t in seq.token_ids) >= 300  # contexts beyond the drafts' ids
+
+
 def test_repeated_proposal_without_progress_gives_the_same_drafts(target_dir: Path, target_greedy: Reference) -> None:
     with make(target_dir, target_dir) as p:
         toks = [1, 403, 407]
@@ -200,6 +213,10 @@ def test_bad_options_are_config_errors(target_dir: Path) -> None:
         make(target_dir / "missing", target_dir)
     with pytest.raises(ConfigError, match="model_path"):
         make_draft_model_proposer(num_speculative_tokens=K, target_vocab_size=VOCAB, target_tokenizer=None)
+    with pytest.raises(ConfigError, match="draft_vocab_size"):
+        SpeculativeConfig(method="draft_model", model=str(target_dir), draft_vocab_size=0)
+    spec = SpeculativeConfig.from_dict({"method": "draft_model", "model": str(target_dir), "draft_vocab_size": 300})
+    assert spec.proposer_options(VOCAB, None)["draft_vocab_size"] == 300
 
 
 def test_factory_accepts_vllm_model_alias(target_dir: Path) -> None:
