@@ -183,6 +183,8 @@ def draft_paths(spec: str) -> dict[str, tuple[str, int | None]]:
     out: dict[str, tuple[str, int | None]] = {}
     for label in [s.strip() for s in spec.split(",") if s.strip()]:
         item, _, rows = label.partition(":")
+        if rows and (not rows.isdigit() or int(rows) < 1):
+            raise ValueError(f"--drafts {label!r}: after ':' comes the draft vocabulary, a positive integer")
         vocab = int(rows) if rows else None
         if item == "q4_1":
             out[label] = (str(find_demo_gguf()), vocab)

@@ -50,8 +50,11 @@ class SpeculativeConfig:
             raise ConfigError(f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
         if self.method == "draft_model" and not self.model:
             raise ConfigError("speculative method 'draft_model' needs 'model': the path of a draft checkpoint")
-        if self.draft_vocab_size is not None and (not isinstance(self.draft_vocab_size, int) or self.draft_vocab_size < 1):
-            raise ConfigError(f"draft_vocab_size must be a positive integer or None, got {self.draft_vocab_size!r}")
+        if self.draft_vocab_size is not None:
+            if isinstance(self.draft_vocab_size, bool) or not isinstance(self.draft_vocab_size, int) or self.draft_vocab_size < 1:
+                raise ConfigError(f"draft_vocab_size must be a positive integer or None, got {self.draft_vocab_size!r}")
+            if self.method != "draft_model":
+                raise ConfigError(f"draft_vocab_size applies to method 'draft_model' only, not {self.method!r}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ConfigError(
                 f"need 1 <= prompt_lookup_min ({self.prompt_lookup_min}) <= prompt_lookup_max ({self.prompt_lookup_max})"

@@ -155,7 +155,7 @@ class DraftModelCore:
         )
         self.blocks = BlockManager(self.runner.num_blocks, options.block_size, enable_prefix_caching=False)
         # drafts are ids < vocab_limit
-        self.vocab_limit = min(cfg.vocab_size, options.target_vocab_size, options.vocab_rows or cfg.vocab_size)
+        self.vocab_limit = min(cfg.vocab_size, options.target_vocab_size, cfg.output_rows or cfg.vocab_size)
         self.info = DraftModelInfo(
             vocab_size=cfg.vocab_size,
             tokenizer_path=str(ckpt.tokenizer_path),
@@ -737,6 +737,9 @@ def draft_options(
     """Checked options of a draft core; `cache` supplies the block / sequence / memory settings."""
     if dtype not in _DTYPES:
         raise ConfigError(f"draft_dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    rows = cache.vocab_rows
+    if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 1):
+        raise ConfigError(f"draft_vocab_size must be a positive integer or None, got {rows!r}")
     cores = _check_cores(cpu_cores)
     if threads is None and not in_process:
         threads = len(cores) if cores else 1

@@ -34,6 +34,8 @@ def test_modes_parse_to_their_configuration() -> None:
     assert restricted is not None and restricted.draft_vocab_size == 16384
     assert simulated.draft_paths("/x/draft.gguf,/x/draft.gguf:16384") == {
         "draft.gguf": ("/x/draft.gguf", None), "draft.gguf:16384": ("/x/draft.gguf", 16384)}
+    with pytest.raises(ValueError, match="after ':' comes the draft vocabulary"):
+        simulated.draft_paths("/x/draft.gguf:lots")
     with pytest.raises(ValueError, match="known: text"):
         simulated.parse_mode("fast", args)
 

@@ -215,6 +215,11 @@ def test_bad_options_are_config_errors(target_dir: Path) -> None:
         make_draft_model_proposer(num_speculative_tokens=K, target_vocab_size=VOCAB, target_tokenizer=None)
     with pytest.raises(ConfigError, match="draft_vocab_size"):
         SpeculativeConfig(method="draft_model", model=str(target_dir), draft_vocab_size=0)
+    with pytest.raises(ConfigError, match="draft_vocab_size applies to method 'draft_model' only"):
+        SpeculativeConfig(method="suffix", draft_vocab_size=16384)
+    for bad in (0, -5, 2.5, True):
+        with pytest.raises(ConfigError, match="draft_vocab_size must be a positive integer"):
+            make(target_dir, target_dir, draft_vocab_size=bad)
     spec = SpeculativeConfig.from_dict({"method": "draft_model", "model": str(target_dir), "draft_vocab_size": 300})
     assert spec.proposer_options(VOCAB, None)["draft_vocab_size"] == 300
 
