@@ -305,11 +305,6 @@ def _int8_amx_rows(qtypes: Sequence[str]) -> int:
 KQUANTS = ("Q4_K", "Q5_K", "Q6_K")  # the formats whose one- and two-row tiles decode_tile_plan shapes
 
 
-def first_rows(weight: Weight, n: int) -> Weight:
-    """Rows [0, n) of a weight [N, K], dense or quantized (views)."""
-    return weight.first_rows(n) if isinstance(weight, QuantizedTensor) else weight[:n]
-
-
 def make_linear(
     weight: Weight | Sequence[Weight], bias: torch.Tensor | None = None, use_kernels: bool = False,
     dtype: torch.dtype | None = None,

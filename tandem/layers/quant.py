@@ -87,11 +87,6 @@ class QuantizedTensor:
         scales = None if self.scales is None else self.scales.to(device)
         return QuantizedTensor(self.qtype, self.shape, self.data.to(device), scales)
 
-    def first_rows(self, n: int) -> QuantizedTensor:
-        """Rows [0, n) (views of the data and scales: a row's blocks are contiguous)."""
-        scales = None if self.scales is None else self.scales[:n]
-        return QuantizedTensor(self.qtype, (n, self.shape[1]), self.data[:n], scales)
-
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The dense weight [N, K] in `dtype`, computed with torch ops on the data's device."""
         n, k = self.shape

@@ -24,14 +24,14 @@ from tandem.config import ConfigError, ModelConfig
 from tandem.layers.attention import AttentionMetadata
 from tandem.layers.decode_stack import build_decode_stack
 from tandem.layers.kernels import load_cpu_kernels
-from tandem.layers.linear import DenseProjection, Projection, Weight, first_rows, make_linear
+from tandem.layers.linear import DenseProjection, Projection, Weight, make_linear
 from tandem.layers.moe import Expert, GptOssMoe, MoeMlp
 from tandem.layers.moe_offload import HOST, ExpertBus, HostExperts, host_silu_mul
 from tandem.layers.ops import LayerOps, select_ops
 from tandem.layers.parallel import TensorParallel
 from tandem.layers.quant import QuantizedTensor
 from tandem.models.checkpoint import WeightStore, moe_weight_names, stacked_moe_names
-from tandem.models.sharding import WeightShard
+from tandem.models.sharding import WeightShard, slice_weight
 
 
 @dataclass
@@ -210,7 +210,7 @@ class LlamaModel:
         if rows is not None and rows < head_weight.shape[0]:
             if self.tp.enabled:
                 raise ConfigError("output_rows (a draft's restricted vocabulary) runs on one rank only")
-            head_weight, tied = first_rows(head_weight, rows), False  # the table keeps every row
+            head_weight, tied = slice_weight(head_weight, 0, 0, rows), False  # the table keeps every row
         head = make_linear(head_weight, use_kernels=self.use_kernels, dtype=self.dtype)
         if tied and head.has_rows:
             return head, head

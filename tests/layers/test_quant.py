@@ -84,13 +84,6 @@ def test_torch_dequantize_matches_gguf(qtype: str) -> None:
     assert np.array_equal(w.dequantize().numpy(), want)
 
 
-def test_first_rows_are_the_weights_first_rows() -> None:
-    """`first_rows` (a draft's restricted output projection) is the dequantized weight's first rows, GGUF and I8."""
-    for w in (random_blocks("Q4_K", 37, 512), random_blocks("Q8_0", 37, 512), quantize_int8(torch.randn(37, 96))):
-        head = w.first_rows(20)
-        assert head.shape == (20, w.shape[1]) and torch.equal(head.dequantize(), w.dequantize()[:20])
-
-
 def test_int8_quantizer_round_trip() -> None:
     w = torch.randn(40, 96) * torch.linspace(0.01, 3, 40)[:, None]
     q = quantize_int8(w, chunk_elems=96 * 7)  # several row chunks

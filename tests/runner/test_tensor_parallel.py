@@ -26,6 +26,7 @@ from tandem.runner.distributed import (
     rank_cores,
     step_bytes,
 )
+from tests.layers.test_quant import random_blocks
 from tests.tiny import save_tiny, tiny_model
 
 PROMPTS = ["t1 t2 t3 t4", "t5 t9 t20 t30 t31 t40 t41 t42 t43 t44 t45 t46 t47 t48 t49 t50 t51 t52", "t7"]
@@ -81,6 +82,10 @@ def test_shards_rebuild_the_weights() -> None:
     q = quantize_int8(torch.randn(8, 64))
     assert torch.equal(slice_weight(q, 1, 32, 64).dequantize(), q.dequantize()[:, 32:])  # type: ignore[union-attr]
     assert torch.equal(slice_weight(q, 0, 2, 5).dequantize(), q.dequantize()[2:5])  # type: ignore[union-attr]
+    # a draft's restricted output projection (ModelConfig.output_rows) is its first rows, GGUF blocks and I8 alike
+    for w in (random_blocks("Q4_K", 37, 512), random_blocks("Q8_0", 37, 512), quantize_int8(torch.randn(37, 96))):
+        head = slice_weight(w, 0, 0, 20)
+        assert head.shape == (20, w.shape[1]) and torch.equal(head.dequantize(), w.dequantize()[:20])  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("kernels", [True, False], ids=["cpu-kernels", "torch-ops"])
