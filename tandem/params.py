@@ -45,6 +45,11 @@ class StructuredOutputsParams:
     dict or text): tagged segments whose content is a JSON schema, optionally activated by trigger strings inside
     free text (what tool calls in "auto" mode need); both backends accept the subset listed in
     tandem/structured/backend.py (STRUCTURAL_TAG_FORMATS).
+
+    `enable_in_reasoning` (vLLM's name, here per request): with a reasoning parser, the grammar holds the whole output
+    from its first token, the thinking too, instead of starting where the thinking ends; a grammar that must say how
+    the thinking goes (gpt-oss's forced tool calls: tools/harmony.py). It leaves no room for a thinking budget's forced
+    end, so the two are refused together.
     """
 
     json: str | None = None
@@ -55,6 +60,7 @@ class StructuredOutputsParams:
     whitespace: str = "compact"
     backend: str | None = None
     structural_tag: str | None = None
+    enable_in_reasoning: bool = False
 
     def __init__(
         self,
@@ -66,6 +72,7 @@ class StructuredOutputsParams:
         whitespace: str = "compact",
         backend: str | None = None,
         structural_tag: Any = None,
+        enable_in_reasoning: bool = False,
     ) -> None:
         object.__setattr__(self, "json", _schema_text(json) if json is not None else None)
         object.__setattr__(self, "json_object", bool(json_object))
@@ -75,6 +82,7 @@ class StructuredOutputsParams:
         object.__setattr__(self, "whitespace", whitespace)
         object.__setattr__(self, "backend", backend)
         object.__setattr__(self, "structural_tag", _structural_tag_text(structural_tag) if structural_tag is not None else None)
+        object.__setattr__(self, "enable_in_reasoning", enable_in_reasoning)
         self._validate()
 
     def _validate(self) -> None:
@@ -84,6 +92,7 @@ class StructuredOutputsParams:
         _check(len(kinds) == 1, "structured_outputs needs exactly one of json, json_object, regex, choice, grammar, "
                f"structural_tag; got {kinds or 'none'}")
         _check(self.whitespace in ("compact", "flexible"), f"whitespace must be 'compact' or 'flexible', got {self.whitespace!r}")
+        _check(isinstance(self.enable_in_reasoning, bool), f"enable_in_reasoning must be a bool, got {self.enable_in_reasoning!r}")
         _check(self.backend in (None, "auto", "xgrammar", "llguidance"), f"backend must be one of None, 'auto', 'xgrammar', 'llguidance', got {self.backend!r}")
         if self.choice is not None:
             _check(len(self.choice) > 0 and all(isinstance(c, str) and c for c in self.choice), "choice must be a non-empty list of non-empty strings")
@@ -240,6 +249,9 @@ class SamplingParams:
         _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams), "structured_outputs must be a StructuredOutputsParams")
         _check(self.thinking_token_budget is None or (isinstance(self.thinking_token_budget, int) and self.thinking_token_budget >= 0),
                f"thinking_token_budget must be None or an integer >= 0, got {self.thinking_token_budget!r}")
+        _check(self.thinking_token_budget is None or self.structured_outputs is None or not self.structured_outputs.enable_in_reasoning,
+               "thinking_token_budget cannot end a thinking that the grammar holds too (structured_outputs.enable_in_reasoning): "
+               "its forced end would leave the grammar")
         _check(self.output_kind in tuple(RequestOutputKind),
                f"output_kind must be RequestOutputKind.CUMULATIVE (0) or FINAL_ONLY (2), got {self.output_kind!r}")
 

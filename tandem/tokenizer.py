@@ -42,6 +42,8 @@ class ChatFormat(Protocol):
     reasoning_parser  the reasoning parser this chat format implies, used when none is given (harmony's channels:
                       "openai_gptoss"); None: no reasoning parser unless one is asked for
     stop_token_ids    tokens that end an assistant turn besides the tokenizer's EOS (added to its EOS ids)
+    call_token_ids    those of them that end a tool call (harmony's `<|call|>`): a grammar forcing a call writes
+                      them itself, so the grammar backends take them as grammar tokens, not as EOS
     available         whether it can render at all (a template format without a template cannot)
     """
 
@@ -49,6 +51,7 @@ class ChatFormat(Protocol):
     tool_call_parser: str | None
     reasoning_parser: str | None
     stop_token_ids: tuple[int, ...]
+    call_token_ids: tuple[int, ...]
 
     @property
     def available(self) -> bool: ...
@@ -238,6 +241,7 @@ class TemplateChatFormat:
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
     stop_token_ids: tuple[int, ...] = ()
+    call_token_ids: tuple[int, ...] = ()
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tokenizer = tokenizer

@@ -162,8 +162,9 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.speculation: Speculation = speculation or NoSpeculation()
         self._owns_speculation = True
-        self.guidance = make_guidance(tokenizer.hf, self.vocab_size, self.eos_token_ids,
-                                      structured_config or StructuredOutputConfig())
+        # a token that ends a tool call (harmony's <|call|>) is a grammar's own token, not an EOS to the backends
+        grammar_eos = tuple(t for t in self.eos_token_ids if t not in tokenizer.chat_format.call_token_ids)
+        self.guidance = make_guidance(tokenizer.hf, self.vocab_size, grammar_eos, structured_config or StructuredOutputConfig())
         self.thinking = Thinking(reasoner, self.guidance)
         # (a) "device": bitmask copied to the device and applied there; (b) "cpu": logits brought to the host
         mask_mode = mask_mode or ("cpu" if runner.device.type == "cpu" else "device")

@@ -155,6 +155,10 @@ class Guidance:
         """The request thinks first: its grammar neither masks nor advances until `begin_answer`."""
         self._thinking.add(request_id)
 
+    def deferred(self, request_id: str) -> bool:
+        """Its grammar waits for the thinking to end (`defer`, not yet `begin_answer`)."""
+        return request_id in self._thinking
+
     def begin_answer(self, request_id: str) -> None:
         """The thinking ended: the grammar starts at the next token (from its start state)."""
         self._thinking.discard(request_id)

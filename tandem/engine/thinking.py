@@ -32,8 +32,10 @@ class Thinking:
     def defer_grammar(self, seq: SequenceState, overlap_compile: bool) -> None:
         """A guided sequence that thinks first: its grammar waits for the end of the thinking. `overlap_compile`
         (the synchronous step, where the next plan is made after this step's tokens are known): it thinks while its
-        grammar compiles instead of waiting for it, and is held only if the thinking ends first."""
-        if seq.thinking is not None and seq.thinking.thinking:
+        grammar compiles instead of waiting for it, and is held only if the thinking ends first. A grammar that holds
+        the thinking too (`enable_in_reasoning`) starts at the first token, as without a reasoner."""
+        so = seq.group.params.structured_outputs
+        if seq.thinking is not None and seq.thinking.thinking and not (so is not None and so.enable_in_reasoning):
             self._guidance.defer(seq.request_id)
             if overlap_compile:
                 seq.req.hold_sampling = False
@@ -58,11 +60,13 @@ class Thinking:
                 state.feed(toks)
             return 0, 0
         answer_from = state.feed(toks)
+        if answer_from is not None and state.text_end is not None:
+            seq.stop.mark_at(state.text_end)
+        if not self._guidance.deferred(seq.request_id):  # no grammar, or one that holds the thinking too
+            return 0, 0
         if answer_from is None:
             return len(toks), 0
         self._guidance.begin_answer(seq.request_id)
         if self._guidance.guided(seq.request_id) and not self._guidance.is_ready(seq.request_id):
             seq.req.hold_sampling = True  # its grammar still compiles (see defer_grammar): the answer waits for it
-        if state.text_end is not None:
-            seq.stop.mark_at(state.text_end)
         return answer_from, len(toks) - answer_from

@@ -65,8 +65,10 @@ def template_kwargs(defaults: Mapping[str, Any] | None, requested: Mapping[str, 
 
 
 def with_thinking_budget(params: SamplingParams, parser: str | None, default: int | None) -> SamplingParams:
-    """`params` with the server's thinking budget when the request gave none (only with a reasoning parser)."""
-    if parser is None or default is None or params.thinking_token_budget is not None:
+    """`params` with the server's thinking budget when the request gave none (only with a reasoning parser), unless
+    its grammar holds the thinking too (gpt-oss's forced tool calls), which a forced end would break."""
+    so = params.structured_outputs
+    if parser is None or default is None or params.thinking_token_budget is not None or (so is not None and so.enable_in_reasoning):
         return params
     return params.clone(thinking_token_budget=default)
 

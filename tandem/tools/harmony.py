@@ -32,6 +32,7 @@ import contextlib
 import datetime
 import functools
 import hashlib
+import json
 import os
 import re
 import tempfile
@@ -159,6 +160,7 @@ class HarmonyChatFormat:
     def __init__(self, encoding: Any) -> None:
         self.encoding = encoding
         self.stop_token_ids: tuple[int, ...] = tuple(encoding.stop_tokens_for_assistant_actions())
+        self.call_token_ids: tuple[int, ...] = (CALL,)  # written by call_grammar's grammar
 
     @classmethod
     def load(cls, pieces: Pieces | None = None) -> HarmonyChatFormat:
@@ -284,6 +286,35 @@ def text_of(m: Mapping[str, Any]) -> str:
     if content is None or isinstance(content, str):
         return content or ""
     return "".join(p.get("text", "") for p in content if isinstance(p, Mapping) and p.get("type", "text") == "text")
+
+
+# --------------------------------------------------------------------------------------------- forced calls
+JSON_WHITESPACE = "[\\x20\\x0A\\x0D\\x09]"
+
+
+def call_grammar(schemas: Mapping[str, Any], max_whitespace: int) -> str:
+    """An llguidance Lark grammar of a gpt-oss turn that is one call of one of `schemas` (function name -> the JSON
+    schema of its arguments), from the first output token on (the prompt ends at `<|start|>assistant`):
+
+        [<|channel|>analysis<|message|> TEXT <|end|><|start|>assistant]
+        <|channel|>commentary to=functions.NAME <|constrain|>json<|message|> ARGS <|call|>
+
+    At most one analysis message (the thinking, free text: no special token can occur in it); the markers are the
+    special tokens alone (harmony's parser reads no spelled-out marker); ARGS is JSON valid under the schema, with
+    any whitespace in runs of at most `max_whitespace` characters. `<|call|>` ends the turn (a stop token), so a
+    turn holds one call, as gpt-oss writes them."""
+    style = {"whitespace_flexible": True, "whitespace_pattern": f"{JSON_WHITESPACE}{{0,{int(max_whitespace)}}}"}
+    calls = [f'call{i}: {json.dumps(name)} " " <[{CONSTRAIN}]> "json" <[{MESSAGE}]> '
+             f'%json {json.dumps({**schema, "x-guidance": style})} <[{CALL}]>'
+             for i, (name, schema) in enumerate(schemas.items())]
+    return "\n".join([
+        "%llguidance {}",
+        "start: analysis? call",
+        f'analysis: <[{CHANNEL}]> "analysis" <[{MESSAGE}]> TEXT <[{END}]> <[{START}]> "assistant"',
+        f'call: <[{CHANNEL}]> "commentary to=functions." ({" | ".join(f"call{i}" for i in range(len(calls)))})',
+        *calls,
+        r"TEXT: /(.|\n)*/",
+    ]) + "\n"
 
 
 # ---------------------------------------------------------------------------------------------------- reading

@@ -16,8 +16,9 @@ Formats: Hermes / Qwen 2.5+ (`<tool_call>{"name", "arguments"}</tool_call>`, als
 templates that know no tools), Llama 3.x JSON (`{"name", "parameters"}`, calls separated by "; "), Mistral
 (`[TOOL_CALLS][{"name", "arguments"}]`; parallel calls as further items or further [TOOL_CALLS] blocks), and gpt-oss's
 harmony (`openai`, vLLM's name): a call is a message to `functions.NAME`, read from the output's token ids by
-harmony's own parser (tools/harmony.py), not from its text; no grammar forces it (`guided` False), so only
-tool_choice "auto" / "none" go with it.
+harmony's own parser (tools/harmony.py), not from its text. No structural tag gives its "auto" calls (`guided`
+False: a trigger inside free text cannot follow harmony's channels); "required" and a named function are forced by a
+grammar of its own over the whole turn, the analysis channel too (`call_grammar`).
 
 A parser's `stream()` is a `CallStream`: fed each delta's text and token ids, it returns the content and keeps the
 call pieces; the text formats read the text (`ToolCallStream`), harmony the ids (`HarmonyCallStream`).
@@ -30,7 +31,7 @@ import json
 import re
 import secrets
 import string
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -75,10 +76,17 @@ class ToolParser(abc.ABC):
     next_head: ClassVar[re.Pattern[str] | None] = None  # a further call inside the same block (Mistral's list)
     skip_special_tokens: ClassVar[bool] = True  # False where the trigger is a special token of the vocabulary
     guided: ClassVar[bool] = True  # a grammar (structural tag) can force its calls (ToolPlan)
+    own_call_grammar: ClassVar[bool] = False  # "required" / named calls are forced by `call_grammar`, not a tag
 
     @abc.abstractmethod
     def begin(self, name: str) -> str:
         """The exact text from the trigger to the arguments of a call of `name`."""
+
+    def call_grammar(self, schemas: Mapping[str, Any], max_whitespace: int) -> str | None:
+        """With `own_call_grammar`: an llguidance Lark grammar of an output that is one call of one of `schemas`
+        (function name -> its arguments' JSON schema), from the first output token on, the thinking too; None for
+        a format whose calls the structural tag of `begin` / `end` forces."""
+        return None
 
     def render_call(self, name: str, arguments: str) -> str:
         """A call as the model writes it (used to put earlier calls back into a prompt)."""
@@ -161,9 +169,15 @@ class OpenAIToolParser(ToolParser):
     separator = ""
     head = re.compile(r"<\|channel\|>commentary to=functions\.([A-Za-z0-9_.\-]+)\s*(?:<\|constrain\|>)?\s*\w*<\|message\|>")
     guided = False
+    own_call_grammar = True
 
     def begin(self, name: str) -> str:
         return f"<|start|>assistant<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>"
+
+    def call_grammar(self, schemas: Mapping[str, Any], max_whitespace: int) -> str:
+        from tandem.tools.harmony import call_grammar
+
+        return call_grammar(schemas, max_whitespace)
 
     def stream(self) -> CallStream:
         from tandem.tools.harmony import HarmonyReader, harmony_encoding

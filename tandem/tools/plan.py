@@ -12,6 +12,8 @@
                   (a trigger-activated grammar), so an auto-mode call always parses and validates too
       "none"      no grammar, no parsing: tools are shown to the model but the answer is text
 - the ToolParser that reads the calls back.
+gpt-oss's harmony (`openai`) is the exception: its "required" / named calls are forced by its own grammar over the whole
+turn, analysis channel included (`ToolParser.call_grammar`, tools/harmony.py), and its "auto" has no grammar.
 
 Arguments are JSON with any whitespace in runs of at most MAX_JSON_WHITESPACE characters (both backends).
 Schemas are closed before compiling: an object schema that lists `properties` and says nothing about
@@ -207,7 +209,7 @@ class ToolPlan:
         choice = choice or "auto"
         if choice not in CHOICES and all(f.name != choice for f in fns):
             raise ToolError(f"tool_choice names {choice!r}, which is not among the tools", "tool_choice")
-        if not parser.guided and choice not in ("none", "auto"):
+        if not (parser.guided or parser.own_call_grammar) and choice not in ("none", "auto"):
             raise ToolError(f"tool_choice {choice!r} needs a grammar that forces the call; the {parser.name!r} "
                             'tool-call format has none here: use "auto"', "tool_choice")
         return cls(fns, choice, parallel is not False, parser, native)
@@ -216,6 +218,11 @@ class ToolPlan:
     def constrained(self) -> bool:
         """Calls are read from the output (and, with a guided parser, held to their schemas)."""
         return self.choice != "none"
+
+    @property
+    def forced_by_own_grammar(self) -> bool:
+        """Calls are forced ("required" or named) by the format's own grammar (harmony's), not a structural tag."""
+        return self.parser.own_call_grammar and self.choice not in ("none", "auto")
 
     def structural_tag(self, answer_schema: Any = None) -> dict[str, Any] | None:
         """The grammar of the answer (xgrammar's structural-tag JSON), None for 'none'. `answer_schema` (a JSON
@@ -237,6 +244,8 @@ class ToolPlan:
     def structured_outputs(self, backend: str | None = None, answer_schema: Any = None) -> StructuredOutputsParams | None:
         """The grammar as params. A backend left to choose (None, "auto") is pinned to llguidance when a schema uses
         a keyword xgrammar ignores (`xgrammar_gaps`): `auto` could promote the grammar to xgrammar otherwise."""
+        if self.forced_by_own_grammar:
+            return self._own_grammar(backend)
         tag = self.structural_tag(answer_schema)
         if tag is None:
             return None
@@ -244,14 +253,27 @@ class ToolPlan:
             backend = "llguidance"
         return StructuredOutputsParams(structural_tag=tag, backend=backend)
 
+    def _own_grammar(self, backend: str | None) -> StructuredOutputsParams:
+        """The format's own grammar of the forced calls (llguidance Lark over the whole output, the thinking too)."""
+        if backend not in (None, "auto", "llguidance"):
+            raise ToolError(f"the {self.parser.name!r} tool-call format forces calls with an llguidance grammar; the "
+                            f"{backend!r} backend cannot hold one", "tool_choice")
+        fns = [f for f in self.tools if f.name == self.choice] or self.tools
+        lark = self.parser.call_grammar({f.name: f.grammar for f in fns}, MAX_JSON_WHITESPACE)
+        return StructuredOutputsParams(grammar=lark, backend="llguidance", enable_in_reasoning=True)
+
     def apply(self, params: SamplingParams) -> SamplingParams:
         """`params` with the plan's grammar and the special-token setting its parser needs. A forced call is the whole
         answer, so with "required" or a named function the params' own constraint (a response_format) gives way; with
         "auto" a JSON one stays the format of a text answer. The backend the params named is kept. ToolError for
-        "auto" beside a constraint that is not JSON. A parser without a grammar (harmony) leaves `params` as they are:
-        a response format then holds the final answer alone."""
-        if not self.constrained or not self.parser.guided:
+        "auto" beside a constraint that is not JSON. Harmony's "auto" has no grammar and leaves `params` as they are
+        (a response format then holds the final answer alone); its forced calls hold the thinking too, so a thinking
+        budget, whose forced end would leave that grammar, is a ToolError."""
+        if not self.constrained or not (self.parser.guided or self.forced_by_own_grammar):
             return params
+        if self.forced_by_own_grammar and params.thinking_token_budget is not None:
+            raise ToolError(f"tool_choice {self.choice!r} with the {self.parser.name!r} format holds the thinking to a "
+                            "grammar too: thinking_token_budget cannot force its end", "thinking_token_budget")
         so = params.structured_outputs
         answer: Any = None
         if so is not None and self.choice == "auto":

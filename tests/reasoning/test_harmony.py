@@ -1,8 +1,8 @@
 """gpt-oss's harmony format (tandem/tools/harmony.py, tandem/reasoning/harmony.py, the `openai` tool parser) on the
 real o200k_harmony tokenizer (tests/reasoning/harmony_models.py): the vocabulary found offline or a clear error,
 prompts rendered token for token as openai_harmony renders them, recorded outputs split into reasoning / content /
-tool calls (whole and streamed alike, hostile text included), the budget's forced way into the final channel, and
-engine runs on the tiny random-weight gpt-oss (markers pushed by logit_bias and forced by the budget; guided JSON
+tool calls (whole and streamed alike, hostile text included), the budget's forced way into the final channel,
+tool_choice "required" / named forced by harmony's own grammar over the whole turn (`call_grammar`), and engine runs on the tiny random-weight gpt-oss (markers pushed by logit_bias and forced by the budget; guided JSON
 only after the analysis)."""
 
 from __future__ import annotations
@@ -19,7 +19,10 @@ import pytest
 from tandem import LLM, SamplingParams, StructuredOutputsParams
 from tandem.config import ConfigError
 from tandem.engine.llm import choose_reasoner
+from tandem.params import ParamError
 from tandem.reasoning import GptOssReasoningParser, HarmonyThinking, Reasoner, ReasoningError
+from tandem.structured.backend import GrammarSpec, allocate_bitmask, is_allowed
+from tandem.structured.llguidance_backend import LLGuidanceBackend
 from tandem.tokenizer import Tokenizer
 from tandem.tools import ToolError, ToolPlan, choose_parser
 from tandem.tools.harmony import (
@@ -38,6 +41,8 @@ WEATHER: dict[str, Any] = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 SCHEMA = {"type": "object", "properties": {"city": {"enum": ["Paris", "Lima"]}}, "required": ["city"],
           "additionalProperties": False}
+RECORDED_CALL = ("<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant<|channel|>commentary "
+                 'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>')
 NO_MARKERS = {m: -100.0 for m in (*hm.MARKERS, hm.PAD)}  # the model keeps writing text, never a marker or EOS
 
 
@@ -243,9 +248,74 @@ def test_a_harmony_model_fixes_the_openai_call_format() -> None:
     assert plan is not None and plan.structural_tag() is None
     guided = SamplingParams(structured_outputs=StructuredOutputsParams(json=SCHEMA))
     assert plan.apply(guided) is guided  # the response format stays: it holds the final answer alone
-    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-        with pytest.raises(ToolError, match='use "auto"'):
-            ToolPlan.build([WEATHER], choice, None, parser, native)
+
+
+CITY: dict[str, Any] = {"type": "function", "function": {"name": "city_weather", "parameters": SCHEMA}}
+TIME: dict[str, Any] = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"tz": {"enum": ["UTC", "CET"]}}, "required": ["tz"]}}}
+
+
+def _forced(choice: Any, **params: Any) -> SamplingParams:
+    plan = ToolPlan.build([WEATHER, TIME], choice, None, OpenAIToolParser(), True)
+    assert plan is not None
+    return plan.apply(SamplingParams(**params))
+
+
+def _taken(tok: Tokenizer, params: SamplingParams, output: list[int]) -> int:
+    """How many tokens of `output` the grammar of `params` takes one by one, each also allowed by its mask (the
+    backend as the engine builds it for harmony: `<|call|>` is no EOS to it)."""
+    eos = [t for t in tok.eos_token_ids if t not in tok.chat_format.call_token_ids]
+    backend = LLGuidanceBackend(tok.hf, hm.VOCAB_SIZE, eos)
+    assert params.structured_outputs is not None
+    matcher = backend.matcher(backend.compile(GrammarSpec.from_params(params.structured_outputs)))
+    mask = allocate_bitmask(1, hm.VOCAB_SIZE)
+    for i, token in enumerate(output):
+        matcher.fill_bitmask(mask, 0)
+        if not is_allowed(mask, 0, token) or matcher.accept([token]) != 1:
+            return i
+    return len(output)
+
+
+@pytest.mark.parametrize("output,whole", [
+    (RECORDED_CALL, True),
+    ('<|channel|>commentary to=functions.get_time <|constrain|>json<|message|>{ "tz":"CET" }<|call|>', True),
+    ('<|channel|>commentary to=functions.get_time <|constrain|>json<|message|>{"tz":"PST"}<|call|>', False),
+    ('<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"A"}<|return|>', False),
+    ("<|channel|>analysis<|message|>Done.<|end|><|start|>assistant<|channel|>final<|message|>Hi<|return|>", False),
+    ("<|channel|>analysis<|message|>a<|end|><|start|>assistant<|channel|>analysis<|message|>b<|end|>", False),
+    ("<|channel|>commentary<|message|>Checking.<|end|>", False),
+    ('<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"A", "x":1}<|call|>', False),
+])
+def test_required_calls_are_forced_by_harmonys_own_grammar(tok: Tokenizer, enc: Any, output: str, whole: bool) -> None:
+    """tool_choice "required" with harmony: a grammar over the whole turn (the analysis too), a call to one of the
+    functions with valid arguments, ended by `<|call|>`; no final answer, preamble or second analysis."""
+    params = _forced("required")
+    so = params.structured_outputs
+    assert so is not None and so.enable_in_reasoning and so.backend == "llguidance" and so.kind == "grammar"
+    ids = encode(enc, output)
+    assert (_taken(tok, params, ids) == len(ids)) == whole
+
+
+def test_a_named_function_is_the_only_call_harmonys_grammar_takes(tok: Tokenizer, enc: Any) -> None:
+    params = _forced({"type": "function", "function": {"name": "get_time"}})
+    time_call = encode(enc, '<|channel|>commentary to=functions.get_time <|constrain|>json<|message|>{"tz":"UTC"}<|call|>')
+    assert _taken(tok, params, time_call) == len(time_call)
+    assert _taken(tok, params, encode(enc, RECORDED_CALL)) < len(encode(enc, RECORDED_CALL))
+
+
+def test_harmonys_forced_calls_refuse_a_thinking_budget_and_xgrammar() -> None:
+    """Its grammar holds the thinking, so a budget's forced end (into a final answer) has no place in it."""
+    with pytest.raises(ToolError, match="thinking_token_budget") as e:
+        _forced("required", thinking_token_budget=8)
+    assert e.value.param == "thinking_token_budget"
+    with pytest.raises(ParamError, match="enable_in_reasoning"):
+        SamplingParams(thinking_token_budget=4, structured_outputs=StructuredOutputsParams(grammar="start: \"a\"",
+                                                                                             enable_in_reasoning=True))
+    plan = ToolPlan.build([WEATHER], "required", None, OpenAIToolParser(), True)
+    assert plan is not None
+    xgrammar = SamplingParams(structured_outputs=StructuredOutputsParams(json=SCHEMA, backend="xgrammar"))
+    with pytest.raises(ToolError, match="llguidance"):
+        plan.apply(xgrammar)
 
 
 # ==================================================================================== reading recorded outputs
@@ -478,3 +548,24 @@ def test_llm_chat_renders_with_harmony(llm: LLM, enc: Any) -> None:
     assert c.token_ids[:3] == encode(enc, "<|channel|>final<|message|>") and c.reasoning is None
     assert c.content == _harmony_parse(enc, out.prompt_token_ids, c.token_ids)[1]
 
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("choice,analysis", [("required", False), ("required", True),
+                                             ({"type": "function", "function": {"name": "get_time"}}, False)])
+def test_llm_chat_forces_a_harmony_call_through_the_analysis(llm: LLM, enc: Any, choice: Any, analysis: bool) -> None:
+    """Random weights write no harmony; the grammar makes it a call from the first token (logit_bias on `<|end|>`
+    closes an analysis at once; `analysis` pushes one open first), `<|call|>` ends it, and harmony's parser reads
+    one valid call back."""
+    bias = {hm.END: 100.0, **({encode(enc, "analysis")[0]: 50.0} if analysis else {})}  # <|end|> wins in the text
+    out = llm.chat([{"role": "user", "content": "Weather or time?"}],
+                   SamplingParams(max_tokens=64, temperature=0, logit_bias=bias), tools=[CITY, TIME],
+                   tool_choice=choice, chat_template_kwargs={"conversation_start_date": DATE}, use_tqdm=False)[0]
+    c = out.outputs[0]
+    assert c.finish_reason == "stop" and c.token_ids[-1] == hm.CALL and c.content in (None, "")
+    opened = encode(enc, "<|channel|>analysis<|message|><|end|><|start|>assistant<|channel|>commentary")
+    assert (c.token_ids[:len(opened) - 1] == opened[:-1]) == analysis
+    [call] = OpenAIToolParser().parse(c.text, c.token_ids).tool_calls
+    params = {"city_weather": SCHEMA, "get_time": TIME["function"]["parameters"]}
+    assert call.name in (params if choice == "required" else ["get_time"])
+    jsonschema.validate(json.loads(call.arguments), params[call.name])

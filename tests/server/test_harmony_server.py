@@ -8,6 +8,7 @@ harmony: NO_MARKERS keeps markers out and the thinking budget forces the final c
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -32,6 +33,8 @@ NO_MARKERS = {str(m): -100 for m in (*hm.MARKERS, hm.PAD)}
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"tz": {"enum": ["UTC", "CET"]}}, "required": ["tz"]}}}
 RECORDED = ("<|channel|>analysis<|message|>The user wants the weather. Call the tool.<|end|><|start|>assistant"
             "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{\"city\": \"Paris\"}<|call|>")
 ANSWERED = ("<|channel|>analysis<|message|>It is 21C.<|end|><|start|>assistant<|channel|>final<|message|>"
@@ -152,8 +155,28 @@ def test_tools_are_rendered_and_read_by_the_openai_parser(srv: Srv) -> None:
     stream = srv.chat(max_tokens=8, thinking_token_budget=0, logit_bias=NO_MARKERS, tools=[WEATHER], stream=True)
     content = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert content == r.choices[0].message.content
-    with pytest.raises(openai.BadRequestError, match='use "auto"'):
-        srv.chat(max_tokens=4, tools=[WEATHER], tool_choice="required")
+
+
+@pytest.mark.slow
+def test_required_forces_a_call_whole_and_streamed(srv: Srv) -> None:
+    """A named function (and "required") holds the whole turn to harmony's call grammar (the analysis too): one
+    call, valid arguments, finish_reason "tool_calls", the same streamed; a thinking budget cannot go with it (400).
+    (get_time's enum keeps the random model's arguments short; get_weather's free string would run on.)"""
+    kw: dict[str, Any] = {"max_tokens": 64, "tools": [WEATHER, TIME], "logit_bias": {str(hm.END): 100},
+                          "tool_choice": {"type": "function", "function": {"name": "get_time"}}}
+    r = srv.chat(**kw).choices[0]
+    [call] = r.message.tool_calls
+    assert r.finish_reason == "tool_calls" and call.function.name == "get_time"
+    assert json.loads(call.function.arguments)["tz"] in ("UTC", "CET")
+    required = srv.chat(**{**kw, "tools": [TIME], "tool_choice": "required"}).choices[0]
+    assert [c.function.name for c in required.message.tool_calls] == ["get_time"]
+    chunks = [c.choices[0] for c in srv.chat(stream=True, **kw) if c.choices]
+    streamed = [tc for c in chunks for tc in c.delta.tool_calls or []]
+    assert [tc.function.name for tc in streamed if tc.id] == [call.function.name]
+    assert "".join(tc.function.arguments or "" for tc in streamed) == call.function.arguments
+    assert chunks[-1].finish_reason == "tool_calls"
+    with pytest.raises(openai.BadRequestError, match="thinking_token_budget"):
+        srv.chat(max_tokens=4, tools=[WEATHER], tool_choice="required", thinking_token_budget=4)
 
 
 @pytest.mark.slow
