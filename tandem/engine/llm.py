@@ -311,7 +311,9 @@ class LLM:
         no tools gets tandem's fallback prompt (docs/tool_calling.md). tandem's addition: a `tool_choice` ("auto",
         "required" or {"type": "function", "function": {"name": ...}}) also holds the calls to their functions'
         schemas with the tool grammar (it replaces the params' structured_outputs, whose backend it keeps); read calls
-        back with `tool_parser().parse(output.outputs[0].text)`. Without `tool_choice`, tools are only shown.
+        back with `tool_parser().parse(output.outputs[0].text)` (gpt-oss's harmony reads the token ids: pass
+        `output.outputs[0].token_ids` too; its "required" / named calls hold the analysis to their grammar as well).
+        Without `tool_choice`, tools are only shown.
         """
         convs: list[ChatMessages] = [messages] if messages and isinstance(messages[0], dict) else list(messages)  # type: ignore[list-item,arg-type]
         tok = self.llm_engine.tokenizer
