@@ -135,6 +135,22 @@ def test_a_closed_block_answers_under_the_grammar_from_the_first_token(model_dir
     check_answer(c)
 
 
+@pytest.mark.parametrize("mode", ["sync", "ahead", "suffix-ahead"])
+def test_a_grammar_that_holds_the_thinking_too_starts_at_the_first_token(mode: str, model_dir: Path) -> None:
+    """`enable_in_reasoning`: the grammar is not deferred to the end of the thinking; it holds the thinking (a few
+    lowercase letters), the end marker and the answer, and the split still follows the marker."""
+    grammar = f'start: THOUGHT "</think>" %json {json.dumps(SCHEMA)}\nTHOUGHT: /[a-z]{{2,6}}/\n'
+    so = StructuredOutputsParams(grammar=grammar, backend="llguidance", enable_in_reasoning=True)
+    eng = engine(model_dir, **MODES[mode])
+    try:
+        c = run(eng, {"r": (THINK, SamplingParams(max_tokens=48, temperature=0, structured_outputs=so))})["r"].outputs[0]
+    finally:
+        eng.shutdown()
+    assert c.reasoning is not None and 2 <= len(c.reasoning) <= 6 and c.reasoning.isalpha() and c.reasoning.islower()
+    assert c.text == c.reasoning + "</think>" + (c.content or "")
+    check_answer(c)
+
+
 def test_without_a_parser_nothing_changes(model_dir: Path, reference: dict[str, RequestOutput]) -> None:
     eng = engine(model_dir, reasoning_parser=None)
     try:
