@@ -311,6 +311,8 @@ def test_harmonys_forced_calls_refuse_a_thinking_budget_and_xgrammar() -> None:
     with pytest.raises(ParamError, match="enable_in_reasoning"):
         SamplingParams(thinking_token_budget=4, structured_outputs=StructuredOutputsParams(grammar="start: \"a\"",
                                                                                              enable_in_reasoning=True))
+    with pytest.raises(ParamError, match="enable_in_reasoning must be a bool"):
+        StructuredOutputsParams(json=SCHEMA, enable_in_reasoning="yes")  # type: ignore[arg-type]
     plan = ToolPlan.build([WEATHER], "required", None, OpenAIToolParser(), True)
     assert plan is not None
     xgrammar = SamplingParams(structured_outputs=StructuredOutputsParams(json=SCHEMA, backend="xgrammar"))
@@ -569,3 +571,43 @@ def test_llm_chat_forces_a_harmony_call_through_the_analysis(llm: LLM, enc: Any,
     params = {"city_weather": SCHEMA, "get_time": TIME["function"]["parameters"]}
     assert call.name in (params if choice == "required" else ["get_time"])
     jsonschema.validate(json.loads(call.arguments), params[call.name])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_distinct_tool_sets_at_once_and_a_hostile_schema_fails_alone(enc: Any, async_scheduling: bool) -> None:
+    """Eight requests at once, each its own tool set (names, enums, 1-3 functions; required or named), and one whose
+    schema llguidance cannot compile (a lookbehind pattern): each of the eight gets one valid call of its own
+    functions (the named one where named); the hostile one ends alone with an error that says why."""
+    llm = LLM(str(hm.harmony_model()), dtype="float32", progress=False, max_model_len=1024,
+              kv_cache_memory=64 * 2**20, reasoning_parser="openai_gptoss", async_scheduling=async_scheduling)
+    eng, tok = llm.llm_engine, llm.get_tokenizer()
+    expected: dict[str, tuple[set[str], dict[str, Any]]] = {}
+    try:
+        for i in range(9):
+            value: dict[str, Any] = {"enum": [f"a{i}", f"b{i}x"]} if i < 8 else {"type": "string", "pattern": "(?<=a)b"}
+            tools = [{"type": "function", "function": {"name": f"t{i}_{j}", "parameters": {
+                "type": "object", "properties": {"v": value}, "required": ["v"]}}} for j in range(1 + i % 3)]
+            choice = "required" if i % 2 else {"type": "function", "function": {"name": f"t{i}_{i % 3}"}}
+            plan = ToolPlan.build(tools, choice, None, OpenAIToolParser(), True)
+            assert plan is not None
+            params = plan.apply(SamplingParams(max_tokens=64, temperature=0, logit_bias={hm.END: 100.0}))
+            prompt = tok.apply_chat_template([{"role": "user", "content": f"Question {i}?"}], tools=tools,
+                                             conversation_start_date=DATE)
+            eng.add_request(f"r{i}", prompt, params)
+            names = {t["function"]["name"] for t in tools} if i % 2 else {f"t{i}_{i % 3}"}
+            expected[f"r{i}"] = (names, tools[0]["function"]["parameters"])
+        done: dict[str, Any] = {}
+        while eng.has_unfinished_requests():
+            done.update((o.request_id, o) for o in eng.step() if o.finished)
+    finally:
+        llm.shutdown()
+    hostile = done.pop("r8")
+    assert hostile.outputs[0].finish_reason == "error" and "regex parse error" in (hostile.error or "")
+    for rid, out in done.items():
+        c = out.outputs[0]
+        assert out.error is None and c.finish_reason == "stop" and c.token_ids[-1] == hm.CALL, rid
+        [call] = OpenAIToolParser().parse(c.text, c.token_ids).tool_calls
+        names, schema = expected[rid]
+        assert call.name in names, (rid, call.name)
+        jsonschema.validate(json.loads(call.arguments), schema)
