@@ -239,6 +239,9 @@ class SpeculativeDecoder(Speculation):
         self._waited_catch_up = False  # ... and whether a catch-up proposal was waited for meanwhile
         self._pending: tuple[int, AheadChoice, float] | None = None  # the last period's (batch, choice, seconds)
         self._step = 0  # draft_ahead calls
+        # the last draft_ahead's K per request and its decode batch: a redraft of the same plan drafts as it chose
+        self._step_k: dict[str, int] = {}
+        self._step_batch = 0
         self._asked: dict[str, int] = {}  # request -> the step a cheap proposer was last asked for it
         self._empty: dict[str, int] = {}  # request -> its consecutive empty proposals
         self._past_drafts: dict[str, tuple[list[int], int]] = {}  # request -> (its drafts, the guess after them)
@@ -393,6 +396,7 @@ class SpeculativeDecoder(Speculation):
                 tail = req.token_ids[len(req.token_ids) - req.num_tentative : len(req.token_ids) - 1]
                 fresh.append(DraftRequest(req.request_id, req.confirmed_tokens, req.num_prompt_tokens,
                                           k + (1 if req.num_tentative else 0), tail))
+        self._step_k, self._step_batch = ks, len(decoding)
         if fresh:
             self._propose_now(fresh, deadline)
         # a concurrent drafter's proposal sized to the step is waited for (the policy counted the wait); one still
@@ -563,13 +567,22 @@ class SpeculativeDecoder(Speculation):
         if self.proposer.drafts_concurrently or not requests:
             return {}
         t0 = time.perf_counter()
-        batch = [DraftRequest(r.request_id, r.confirmed_tokens, r.num_prompt_tokens,
-                              min(self._choose_k(r.request_id, len(requests)), allowed(r))) for r in requests]
-        proposals = self._propose([dr for dr in batch if dr.max_drafts > 0])
+        batch = [DraftRequest(r.request_id, r.confirmed_tokens, r.num_prompt_tokens, min(self._redraft_k(r), allowed(r)))
+                 for r in requests]
+        wanted = [dr for dr in batch if dr.max_drafts > 0]
+        proposals = self._propose(wanted) if wanted else {}
         out = {rid: d.token_ids for rid, d in proposals.items() if d.token_ids}
         self.stats.redrafted += len(out)
         self.stats.draft_wait_s += time.perf_counter() - t0
         return out
+
+    def _redraft_k(self, req: Request) -> int:
+        """K for a request drafted again for the plan the last `draft_ahead` drafted: the K chosen there, for the
+        whole decode batch. (Chosen again for the few redrafted at a time, adaptive K priced a step as if only
+        they were in it: the demo model, 32 chat requests on two cores scheduled ahead, chose K = 4-8 for most
+        redrafts against K = 0-1 synchronously, verifying 43 % more drafts for 30 % more accepted.)"""
+        k = self._step_k.get(req.request_id)
+        return k if k is not None else self._choose_k(req.request_id, max(self._step_batch, 1))
 
     def missed(self, num: int) -> None:
         self.stats.optimistic_misses += num

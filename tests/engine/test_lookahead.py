@@ -151,3 +151,24 @@ def test_the_ahead_policy_credits_a_plans_tokens_to_the_choice_that_made_it() ->
     spec.draft_ahead([req], lambda r: 8, None)
     # plans: K = 2 (its 3 tokens land in period 2), K = 2 (3, period 3), K = 0 (1, period 4), K = 0 (next period)
     assert seen == [(2, 3), (2, 3), (0, 1)]
+
+
+def test_a_redraft_drafts_as_the_whole_batch_chose() -> None:
+    """Scheduling ahead, a miss drafted again drafts the K its step chose for the whole decode batch: chosen anew
+    for the few redrafted at a time, adaptive K priced a step of 2 rows (a flat forward: K = 3 pays) where the
+    plan holds 32 (a forward linear in its tokens: K = 0 pays)."""
+    proposer = _Cheap()
+    spec = SpeculativeDecoder(SpeculativeConfig(method="ngram", num_speculative_tokens=3, adaptive=True), proposer, 4096)
+    assert spec.adaptive is not None
+    for tokens, seconds in [(2, 0.010), (8, 0.011), (32, 0.040), (64, 0.080), (128, 0.160)]:
+        spec.observe_step(tokens, seconds, 0.0)
+    assert spec.adaptive.choose("probe", 2) == 3 and spec.adaptive.choose("probe", 32) == 0
+    reqs = [Request(f"r{i}", [1, 2, 10 + i], SamplingParams()) for i in range(32)]
+    for req in reqs:
+        req.num_computed_tokens = req.num_tokens - 1
+    spec.draft_ahead(reqs, lambda r: 8, None)
+    calls = len(proposer.calls)
+    late = Request("late", [1, 2, 99], SamplingParams())  # not in the plan draft_ahead saw: chosen for its batch
+    late.num_computed_tokens = late.num_tokens - 1
+    assert spec.redraft([reqs[0], reqs[1], late], lambda r: 8) == {}
+    assert len(proposer.calls) == calls  # K = 0: nothing proposed
