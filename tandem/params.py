@@ -46,10 +46,10 @@ class StructuredOutputsParams:
     free text (what tool calls in "auto" mode need); both backends accept the subset listed in
     tandem/structured/backend.py (STRUCTURAL_TAG_FORMATS).
 
-    `enable_in_reasoning` (vLLM's name, here per request): with a reasoning parser, the grammar holds the whole output
-    from its first token, the thinking too, instead of starting where the thinking ends; a grammar that must say how
-    the thinking goes (gpt-oss's forced tool calls: tools/harmony.py). It leaves no room for a thinking budget's forced
-    end, so the two are refused together.
+    `enable_in_reasoning` (vLLM's name; per request here, engine-wide in `structured_outputs_config` as in vLLM): with
+    a reasoning parser, the grammar holds the whole output from its first token, the thinking too, instead of
+    starting where the thinking ends; a grammar that must say how the thinking goes (gpt-oss's forced tool calls:
+    tools/harmony.py). It leaves no room for a thinking budget's forced end, so the two are refused together.
     """
 
     json: str | None = None
@@ -268,6 +268,18 @@ class SamplingParams:
 
     def clone(self, **changes: Any) -> SamplingParams:
         return replace(self, **changes)
+
+    def grammar_in_reasoning(self) -> SamplingParams:
+        """These params with their grammar (if any) holding the thinking too: what the engine-wide
+        `structured_outputs_config={"enable_in_reasoning": True}` makes of each request. ParamError with a thinking
+        budget, as for the per-request switch."""
+        so = self.structured_outputs
+        if so is None or so.enable_in_reasoning:
+            return self
+        if self.thinking_token_budget is not None:
+            raise ParamError("thinking_token_budget cannot end a thinking that the grammar holds too (the engine's "
+                             "structured_outputs_config enable_in_reasoning): its forced end would leave the grammar")
+        return self.clone(structured_outputs=replace(so, enable_in_reasoning=True))
 
     @classmethod
     def field_names(cls) -> list[str]:

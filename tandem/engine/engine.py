@@ -164,7 +164,9 @@ class LLMEngine:
         self._owns_speculation = True
         # a token that ends a tool call (harmony's <|call|>) is a grammar's own token, not an EOS to the backends
         grammar_eos = tuple(t for t in self.eos_token_ids if t not in tokenizer.chat_format.call_token_ids)
-        self.guidance = make_guidance(tokenizer.hf, self.vocab_size, grammar_eos, structured_config or StructuredOutputConfig())
+        structured_config = structured_config or StructuredOutputConfig()
+        self.guidance = make_guidance(tokenizer.hf, self.vocab_size, grammar_eos, structured_config)
+        self.grammar_in_reasoning = structured_config.enable_in_reasoning  # engine-wide: every grammar holds the thinking
         self.thinking = Thinking(reasoner, self.guidance)
         # (a) "device": bitmask copied to the device and applied there; (b) "cpu": logits brought to the host
         mask_mode = mask_mode or ("cpu" if runner.device.type == "cpu" else "device")
@@ -201,6 +203,8 @@ class LLMEngine:
     ) -> None:
         """Queue a request (text, or token ids). Raises ParamError for this request alone when its input is invalid."""
         params = params or SamplingParams()
+        if self.grammar_in_reasoning:
+            params = params.grammar_in_reasoning()
         if request_id in self._groups:
             raise ParamError(f"request id {request_id!r} is already in use")
         prompt_text, prompt_ids = self._tokenize(prompt)

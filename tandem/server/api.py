@@ -129,6 +129,12 @@ class ServerState:
         info = self.client.info
         return info.reasoning_parser if info is not None else None
 
+    @property
+    def grammar_in_reasoning(self) -> bool:
+        """The engine core holds every grammar over the thinking too (structured_outputs_config enable_in_reasoning)."""
+        info = self.client.info
+        return info is not None and info.grammar_in_reasoning
+
     def tool_format(self) -> tuple[ToolParser, bool]:
         """(the tool-call parser, whether the chat format renders tools itself), from --tool-call-parser and the
         chat format / template the engine core reported."""
@@ -538,7 +544,10 @@ def _prepare(state: ServerState, model: str | None, make_params: Callable[[], Sa
         raise APIError(f"the model {model!r} does not exist; this server serves {list(state.config.served_model_names)}",
                        404, param="model", code="model_not_found")
     try:
-        return with_thinking_budget(make_params(), state.reasoning_parser, state.config.thinking_token_budget)
+        params = make_params()
+        if state.grammar_in_reasoning:  # before the default budget, which a grammar holding the thinking leaves out
+            params = params.grammar_in_reasoning()
+        return with_thinking_budget(params, state.reasoning_parser, state.config.thinking_token_budget)
     except ToolError as e:
         raise APIError(str(e), 400, param=e.param) from e
     except ParamError as e:

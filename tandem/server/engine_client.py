@@ -162,6 +162,7 @@ def run_engine_core(
                             "chat_template": getattr(engine.tokenizer.hf, "chat_template", None),
                             "tool_call_parser": engine.tokenizer.chat_format.tool_call_parser,
                             "reasoning_parser": engine.tokenizer.chat_format.reasoning_parser,
+                            "grammar_in_reasoning": engine.grammar_in_reasoning,
                             "stats": engine.get_stats()}))
     try:
         _core_loop(engine, commands, results, parent_pid)
@@ -312,6 +313,7 @@ class ModelInfo:
     chat_template: str | None = None
     tool_call_parser: str | None = None  # the call format the model's chat format fixes (harmony: "openai")
     reasoning_parser: str | None = None  # the reasoning parser the chat format implies (harmony: "openai_gptoss")
+    grammar_in_reasoning: bool = False  # structured_outputs_config's enable_in_reasoning: grammars hold the thinking
 
 
 class RequestStream:
@@ -639,7 +641,7 @@ class EngineClient:
             if self._ready is not None and not self._ready.done():
                 self._ready.set_result(ModelInfo(info["max_model_len"], info["vocab_size"], info["has_chat_template"], info["pid"],
                                                  info.get("chat_template"), info.get("tool_call_parser"),
-                                                 info.get("reasoning_parser")))
+                                                 info.get("reasoning_parser"), bool(info.get("grammar_in_reasoning"))))
         elif kind in ("failed", "fatal"):
             self._mark_dead(f"engine core {'failed to start' if kind == 'failed' else 'failed'}: {msg[1]}")
 

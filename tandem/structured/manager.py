@@ -88,6 +88,9 @@ class StructuredOutputConfig:
     isolate_compiles: bool = True  # xgrammar compiles in worker processes that are killed at compile_timeout_s
     unmasked_greedy: bool = True  # greedy rows in free-text states skip their mask fill, their token checked after
     unmasked_min_fill_ms: float = 0.1  # ... if that fill cost this much CPU (structural JSON states: ~0.05 ms)
+    # vLLM's engine-wide switch: every guided request's grammar holds its thinking too (with a reasoning parser), as
+    # StructuredOutputsParams(enable_in_reasoning=True) does for one request (see SamplingParams.grammar_in_reasoning)
+    enable_in_reasoning: bool = False
 
     def __post_init__(self) -> None:
         """ValueError naming the first setting of the wrong type (e.g. the string "false" for a flag) or range."""

@@ -16,6 +16,7 @@ import pytest
 
 from tandem import SamplingParams, StructuredOutputsParams
 from tandem.engine.engine import LLMEngine
+from tandem.params import ParamError
 from tandem.request import CompletionOutput, RequestOutput
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
@@ -149,6 +150,36 @@ def test_a_grammar_that_holds_the_thinking_too_starts_at_the_first_token(mode: s
     assert c.reasoning is not None and 2 <= len(c.reasoning) <= 6 and c.reasoning.isalpha() and c.reasoning.islower()
     assert c.text == c.reasoning + "</think>" + (c.content or "")
     check_answer(c)
+
+
+def test_the_engine_wide_switch_holds_every_grammar_over_the_thinking(model_dir: Path) -> None:
+    """vLLM's `structured_outputs_config={"enable_in_reasoning": True}`: every guided request of the engine is as if
+    it asked for it itself (token for token the same, the grammar over the thinking), several at once, each its own
+    grammar; a guided request with a thinking budget is refused alone; a free request keeps its budget."""
+    grammars = [f'start: THOUGHT "</think>" %json {json.dumps(SCHEMA)}\nTHOUGHT: /[a-z]{{{n},{n + 3}}}/\n' for n in (2, 3, 4)]
+
+    def params(grammar: str, per_request: bool) -> SamplingParams:
+        so = StructuredOutputsParams(grammar=grammar, backend="llguidance", enable_in_reasoning=per_request)
+        return SamplingParams(max_tokens=48, temperature=0, structured_outputs=so)
+
+    own = engine(model_dir)
+    wide = engine(model_dir, structured_outputs_config={"enable_in_reasoning": True})
+    try:
+        free = (THINK, SamplingParams(max_tokens=16, temperature=0, thinking_token_budget=2))
+        want = run(own, {**{f"g{i}": (THINK, params(g, True)) for i, g in enumerate(grammars)}, "free": free})
+        with pytest.raises(ParamError, match="thinking_token_budget.*enable_in_reasoning"):
+            wide.add_request("budget", THINK, guided(thinking_token_budget=BUDGET))
+        got = run(wide, {**{f"g{i}": (THINK, params(g, False)) for i, g in enumerate(grammars)}, "free": free})
+    finally:
+        own.shutdown()
+        wide.shutdown()
+    for i in range(len(grammars)):
+        c = got[f"g{i}"].outputs[0]
+        assert c.token_ids == want[f"g{i}"].outputs[0].token_ids
+        assert c.reasoning is not None and 2 + i <= len(c.reasoning) <= 5 + i and c.reasoning.isalpha()
+        check_answer(c)
+    assert got["free"].outputs[0].token_ids == want["free"].outputs[0].token_ids  # its budget as without the switch
+    assert got["free"].outputs[0].num_reasoning_tokens == 2 + 3  # the budget, then the forced "</think>" (3 tokens)
 
 
 def test_without_a_parser_nothing_changes(model_dir: Path, reference: dict[str, RequestOutput]) -> None:

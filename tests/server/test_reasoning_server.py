@@ -651,6 +651,43 @@ def test_agents_sdk_reasoning_items(srv: Srv) -> None:
     assert isinstance(output, City) and {"response.reasoning_text.delta", "response.reasoning_text.done"} <= raw
 
 
+# ------------------------------------------------- a server whose grammars hold the thinking (enable_in_reasoning)
+@pytest.fixture(scope="module")
+def held_srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Srv]:
+    log_path = tmp_path_factory.mktemp("held-reasoning") / "server.log"
+    args = [*SERVER_ARGS, "--reasoning-parser", "qwen3", "--thinking-token-budget", str(DEFAULT_BUDGET),
+            "--structured-outputs-config", '{"enable_in_reasoning": true}']
+    with running_server(log_path, str(qwen3_6_model()), args, os.environ) as (_, url):
+        yield Srv(url)
+
+
+@pytest.mark.slow
+def test_the_engine_wide_switch_over_http(held_srv: Srv) -> None:
+    """vLLM's `--structured-outputs-config '{"enable_in_reasoning": true}'`: distinct grammars at once, each spelling
+    its own thinking, the end marker and a JSON answer, hold the whole output (the server's default budget is not
+    applied to them: a forced end would leave the grammar); the split follows the marker. A guided request that asks
+    for a budget gets a 400 naming it; a free one keeps the server's default budget."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def ask(n: int) -> Any:
+        compact = {**SCHEMA, "x-guidance": {"whitespace_flexible": False}}  # random weights would pad it with spaces
+        grammar = f'start: THOUGHT <[{QWEN36_END_THINK}]> %json {json.dumps(compact)}\nTHOUGHT: /[a-z]{{{n},{n + 2}}}/\n'
+        return held_srv.chat(max_tokens=48, extra_body={"structured_outputs": {"grammar": grammar, "backend": "llguidance"}})
+
+    with ThreadPoolExecutor(3) as pool:
+        answers = list(pool.map(ask, (2, 5, 8)))
+    for n, r in zip((2, 5, 8), answers):
+        ch = r.choices[0]
+        thought = _extra(ch.message)["reasoning"]
+        assert ch.finish_reason == "stop" and n <= len(thought.strip()) <= n + 2 and thought.strip().isalpha()
+        jsonschema.validate(json.loads(ch.message.content), SCHEMA)
+    with pytest.raises(openai.BadRequestError, match="thinking_token_budget"):
+        held_srv.chat(max_tokens=24, thinking_token_budget=4, response_format={
+            "type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA}})
+    u = held_srv.chat(max_tokens=16, logit_bias=NO_MARKERS, ignore_eos=True).usage
+    assert u.completion_tokens_details.reasoning_tokens == DEFAULT_BUDGET + 1
+
+
 # --------------------------------------------------------------------------------- a server without a parser
 @pytest.fixture(scope="module")
 def plain_srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Srv]:
