@@ -81,7 +81,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "else a local Ray instance (ray; pip install ray)")
     g.add_argument("--chat-template", default=None, help="Jinja chat template text or file")
     g.add_argument("--structured-outputs-config", type=json.loads, default=None,
-                   help='structured-output settings as JSON, e.g. {"backend": "llguidance"}')
+                   help='structured-output settings as JSON, e.g. {"backend": "llguidance"}; '
+                        '{"enable_in_reasoning": true}: grammars hold the thinking too')
     g.add_argument("--structured-mask-mode", default=None, choices=["cpu", "device"])
     g.add_argument("--async-scheduling", default=None, action=argparse.BooleanOptionalAction,
                    help="schedule each step while the previous one runs (default: on for accelerators, no drafts)")
