@@ -49,7 +49,9 @@ class StructuredOutputsParams:
     `enable_in_reasoning` (vLLM's name; per request here, engine-wide in `structured_outputs_config` as in vLLM): with
     a reasoning parser, the grammar holds the whole output from its first token, the thinking too, instead of
     starting where the thinking ends; a grammar that must say how the thinking goes (gpt-oss's forced tool calls:
-    tools/harmony.py). It leaves no room for a thinking budget's forced end, so the two are refused together.
+    tools/harmony.py). It leaves no room for a thinking budget's forced end, so the two are refused together. None
+    (the default): as the engine's setting says (off unless its structured_outputs_config turns it on); False: after
+    the thinking whatever the engine says (the call grammars of text tool formats, built for the answer).
     """
 
     json: str | None = None
@@ -60,7 +62,7 @@ class StructuredOutputsParams:
     whitespace: str = "compact"
     backend: str | None = None
     structural_tag: str | None = None
-    enable_in_reasoning: bool = False
+    enable_in_reasoning: bool | None = None
 
     def __init__(
         self,
@@ -72,7 +74,7 @@ class StructuredOutputsParams:
         whitespace: str = "compact",
         backend: str | None = None,
         structural_tag: Any = None,
-        enable_in_reasoning: bool = False,
+        enable_in_reasoning: bool | None = None,
     ) -> None:
         object.__setattr__(self, "json", _schema_text(json) if json is not None else None)
         object.__setattr__(self, "json_object", bool(json_object))
@@ -92,7 +94,8 @@ class StructuredOutputsParams:
         _check(len(kinds) == 1, "structured_outputs needs exactly one of json, json_object, regex, choice, grammar, "
                f"structural_tag; got {kinds or 'none'}")
         _check(self.whitespace in ("compact", "flexible"), f"whitespace must be 'compact' or 'flexible', got {self.whitespace!r}")
-        _check(isinstance(self.enable_in_reasoning, bool), f"enable_in_reasoning must be a bool, got {self.enable_in_reasoning!r}")
+        _check(self.enable_in_reasoning is None or isinstance(self.enable_in_reasoning, bool),
+               f"enable_in_reasoning must be None or a bool, got {self.enable_in_reasoning!r}")
         _check(self.backend in (None, "auto", "xgrammar", "llguidance"), f"backend must be one of None, 'auto', 'xgrammar', 'llguidance', got {self.backend!r}")
         if self.choice is not None:
             _check(len(self.choice) > 0 and all(isinstance(c, str) and c for c in self.choice), "choice must be a non-empty list of non-empty strings")
@@ -274,7 +277,7 @@ class SamplingParams:
         `structured_outputs_config={"enable_in_reasoning": True}` makes of each request. ParamError with a thinking
         budget, as for the per-request switch."""
         so = self.structured_outputs
-        if so is None or so.enable_in_reasoning:
+        if so is None or so.enable_in_reasoning is not None:  # the request's own choice stands
             return self
         if self.thinking_token_budget is not None:
             raise ParamError("thinking_token_budget cannot end a thinking that the grammar holds too (the engine's "

@@ -251,7 +251,9 @@ class ToolPlan:
             return None
         if backend in (None, "auto") and any(xgrammar_gaps(f.grammar) for f in self.tools):
             backend = "llguidance"
-        return StructuredOutputsParams(structural_tag=tag, backend=backend)
+        # the answer's grammar: it starts where the thinking ends, even under an engine-wide enable_in_reasoning (from
+        # the first token it would force a call with no thinking, and no end marker to split the answer at)
+        return StructuredOutputsParams(structural_tag=tag, backend=backend, enable_in_reasoning=False)
 
     def _own_grammar(self, backend: str | None) -> StructuredOutputsParams:
         """The format's own grammar of the forced calls (llguidance Lark over the whole output, the thinking too)."""

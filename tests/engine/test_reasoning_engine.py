@@ -155,10 +155,11 @@ def test_a_grammar_that_holds_the_thinking_too_starts_at_the_first_token(mode: s
 def test_the_engine_wide_switch_holds_every_grammar_over_the_thinking(model_dir: Path) -> None:
     """vLLM's `structured_outputs_config={"enable_in_reasoning": True}`: every guided request of the engine is as if
     it asked for it itself (token for token the same, the grammar over the thinking), several at once, each its own
-    grammar; a guided request with a thinking budget is refused alone; a free request keeps its budget."""
+    grammar; a guided request with a thinking budget is refused alone; a free request keeps its budget, and one that
+    says `enable_in_reasoning=False` itself keeps its grammar after the thinking (and may have a budget)."""
     grammars = [f'start: THOUGHT "</think>" %json {json.dumps(SCHEMA)}\nTHOUGHT: /[a-z]{{{n},{n + 3}}}/\n' for n in (2, 3, 4)]
 
-    def params(grammar: str, per_request: bool) -> SamplingParams:
+    def params(grammar: str, per_request: bool | None) -> SamplingParams:
         so = StructuredOutputsParams(grammar=grammar, backend="llguidance", enable_in_reasoning=per_request)
         return SamplingParams(max_tokens=48, temperature=0, structured_outputs=so)
 
@@ -166,10 +167,12 @@ def test_the_engine_wide_switch_holds_every_grammar_over_the_thinking(model_dir:
     wide = engine(model_dir, structured_outputs_config={"enable_in_reasoning": True})
     try:
         free = (THINK, SamplingParams(max_tokens=16, temperature=0, thinking_token_budget=2))
-        want = run(own, {**{f"g{i}": (THINK, params(g, True)) for i, g in enumerate(grammars)}, "free": free})
+        after = (THINK, SamplingParams(max_tokens=48, temperature=0, thinking_token_budget=BUDGET,
+                                       structured_outputs=StructuredOutputsParams(json=SCHEMA, enable_in_reasoning=False)))
+        want = run(own, {**{f"g{i}": (THINK, params(g, True)) for i, g in enumerate(grammars)}, "free": free, "after": after})
         with pytest.raises(ParamError, match="thinking_token_budget.*enable_in_reasoning"):
             wide.add_request("budget", THINK, guided(thinking_token_budget=BUDGET))
-        got = run(wide, {**{f"g{i}": (THINK, params(g, False)) for i, g in enumerate(grammars)}, "free": free})
+        got = run(wide, {**{f"g{i}": (THINK, params(g, None)) for i, g in enumerate(grammars)}, "free": free, "after": after})
     finally:
         own.shutdown()
         wide.shutdown()
@@ -180,6 +183,9 @@ def test_the_engine_wide_switch_holds_every_grammar_over_the_thinking(model_dir:
         check_answer(c)
     assert got["free"].outputs[0].token_ids == want["free"].outputs[0].token_ids  # its budget as without the switch
     assert got["free"].outputs[0].num_reasoning_tokens == 2 + 3  # the budget, then the forced "</think>" (3 tokens)
+    assert got["after"].outputs[0].token_ids == want["after"].outputs[0].token_ids
+    assert got["after"].outputs[0].num_reasoning_tokens == BUDGET + 3
+    check_answer(got["after"].outputs[0])
 
 
 def test_without_a_parser_nothing_changes(model_dir: Path, reference: dict[str, RequestOutput]) -> None:

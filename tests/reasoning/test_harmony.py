@@ -311,7 +311,7 @@ def test_harmonys_forced_calls_refuse_a_thinking_budget_and_xgrammar() -> None:
     with pytest.raises(ParamError, match="enable_in_reasoning"):
         SamplingParams(thinking_token_budget=4, structured_outputs=StructuredOutputsParams(grammar="start: \"a\"",
                                                                                              enable_in_reasoning=True))
-    with pytest.raises(ParamError, match="enable_in_reasoning must be a bool"):
+    with pytest.raises(ParamError, match="enable_in_reasoning must be None or a bool"):
         StructuredOutputsParams(json=SCHEMA, enable_in_reasoning="yes")  # type: ignore[arg-type]
     plan = ToolPlan.build([WEATHER], "required", None, OpenAIToolParser(), True)
     assert plan is not None

@@ -688,6 +688,20 @@ def test_the_engine_wide_switch_over_http(held_srv: Srv) -> None:
     assert u.completion_tokens_details.reasoning_tokens == DEFAULT_BUDGET + 1
 
 
+@pytest.mark.slow
+def test_tool_call_grammars_stay_after_the_thinking_under_the_switch(held_srv: Srv) -> None:
+    """The call grammars of a text tool format are the answer's: under the engine-wide switch a forced call still
+    follows the thinking (ended by the server's default budget) and is read from the answer, as without it."""
+    tools = [WEATHER, TIME]
+    r = held_srv.chat(tools=tools, tool_choice="required", parallel_tool_calls=False, max_tokens=80, logit_bias=NO_MARKERS)
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls" and len(ch.message.tool_calls) == 1 and ch.message.content is None
+    _valid_call(ch.message.tool_calls[0], tools)
+    thought = _extra(ch.message)["reasoning"]
+    assert thought and "<tool_call>" not in thought
+    assert r.usage.completion_tokens_details.reasoning_tokens == DEFAULT_BUDGET + 1
+
+
 # --------------------------------------------------------------------------------- a server without a parser
 @pytest.fixture(scope="module")
 def plain_srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Srv]:
