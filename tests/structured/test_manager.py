@@ -685,6 +685,7 @@ def test_a_slow_fill_moves_the_request_to_llguidance(tokenizer: Any, backends: d
 
 @pytest.mark.parametrize("setting,problem", [
     ({"unmasked_greedy": "false"}, "unmasked_greedy must be a bool, got 'false'"),
+    ({"enable_in_reasoning": "true"}, "enable_in_reasoning must be a bool, got 'true'"),
     ({"unmasked_min_fill_ms": -1}, "unmasked_min_fill_ms must be >= 0, got -1"),
     ({"max_fill_ms": "fast"}, "max_fill_ms must be a float, got 'fast'"),
     ({"num_threads": True}, "num_threads must be an int, got True"),
