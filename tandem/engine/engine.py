@@ -333,6 +333,7 @@ class LLMEngine:
         tokens = self.runner.on_tensor_thread(self.step_sampler.sample, plan, logits, masks.staged, self._seqs)
         self.thinking.limit(tokens, self._seqs)
         timer.mark("sampled")
+        self._check_unmasked_verify(plan, logits, masks.filled, tokens)
         unsettled = self._check_unmasked(plan, logits, masks.filled, tokens)
         if unsettled:
             tokens.update(self._resample(self._rows_of(plan, logits, unsettled), unsettled))
@@ -409,11 +410,13 @@ class LLMEngine:
         return outputs + self._drain_errors()
 
     def _sample_ahead(self, cur: _InFlight, logits: torch.Tensor) -> dict[str, list[int]]:
-        """The tokens of `cur`'s rows `logits` [R, V], those of rows fed a retracted token left out."""
+        """The tokens of `cur`'s rows `logits` [R, V], those of rows fed a retracted token left out; drafts verified
+        without masks are checked (`_check_unmasked_verify`)."""
         tokens = self.runner.on_tensor_thread(self.step_sampler.sample, cur.plan, logits, cur.masks.staged, self._seqs)
         for rid in cur.garbage:
             tokens.pop(rid, None)
         self.thinking.limit(tokens, self._seqs)
+        self._check_unmasked_verify(cur.plan, logits, cur.masks.filled, tokens)
         return tokens
 
     def _checks_after_launch(self, cur: _InFlight, nxt: StepPlan) -> bool:
@@ -622,6 +625,23 @@ class LLMEngine:
                 nan = any(map(math.isnan, values))  # then only the mask decides: no tie walk (an infinite value)
                 undecided.append((rid, math.inf if nan else min(values)))
         return self._check_ties(rows, logits, undecided, tokens)
+
+    def _check_unmasked_verify(self, plan: StepPlan, logits: torch.Tensor, masks: StepMasks,
+                               tokens: dict[str, list[int]]) -> None:
+        """Greedy requests that verified their drafts without masks: keep the tokens their grammar takes in turn;
+        verify the others again now, with their masks filled (a rejected argmax: rare with a real model), their
+        tokens in `tokens` replaced. The verification counts as sampling (`stats.sample_s`)."""
+        if not masks.unmasked_verify:
+            return
+        rejected = [rid for rid in self.guidance.check_unmasked_verify(masks.unmasked_verify, tokens) if rid in self._seqs]
+        if not rejected:
+            return
+        drafts = {sr.request_id: sr.input_ids[-sr.num_draft_tokens:] for sr in plan.requests if sr.num_draft_tokens}
+        mask = self.guidance.verify_masks({rid: drafts[rid] for rid in rejected})  # [sum(k + 1), W]
+        t0 = time.perf_counter()
+        tokens.update(self.runner.on_tensor_thread(self.step_sampler.verify_masked, plan, logits, mask, self._seqs,
+                                                   rejected))
+        self.stats.sample_s += time.perf_counter() - t0
 
     def _check_ties(self, rows: Mapping[str, int], logits: torch.Tensor, undecided: list[tuple[str, float]],
                     tokens: dict[str, list[int]]) -> list[str]:

@@ -9,6 +9,10 @@ logits rows to bitmask rows:
 Drafts of guided requests are cut at their first token the grammar rejects; tokens the grammar forces are
 proposed as drafts (free: the mask makes the target put all its mass on them, so they are always accepted).
 
+Unmasked greedy verification: a greedy request's drafts are verified without their k + 1 mask fills, and the tokens
+it emits checked afterwards with one validation (`check_unmasked_verify`); a request they fail is verified again with
+its masks, before the tokens count.
+
 Unmasked greedy rows: a greedy request in a state of free text (e.g. inside a JSON string) gets no mask fill for
 its next row: it is sampled unconstrained and its token checked afterwards (`check_unmasked`). Free text is told
 by a probe, validations of the tokens "q" and "X" on the fill thread instead of the fill (or by the request's last mask:
@@ -70,6 +74,8 @@ class StepMasks:
     verify_rows: np.ndarray | None  # [n_verify_rows, W] int32: k + 1 rows per request verifying k drafts
     fill_s: float = 0.0
     unmasked: list[str] = field(default_factory=list)  # guided requests sampled without a mask: check their tokens
+    unmasked_verify: list[str] = field(default_factory=list)  # guided requests verifying drafts without masks: check
+    # each one's emitted tokens (accepted drafts and the token after them) before they count
 
     @property
     def guided(self) -> bool:
@@ -84,6 +90,8 @@ class GuidanceStats:
     mask_fill_s: float = 0.0
     exposed_s: float = 0.0  # mask work the device had to wait for (see `Guidance.record_wait`)
     num_unmasked_rows: int = 0  # greedy rows sampled without a mask fill, their token checked afterwards
+    num_unmasked_verify: int = 0  # greedy requests that verified drafts without mask fills, checked afterwards
+    num_verify_rejected: int = 0  # of those, requests whose emitted tokens the grammar rejected: verified again masked
     num_skips: int = 0  # of those, rows the fill left (probe passed, or not reached in the forward's slack)
     num_unmasked_rejected: int = 0  # of those, rows whose argmax the grammar rejected
     num_candidate_hits: int = 0  # rejected rows settled by a top candidate (no fill)
@@ -95,6 +103,8 @@ class GuidanceStats:
         return {
             "guided_unmasked_rows": self.num_unmasked_rows,
             "guided_unmasked_rejected": self.num_unmasked_rejected,
+            "guided_unmasked_verify": self.num_unmasked_verify,
+            "guided_verify_rejected": self.num_verify_rejected,
             "guided_skips": self.num_skips,
             "guided_slack_fills": self.num_slack_fills,
             "guided_candidate_hits": self.num_candidate_hits,
@@ -271,7 +281,7 @@ class Guidance:
         they are unmasked."""
         alloc = alloc or _fresh
         t0 = time.perf_counter()
-        sampled_ids, sampled_rows, verify_jobs, unmasked = [], [], [], []
+        sampled_ids, sampled_rows, verify_jobs, unmasked, unmasked_verify = [], [], [], [], []
         slack_ids: list[str] = []
         slack_rows: list[int] = []
         probe: dict[str, tuple[int, ...]] = {}
@@ -282,8 +292,11 @@ class Guidance:
             guided = self._active(sr.request_id)
             k = sr.num_draft_tokens
             if k:
-                if guided:
+                if guided and self._may_skip_verify(sr.request_id):
+                    unmasked_verify.append(sr.request_id)
+                elif guided:
                     verify_jobs.append((sr.request_id, n_verify, sr.input_ids[-k:]))
+                    self._recheck.discard(sr.request_id)
                 n_verify += k + 1
             else:
                 if guided and self._may_skip_mask(sr.request_id):
@@ -310,7 +323,9 @@ class Guidance:
             verify_mask = alloc("verify", n_verify, self.words)
             for rid, row0, drafts in verify_jobs:
                 self._fill_verify_rows(rid, drafts, verify_mask, row0)
-        return PendingMasks(self, StepMasks(sample_mask, verify_mask, 0.0, unmasked), pending, time.perf_counter() - t0)
+        self.stats.num_unmasked_verify += len(unmasked_verify)
+        masks = StepMasks(sample_mask, verify_mask, 0.0, unmasked, unmasked_verify)
+        return PendingMasks(self, masks, pending, time.perf_counter() - t0)
 
     def _finish_fill(self, masks: StepMasks, pending: PendingFill | None, spent_s: float) -> StepMasks:
         """Settle a started fill: failures recorded, skipped rows unmasked, stats (`spent_s`: the fill's time on
@@ -331,6 +346,15 @@ class Guidance:
     def _may_skip_mask(self, request_id: str) -> bool:
         return (request_id in self._argmax_only and request_id not in self._recheck
                 and self.manager.mask_was_open(request_id) and self.manager.validates_as_masks(request_id))
+
+    def _may_skip_verify(self, request_id: str) -> bool:
+        """Its drafts are verified without mask fills (k + 1 of them, one after another on the calling thread: 0.23
+        ms a request over the demo model's 49k tokens, 6.6 ms of a 20 ms step at 256 guided requests with suffix
+        drafts, measured on an AMD EPYC) and its emitted tokens checked after (`check_unmasked_verify`: one
+        validation). Not for drafts the grammar forced: there the target's
+        argmax may differ from the only allowed token, which its mask makes certain."""
+        return (request_id in self._argmax_only and request_id not in self._recheck and request_id not in self._forced
+                and self.manager.validates_as_masks(request_id))
 
     def _may_probe(self, request_id: str) -> bool:
         """A rejected argmax settled by a top candidate costs little; one that needed its mask after all is
@@ -357,6 +381,41 @@ class Guidance:
                 self._recheck.add(rid)
         self.stats.num_unmasked_rejected += len(rejected)
         return rejected
+
+    def check_unmasked_verify(self, unmasked: Sequence[str], tokens: Mapping[str, Sequence[int]]) -> list[str]:
+        """The requests among `unmasked` (drafts verified without masks) whose emitted tokens the grammar rejects.
+
+        Why one validation suffices: greedy verification emits drafts[:m] while each equals its row's argmax, then
+        row m's argmax. If the grammar allows all of those in turn, each was also its row's masked argmax (same
+        logits, a subset of the candidates), so masked verification emits the same tokens. Otherwise the request is
+        verified again with its masks (`verify_masks`) and its next rows are masked. A request whose check fails in
+        the library is recorded in `failure`."""
+        rejected: list[str] = []
+        for rid in unmasked:
+            toks = tokens.get(rid)
+            if not self._active(rid) or not toks:
+                continue
+            try:
+                ok = self.manager.validate_draft(rid, toks) == len(toks)
+            except Exception as e:  # noqa: BLE001 - this request's grammar failed; the others go on
+                self._fail(rid, f"checking tokens failed: {type(e).__name__}: {e}")
+                continue
+            if not ok:
+                rejected.append(rid)
+                self._recheck.add(rid)
+        self.stats.num_verify_rejected += len(rejected)
+        return rejected
+
+    def verify_masks(self, drafts: Mapping[str, Sequence[int]]) -> np.ndarray:
+        """Fresh bitmask rows [sum(k + 1), W] for requests verifying `drafts` (request -> its k drafts), in that
+        order, k + 1 rows each (as `fill` makes them); failures are recorded in `failure`."""
+        mask = _fresh("verify", sum(len(d) + 1 for d in drafts.values()), self.words)
+        row = 0
+        for rid, d in drafts.items():
+            self._fill_verify_rows(rid, list(d), mask, row)
+            row += len(d) + 1
+        self.stats.num_refills += len(drafts)
+        return mask
 
     def first_allowed(self, request_id: str, values: Sequence[float], ids: Sequence[int]) -> int | None:
         """The masked argmax among a row's top candidates (`values`, `ids`: its k largest logits), or None when it

@@ -102,9 +102,9 @@ class StepSampler:
         return tokens
 
     def _split_rows(
-        self, plan: StepPlan, logits: torch.Tensor, seqs: Mapping[str, SequenceState]
+        self, plan: StepPlan, logits: torch.Tensor, seqs: Mapping[str, SequenceState], record: bool = True
     ) -> tuple[list[PlainRow], list[VerifyRows]]:
-        """Which rows are sampled and which verify drafts; records prompt logprobs on the way."""
+        """Which rows are sampled and which verify drafts; records prompt logprobs on the way (`record`)."""
         plain: list[PlainRow] = []
         verify: list[VerifyRows] = []
         offset = 0
@@ -119,7 +119,7 @@ class StepSampler:
                     plain.append((None, offset + n - 1, 0))
                 offset += n
                 continue
-            if sr.all_logits:
+            if sr.all_logits and record:
                 self._record_prompt_logprobs(seq, sr, logits[offset : offset + n])
             if sr.needs_logits:
                 k = sr.num_draft_tokens
@@ -157,6 +157,14 @@ class StepSampler:
         with its row of `mask` [n, W] int32 (rows first sampled without one). Dead rows are added to `failures`."""
         plain: list[PlainRow] = [(seq, rows[rid], _known(seq)) for rid in request_ids for seq in [seqs.get(rid)]]
         return self._sample_plain(plain, logits, torch.from_numpy(mask).to(logits.device))
+
+    def verify_masked(self, plan: StepPlan, logits: torch.Tensor, mask: np.ndarray, seqs: Mapping[str, SequenceState],
+                      request_ids: Sequence[str]) -> dict[str, list[int]]:
+        """Verify again the drafts of `request_ids` (live requests of `plan`, first verified without masks), with
+        `mask` [sum(k + 1), W] int32: their rows in that order. Dead rows are added to `failures`."""
+        _, verify = self._split_rows(plan, logits, seqs, record=False)
+        mine = {v[0].request_id: v for v in verify if v[0] is not None}
+        return self._verify([mine[rid] for rid in request_ids], logits, torch.from_numpy(mask).to(logits.device))
 
     def _no_token(self, seq: SequenceState, num_accepted: int) -> None:
         """Record why `seq` got no token after its first `num_accepted` new ones: the constraints that were in force."""

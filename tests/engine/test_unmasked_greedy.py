@@ -55,7 +55,8 @@ def _schema_requests(n: int, max_tokens: int = 40) -> dict[str, tuple[str, Sampl
 def test_random_logits_give_the_masked_tokens(gpt2: Tokenizer, speculative: bool) -> None:
     """Noise logits (a simulated device) reject the argmax often, so every path is taken; the tokens, finish reasons
     and errors equal those of an engine that fills every mask. With suffix drafts (scheduled ahead too, drafted past
-    the outcome in flight) verified rows stay masked beside the unmasked plain rows."""
+    the outcome in flight) the drafts are verified without masks too, and a request whose emitted tokens the grammar
+    rejects is verified again with them."""
     spec = SpeculativeConfig(method="suffix", num_speculative_tokens=3, adaptive=False) if speculative else None
     requests = _schema_requests(24)
     # every fill counts as costly (GPT-2's 50k vocabulary fills fast on a quick machine): the same paths everywhere
@@ -71,8 +72,14 @@ def test_random_logits_give_the_masked_tokens(gpt2: Tokenizer, speculative: bool
     assert 0 < stats["guided_skips"] <= stats["guided_unmasked_rows"]  # told by the probe (or by the last mask)
     assert 0 < stats["guided_unmasked_rejected"] < stats["guided_unmasked_rows"]  # some argmaxes kept, some not
     assert stats["guided_candidate_hits"] > 0 and stats["guided_refills"] > 0  # both ways of settling a rejection
-    # scheduled ahead, a refilled row is sampled during the next forward, which its request sits out
-    assert stats["num_late_rows"] == stats["guided_refills"]
+    # scheduled ahead, a refilled row is sampled during the next forward, which its request sits out; a rejected
+    # unmasked verification is verified again before the next launch
+    assert stats["num_late_rows"] + stats["guided_verify_rejected"] == stats["guided_refills"]
+    if speculative:
+        assert 0 < stats["guided_verify_rejected"] < stats["guided_unmasked_verify"]
+        assert plain_stats["guided_unmasked_verify"] == 0
+    else:
+        assert stats["guided_unmasked_verify"] == 0
     assert stats["grammar_rows_filled"] < plain_stats["grammar_rows_filled"]
 
 
@@ -129,18 +136,37 @@ def test_a_real_model_gives_the_masked_tokens_and_valid_documents(stories_engine
         oracle.accepts(so, tokens, complete=False)  # fresh matchers of both backends take every token
 
 
-def test_rows_of_a_backend_whose_masks_are_narrower_than_its_matcher_stay_masked(gpt2: Tokenizer) -> None:
+def test_a_real_model_verifying_drafts_unmasked_gives_the_masked_tokens(stories_engine_factory) -> None:  # type: ignore[no-untyped-def]
+    """stories260K in the synchronous step with suffix drafts: greedy guided requests verify their drafts without
+    mask fills, checked after; tokens equal the always-masked engine's."""
+    so = StructuredOutputsParams(json=SCHEMA, backend="llguidance")
+    requests = {f"s{i}": (p, SamplingParams(temperature=0.0, max_tokens=80, structured_outputs=so))
+                for i, p in enumerate(["Once upon a time", "Tom and Lily", "The cat", "One day", "Once upon a time"])}
+    spec = {"method": "suffix", "num_speculative_tokens": 4}
+    unmasked, stats = _run(stories_engine_factory(max_model_len=512, speculative_config=spec), requests)
+    masked, plain = _run(stories_engine_factory(max_model_len=512, speculative_config=spec,
+                                                structured_outputs_config={"unmasked_greedy": False}), requests)
+    assert unmasked == masked
+    assert stats["guided_unmasked_verify"] > 0 and stats["spec_num_accepted"] > 0
+    assert plain["guided_unmasked_verify"] == 0
+
+
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "with-suffix-drafts"])
+def test_rows_of_a_backend_whose_masks_are_narrower_than_its_matcher_stay_masked(gpt2: Tokenizer,
+                                                                                 speculative: bool) -> None:
     """xgrammar's mask for a left-recursive grammar after "baa" allows "a" but not "aa", which its matcher accepts:
-    a validated argmax would not be the masked one, so its rows are never sampled unmasked (llguidance's are)."""
+    a validated argmax would not be the masked one, so its rows are never sampled unmasked (llguidance's are), nor
+    its drafts verified without masks."""
+    spec = SpeculativeConfig(method="suffix", num_speculative_tokens=3, adaptive=False) if speculative else None
     so = StructuredOutputsParams(grammar='root ::= root "a" | "b"', backend="xgrammar")
     requests = {f"x{i}": (f"letters {i}", SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=so))
                 for i in range(4)}
-    unmasked, stats = _run(simulated_engine(gpt2, 0.0, 4, "xgrammar", None, rows_by_token=True,
+    unmasked, stats = _run(simulated_engine(gpt2, 0.0, 4, "xgrammar", spec, rows_by_token=True,
                                             unmasked_min_fill_ms=0.0), requests)
-    masked, _ = _run(simulated_engine(gpt2, 0.0, 4, "xgrammar", None, unmasked_greedy=False, rows_by_token=True),
+    masked, _ = _run(simulated_engine(gpt2, 0.0, 4, "xgrammar", spec, unmasked_greedy=False, rows_by_token=True),
                      requests)
     assert unmasked == masked
-    assert stats["guided_unmasked_rows"] == 0
+    assert stats["guided_unmasked_rows"] == 0 and stats["guided_unmasked_verify"] == 0
 
 
 def test_sampled_and_logprob_rows_are_always_masked(gpt2: Tokenizer) -> None:
