@@ -342,6 +342,8 @@ def _row(mode: str, level: int, n: int, tokens: int, times: tuple[float, float, 
         "slack_fills/step": round(d("guided_slack_fills") / steps, 1),
         "unmasked_rows/step": round(d("guided_unmasked_rows") / steps, 1),
         "rejected/step": round(d("guided_unmasked_rejected") / steps, 2),
+        "unmasked_verify/step": round(d("guided_unmasked_verify") / steps, 1),  # requests verifying drafts unmasked
+        "verify_rejected/step": round(d("guided_verify_rejected") / steps, 2),  # ... verified again with masks
         "refills/step": round(d("guided_refills") / steps, 2),
         "failed": int(d("grammar_fill_errors")),
     }
