@@ -83,6 +83,21 @@ def test_random_logits_give_the_masked_tokens(gpt2: Tokenizer, speculative: bool
     assert stats["grammar_rows_filled"] < plain_stats["grammar_rows_filled"]
 
 
+def test_drafts_verified_unmasked_in_the_synchronous_step_give_the_masked_tokens(gpt2: Tokenizer) -> None:
+    """The synchronous step (a CPU device's) with suffix drafts and noise logits: requests whose emitted tokens the
+    grammar rejects are verified again with their masks before the step advances; tokens equal the always-masked
+    engine's."""
+    spec = SpeculativeConfig(method="suffix", num_speculative_tokens=3, adaptive=False)
+    requests = _schema_requests(16)
+    unmasked, stats = _run(simulated_engine(gpt2, 0.0, 16, "llguidance", spec, rows_by_token=True,
+                                            unmasked_min_fill_ms=0.0, async_scheduling=False), requests)
+    masked, _ = _run(simulated_engine(gpt2, 0.0, 16, "llguidance", spec, unmasked_greedy=False, rows_by_token=True,
+                                      async_scheduling=False), requests)
+    assert unmasked == masked
+    assert stats["steps_scheduled_ahead"] == 0
+    assert 0 < stats["guided_verify_rejected"] < stats["guided_unmasked_verify"]
+
+
 def test_argmaxes_checked_after_the_next_launch_give_the_masked_tokens(gpt2: Tokenizer) -> None:
     """Scheduling ahead, the next plan launched fed the unchecked argmaxes (`UnmaskedCheckPolicy` forced to check
     after the launch; tests/engine/test_unmasked.py: when it chooses to): every rejected one is retracted, its row
