@@ -351,8 +351,8 @@ class Guidance:
         """Its drafts are verified without mask fills (k + 1 of them, one after another on the calling thread: 0.5
         ms a request over the demo model's 49k tokens, 3.4 ms of a 20 ms step at 256 guided requests with suffix
         drafts, measured on an AMD EPYC) and its emitted tokens checked after (`check_unmasked_verify`: one
-        validation). Not for drafts the grammar forced: there the target's
-        argmax may differ from the only allowed token, which its mask makes certain."""
+        validation). Not for drafts the grammar forced: there the target's argmax may differ from the only allowed
+        token, which its mask makes certain."""
         return (request_id in self._argmax_only and request_id not in self._recheck and request_id not in self._forced
                 and self.manager.validates_as_masks(request_id))
 
@@ -366,19 +366,7 @@ class Guidance:
     def check_unmasked(self, unmasked: Sequence[str], tokens: Mapping[str, Sequence[int]]) -> list[str]:
         """The requests among `unmasked` whose sampled token the grammar rejects (their next mask will be filled);
         a request whose check fails in the library is recorded in `failure`."""
-        rejected: list[str] = []
-        for rid in unmasked:
-            toks = tokens.get(rid)
-            if not self._active(rid) or not toks:
-                continue
-            try:
-                ok = self.manager.validate_draft(rid, toks[:1]) == 1
-            except Exception as e:  # noqa: BLE001 - this request's grammar failed; the others go on
-                self._fail(rid, f"checking a token failed: {type(e).__name__}: {e}")
-                continue
-            if not ok:
-                rejected.append(rid)
-                self._recheck.add(rid)
+        rejected = self._rejected(unmasked, tokens, first_only=True)
         self.stats.num_unmasked_rejected += len(rejected)
         return rejected
 
@@ -390,20 +378,28 @@ class Guidance:
         logits, a subset of the candidates), so masked verification emits the same tokens. Otherwise the request is
         verified again with its masks (`verify_masks`) and its next rows are masked. A request whose check fails in
         the library is recorded in `failure`."""
+        rejected = self._rejected(unmasked, tokens, first_only=False)
+        self.stats.num_verify_rejected += len(rejected)
+        return rejected
+
+    def _rejected(self, unmasked: Sequence[str], tokens: Mapping[str, Sequence[int]], first_only: bool) -> list[str]:
+        """The active requests among `unmasked` whose tokens (the first only, or all in turn) the grammar rejects;
+        their next rows are masked. A library failure is recorded in `failure` (that request is left out)."""
         rejected: list[str] = []
         for rid in unmasked:
             toks = tokens.get(rid)
             if not self._active(rid) or not toks:
                 continue
+            checked = toks[:1] if first_only else toks
             try:
-                ok = self.manager.validate_draft(rid, toks) == len(toks)
+                ok = self.manager.validate_draft(rid, checked) == len(checked)
             except Exception as e:  # noqa: BLE001 - this request's grammar failed; the others go on
-                self._fail(rid, f"checking tokens failed: {type(e).__name__}: {e}")
+                what = "a token" if first_only else "tokens"
+                self._fail(rid, f"checking {what} failed: {type(e).__name__}: {e}")
                 continue
             if not ok:
                 rejected.append(rid)
                 self._recheck.add(rid)
-        self.stats.num_verify_rejected += len(rejected)
         return rejected
 
     def verify_masks(self, drafts: Mapping[str, Sequence[int]]) -> np.ndarray:
