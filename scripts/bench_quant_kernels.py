@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from tandem.bench.common import machine_line, print_table
+from tandem.cpu_features import cpu_features
 from tandem.layers.linear import Bf16GemmProjection, OneDnnProjection, QuantProjection
 from tandem.layers.quant import FORMATS, QuantizedTensor, quantize_int8
 from tandem.runner.tensor_thread import on_tensor_thread
@@ -83,13 +84,15 @@ def bf16_candidates(w: torch.Tensor) -> dict[str, list[Callable[[torch.Tensor], 
 
     assert load_cpu_kernels(), "tandem's CPU kernels did not build here"
     c = copies(w.numel() * 2)
-    gemm = torch.ops.tandem.linear_bf16
-    packs = [Bf16GemmProjection(w.clone(), None).packed for _ in range(c)]
-    out: dict[str, list[Callable[[torch.Tensor], torch.Tensor]]] = {
-        "bf16-avx512": [lambda x, p=p: gemm(x, p, None, 0) for p in packs]}
-    if torch.ops.tandem.has_amx_bf16():
-        out["bf16-amx"] = [lambda x, p=p: gemm(x, p, None, 1) for p in packs]
-    out["onednn"] = [OneDnnProjection(w.clone(), None) for _ in range(c)]
+    cpu = cpu_features()
+    out: dict[str, list[Callable[[torch.Tensor], torch.Tensor]]] = {}
+    if cpu.has("avx512_bf16"):  # tandem's bf16 GEMM and oneDNN's packed bf16 weights need it (an AVX2 CPU: neither)
+        gemm = torch.ops.tandem.linear_bf16
+        packs = [Bf16GemmProjection(w.clone(), None).packed for _ in range(c)]
+        out["bf16-avx512"] = [lambda x, p=p: gemm(x, p, None, 0) for p in packs]
+        if torch.ops.tandem.has_amx_bf16():
+            out["bf16-amx"] = [lambda x, p=p: gemm(x, p, None, 1) for p in packs]
+        out["onednn"] = [OneDnnProjection(w.clone(), None) for _ in range(c)]
     plain = [w.clone() for _ in range(c)]
     out["F.linear"] = [lambda x, p=p: torch.nn.functional.linear(x, p) for p in plain]
     return out

@@ -1,4 +1,4 @@
-"""Where a batch-1 decode step's time goes, by operation, timed inside the engine (on its tensor thread).
+"""Where a decode step's time goes, by operation, timed inside the engine (on its tensor thread).
 
 Wraps the model's layer operations (`LayerOps`: norms, q / k norms, RoPE + KV write, attention, SiLU), its projections,
 a MoE layer's routing (`MoeMlp.pairs`) and weighted sum (`MoeMlp.combine`), the forward and the output projection with
@@ -8,7 +8,10 @@ sees inside: the script turns that off (`TANDEM_DECODE_STACK=0`) unless `--stack
 are the Python loop's. The figures of docs/benchmarks.md's MoE section ("routing and the q / k norms as kernels", "gpt-oss
 on the fused layer kernels") came from this. Run alone on the machine.
 
-Usage: python scripts/profile_decode_ops.py MODEL.gguf [--steps 64] [--dtype float32] [--stack]
+`--batch N` decodes N requests together (one-token prompts, distinct ids, so that they route to different experts): a
+step of N rows, as a server's batch of N concurrent requests decodes.
+
+Usage: python scripts/profile_decode_ops.py MODEL.gguf [--steps 64] [--batch 1] [--dtype float32] [--stack]
 """
 
 from __future__ import annotations
@@ -63,28 +66,29 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model")
     ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=1, help="requests decoded together (rows a step)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--stack", action="store_true", help="keep the decode stack (only the forward's total is timed)")
     args = ap.parse_args()
     if not args.stack:
         os.environ[ENV] = "0"
 
-    if args.steps < 1:
-        raise SystemExit("--steps must be >= 1")
+    if args.steps < 1 or args.batch < 1:
+        raise SystemExit("--steps and --batch must be >= 1")
     instrument()
-    llm = LLM(args.model, dtype=args.dtype, max_model_len=512, progress=False)
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=512, max_num_seqs=max(args.batch, 8), progress=False)
     warm = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     llm.generate([{"prompt_token_ids": list(range(1000, 1128))}], warm, use_tqdm=False)
     TOTAL_S.clear()
     CALLS.clear()
     run = SamplingParams(max_tokens=args.steps + 1, temperature=0.0, ignore_eos=True)
     t = time.perf_counter()
-    llm.generate([{"prompt_token_ids": [1000]}], run, use_tqdm=False)
+    llm.generate([{"prompt_token_ids": [1000 + 37 * i]} for i in range(args.batch)], run, use_tqdm=False)
     elapsed = time.perf_counter() - t
     llm.shutdown()
     steps = CALLS["forward"]
     print(f"machine: {machine_line()}")
-    print(f"{args.model}: {steps} forwards, {elapsed / steps * 1e3:.2f} ms a step end to end")
+    print(f"{args.model}: {steps} forwards of {args.batch} rows, {elapsed / steps * 1e3:.2f} ms a step end to end")
     for label, total in sorted(TOTAL_S.items(), key=lambda kv: -kv[1]):
         print(f"  {label:34s} {total / steps * 1e3:8.3f} ms/step  {CALLS[label] / steps:6.1f} calls/step  "
               f"{total / CALLS[label] * 1e6:9.1f} us/call")

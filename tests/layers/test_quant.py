@@ -124,6 +124,31 @@ def test_kernel_matches_dequantize_then_matmul(qtype: str, isa: str) -> None:
         assert np.array_equal(proj(x[:m].contiguous()).double().numpy(), y[:m])
 
 
+_LARGEST_CODE = {"Q8_0": 0x7F, "MXFP4": 0x77}  # a byte whose every quant is the format's largest; 0xFF elsewhere
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", GGUF_FORMATS)
+def test_kernel_on_saturated_blocks_matches_the_reference(qtype: str) -> None:
+    """Every quant (and K-quant scale) at its largest code against activations all at -127 or 127: the largest
+    integer sums the kernels form. AVX2 adds products as int16 over several chunks before widening them (llama.cpp's
+    pair sums), so a bound taken too loose would wrap here."""
+    fmt = FORMATS[qtype]
+    n, k = 32, 512
+    raw = np.full((n, k // fmt.block, fmt.block_bytes), _LARGEST_CODE.get(qtype, 0xFF), dtype=np.uint8)
+    for off in _SCALE_OFFSETS[qtype]:
+        raw[..., off : off + 2] = np.array([0.01], dtype=np.float16).view(np.uint8)
+    if qtype in _E8M0_OFFSETS:
+        raw[..., _E8M0_OFFSETS[qtype]] = 120
+    w = QuantizedTensor(qtype, (n, k), torch.from_numpy(raw.reshape(n, -1)))
+    for isa in range(1, quant_isa() + 1):
+        proj = QuantProjection([w], None, isa)
+        for x in (torch.ones(5, k), -torch.ones(5, k), torch.ones(5, k) * torch.tensor([1.0, -1.0]).repeat(k // 2)):
+            want, bound = reference(w, x)
+            y = proj(x).double().numpy()
+            assert np.all(np.abs(y - want) <= 2e-6 * bound + 1e-9), (isa, np.abs(y - want).max())
+
+
 @needs_kernels
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "Q4_K", "Q6_K", "Q5_1", "MXFP4"])
 def test_avx2_and_avx512_agree_to_the_bit(qtype: str) -> None:

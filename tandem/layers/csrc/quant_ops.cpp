@@ -596,6 +596,7 @@ struct Avx512 {
     return _mm512_mask_add_epi8(x, _cvtu64_mask64(rd64(mask)), x, _mm512_set1_epi8(v));
   }
   static TQ_INLINE VI dot(VI acc, VI u, VI s) { return _mm512_dpbusd_epi32(acc, u, s); }
+  static constexpr bool kPairSums = false;  // vpdpbusd widens in the same instruction
   static TQ_INLINE VI srl4(VI x) { return _mm512_srli_epi16(x, 4); }
   // 2-bit field F (bits 2F..2F+1 of each byte) moved to bits 4-5, the rest zero
   template <int F>
@@ -674,6 +675,21 @@ struct Avx2 {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
   }
   static TQ_INLINE VI dot(VI acc, VI u, VI s) { return {dot1(acc.a, u.a, s.a), dot1(acc.b, u.b, s.b)}; }
+  // Pair sums (llama.cpp's AVX2 dot products): prod16 is vpmaddubsw alone, the int16 sums of byte pairs, which the
+  // blocks add up as int16 over several chunks (callers bound the count so that no sum passes 32,767: |u| x 127 x 2 x
+  // count), then widen once: acc + vpmaddwd(sums, m), m an int16 multiplier per lane (a K-quant sub-block's scale, or
+  // 1). Exact integers either way, so the same sums as dot's; one vpmaddwd per chunks instead of one per chunk.
+  static constexpr bool kPairSums = true;
+  static TQ_INLINE VI prod16(VI u, VI s) { return {_mm256_maddubs_epi16(u.a, s.a), _mm256_maddubs_epi16(u.b, s.b)}; }
+  static TQ_INLINE VI add16(VI x, VI y) { return {_mm256_add_epi16(x.a, y.a), _mm256_add_epi16(x.b, y.b)}; }
+  static TQ_INLINE VI widen(VI acc, VI p, VI m) {
+    return {_mm256_add_epi32(acc.a, _mm256_madd_epi16(p.a, m.a)), _mm256_add_epi32(acc.b, _mm256_madd_epi16(p.b, m.b))};
+  }
+  static TQ_INLINE VI set16(int16_t v) { const __m256i x = _mm256_set1_epi16(v); return {x, x}; }
+  // each int32 lane (a value that fits int16) as two equal int16 halves: a per-lane vpmaddwd multiplier
+  static TQ_INLINE VI pair16(VI x) {
+    return {_mm256_blend_epi16(x.a, _mm256_slli_epi32(x.a, 16), 0xAA), _mm256_blend_epi16(x.b, _mm256_slli_epi32(x.b, 16), 0xAA)};
+  }
   static TQ_INLINE VI srl4(VI x) { return {_mm256_srli_epi16(x.a, 4), _mm256_srli_epi16(x.b, 4)}; }
   template <int F>
   static TQ_INLINE VI field(VI x) {
@@ -756,6 +772,9 @@ TQ_INLINE void dot_nibble_block32(const uint8_t* const* g, int qoff, int moff, c
                                   typename V::VI (&isum)[MR][NG]) {
   [[maybe_unused]] typename V::VI table;
   if constexpr (kTable) table = V::table16(kMxfp4Unsigned);
+  // pair sums (AVX2): a chunk adds two products of |u| <= 15 (31 with the bit-plane, 24 for MXFP4's codes) per int16
+  constexpr int kFlush = (kFive || kTable) ? 2 : 4;  // chunks per int16 sum: 4 x 2 x 3,810 or 2 x 2 x 7,874
+  [[maybe_unused]] typename V::VI p16[MR][NG];
   for (int c = 0; c < 4; ++c) {
     for (int j = 0; j < NG; ++j) {
       const typename V::VI w = V::load(g[j] + qoff + c * 64);
@@ -770,9 +789,19 @@ TQ_INLINE void dot_nibble_block32(const uint8_t* const* g, int qoff, int moff, c
       }
       for (int r = 0; r < MR; ++r) {
         const int8_t* ap = a.row(r0 + r) + k0 + 8 * c;
-        isum[r][j] = V::dot(isum[r][j], l, V::bcast4(ap));
-        isum[r][j] = V::dot(isum[r][j], h, V::bcast4(ap + 4));
+        if constexpr (V::kPairSums) {
+          const typename V::VI p = V::add16(V::prod16(l, V::bcast4(ap)), V::prod16(h, V::bcast4(ap + 4)));
+          p16[r][j] = c % kFlush == 0 ? p : V::add16(p16[r][j], p);
+        } else {
+          isum[r][j] = V::dot(isum[r][j], l, V::bcast4(ap));
+          isum[r][j] = V::dot(isum[r][j], h, V::bcast4(ap + 4));
+        }
       }
+    }
+    if constexpr (V::kPairSums) {
+      if ((c + 1) % kFlush == 0)
+        for (int r = 0; r < MR; ++r)
+          for (int j = 0; j < NG; ++j) isum[r][j] = V::widen(isum[r][j], p16[r][j], V::set16(1));
     }
   }
 }
@@ -847,6 +876,36 @@ TQ_INLINE void block_q8(const uint8_t* const* g, const Act& a, int64_t r0, int64
   }
 }
 
+// One sub-block of 32 of Q4_K / Q5_K in pair sums (AVX2): iacc += scale x the sub-block's products, the scale applied
+// by the widening vpmaddwd (no int32 multiply). `ap`: row 0's 32 activations (rows `ld` apart); `sub`: the
+// sub-block's offset in a group's block (its scales, then mins, masks, chunks at `qoff` past the scales' end).
+template <class V, int MR, int NG, bool kFive>
+TQ_INLINE void k45_sub_pairs(const uint8_t* const* g, const int8_t* ap, int64_t ld, int sub, int qoff,
+                             typename V::VI (&iacc)[MR][NG]) {
+  constexpr int kFlush = kFive ? 2 : 4;  // chunks per int16 sum: 4 x 2 x 3,810 (|u| <= 15) or 2 x 2 x 7,874 (31)
+  typename V::VI sc[NG], p16[MR][NG];
+  for (int j = 0; j < NG; ++j) sc[j] = V::pair16(V::u8x16(g[j] + sub));
+  for (int c = 0; c < 4; ++c) {
+    for (int j = 0; j < NG; ++j) {
+      const uint8_t* sb = g[j] + sub;
+      const typename V::VI w = V::load(sb + qoff + c * 64);
+      typename V::VI l = V::lo(w), h = V::hi(w);
+      if (kFive) {
+        l = V::add_bits(l, sb + 32 + c * 16, 16);
+        h = V::add_bits(h, sb + 32 + c * 16 + 8, 16);
+      }
+      for (int r = 0; r < MR; ++r) {
+        const int8_t* x = ap + r * ld + 8 * c;
+        const typename V::VI p = V::add16(V::prod16(l, V::bcast4(x)), V::prod16(h, V::bcast4(x + 4)));
+        p16[r][j] = c % kFlush == 0 ? p : V::add16(p16[r][j], p);
+      }
+    }
+    if ((c + 1) % kFlush == 0)
+      for (int r = 0; r < MR; ++r)
+        for (int j = 0; j < NG; ++j) iacc[r][j] = V::widen(iacc[r][j], p16[r][j], sc[j]);
+  }
+}
+
 // Q4_K, Q5_K: 256-blocks, 8 sub-blocks of 32 with 6-bit scales and mins (bytes here); integer sums per super-block
 template <class V, int MR, int NG, int64_t F>
 TQ_INLINE void block_k45(const uint8_t* const* g, const Act& a, int64_t r0, int64_t b, FAcc<V, MR, NG>& facc) {
@@ -857,6 +916,10 @@ TQ_INLINE void block_k45(const uint8_t* const* g, const Act& a, int64_t r0, int6
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < NG; ++j) iacc[r][j] = V::zero();
   for (int s = 0; s < 8; ++s) {
+    if constexpr (V::kPairSums) {
+      k45_sub_pairs<V, MR, NG, kFive>(g, a.row(r0) + b * 256 + 32 * s, a.K, 64 + s * kSub, qoff, iacc);
+      continue;
+    }
     typename V::VI isum[MR][NG];
     for (int r = 0; r < MR; ++r)
       for (int j = 0; j < NG; ++j) isum[r][j] = V::zero();
@@ -896,6 +959,33 @@ TQ_INLINE void block_k45(const uint8_t* const* g, const Act& a, int64_t r0, int6
   }
 }
 
+// One sub-block of 16 of Q6_K in pair sums (AVX2): iacc += scale x (the products - 32 x the activations' sum), the
+// scale applied by the widening vpmaddwd. Two products of |u| <= 63 per int16 sum (2 x 2 x 8,001); the offset as
+// two int16 halves of -16 x sum (|sum| <= 16 x 127, so 16 x sum fits int16) against the scale in both.
+template <class V, int MR, int NG>
+TQ_INLINE void q6k_sub_pairs(const uint8_t* const* g, const Act& a, int64_t r0, int64_t b, int s,
+                             typename V::VI (&iacc)[MR][NG]) {
+  const int64_t ns = a.K / 16;
+  typename V::VI sc[NG];
+  for (int j = 0; j < NG; ++j) sc[j] = V::pair16(V::s8x16(g[j] + 32 + s * kQ6Sub));
+  for (int r = 0; r < MR; ++r) {
+    const typename V::VI off = V::set16(static_cast<int16_t>(-16 * a.sum[(r0 + r) * ns + b * 16 + s]));
+    for (int j = 0; j < NG; ++j) iacc[r][j] = V::widen(iacc[r][j], off, sc[j]);
+  }
+  for (int j = 0; j < NG; ++j) {
+    const uint8_t* sub = g[j] + 32 + s * kQ6Sub;
+    const typename V::VI hb = V::load(sub + 16);
+    const typename V::VI w0 = V::load(sub + 80), w1 = V::load(sub + 144);
+    const typename V::VI q[4] = {V::merge_nib(w0, V::template field<0>(hb)), V::merge_nib(V::srl4(w0), V::template field<1>(hb)),
+                                 V::merge_nib(w1, V::template field<2>(hb)), V::merge_nib(V::srl4(w1), V::template field<3>(hb))};
+    for (int r = 0; r < MR; ++r) {
+      const int8_t* ap = a.row(r0 + r) + b * 256 + 16 * s;
+      iacc[r][j] = V::widen(iacc[r][j], V::add16(V::prod16(q[0], V::bcast4(ap)), V::prod16(q[1], V::bcast4(ap + 4))), sc[j]);
+      iacc[r][j] = V::widen(iacc[r][j], V::add16(V::prod16(q[2], V::bcast4(ap + 8)), V::prod16(q[3], V::bcast4(ap + 12))), sc[j]);
+    }
+  }
+}
+
 // Q6_K: 256-blocks, 16 sub-blocks of 16 with signed 8-bit scales; q - 32 folded into each sub-block's integer sum
 template <class V, int MR, int NG>
 TQ_INLINE void block_q6k(const uint8_t* const* g, const Act& a, int64_t r0, int64_t b, FAcc<V, MR, NG>& facc) {
@@ -904,6 +994,10 @@ TQ_INLINE void block_q6k(const uint8_t* const* g, const Act& a, int64_t r0, int6
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < NG; ++j) iacc[r][j] = V::zero();
   for (int s = 0; s < 16; ++s) {
+    if constexpr (V::kPairSums) {
+      q6k_sub_pairs<V, MR, NG>(g, a, r0, b, s, iacc);
+      continue;
+    }
     typename V::VI isum[MR][NG];
     for (int r = 0; r < MR; ++r)
       for (int j = 0; j < NG; ++j) isum[r][j] = V::set1(-32 * a.sum[(r0 + r) * ns + b * 16 + s]);
