@@ -686,6 +686,10 @@ struct Avx2 {
     return {_mm256_add_epi32(acc.a, _mm256_madd_epi16(p.a, m.a)), _mm256_add_epi32(acc.b, _mm256_madd_epi16(p.b, m.b))};
   }
   static TQ_INLINE VI set16(int16_t v) { const __m256i x = _mm256_set1_epi16(v); return {x, x}; }
+  static TQ_INLINE void storei(uint8_t* p, VI x) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), x.a);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 32), x.b);
+  }
   // each int32 lane (a value that fits int16) as two equal int16 halves: a per-lane vpmaddwd multiplier
   static TQ_INLINE VI pair16(VI x) {
     return {_mm256_blend_epi16(x.a, _mm256_slli_epi32(x.a, 16), 0xAA), _mm256_blend_epi16(x.b, _mm256_slli_epi32(x.b, 16), 0xAA)};
@@ -876,23 +880,47 @@ TQ_INLINE void block_q8(const uint8_t* const* g, const Act& a, int64_t r0, int64
   }
 }
 
+// Chunk c of a Q4_K / Q5_K sub-block (`sb`: its scales; chunks at `qoff` past their end) as unsigned bytes: the low
+// nibbles (4 k of each lane) and the high ones (the next 4), the 5th bit added for Q5_K
+template <class V, bool kFive>
+TQ_INLINE void k45_chunk(const uint8_t* sb, int qoff, int c, typename V::VI& l, typename V::VI& h) {
+  const typename V::VI w = V::load(sb + qoff + c * 64);
+  l = V::lo(w);
+  h = V::hi(w);
+  if (kFive) {
+    l = V::add_bits(l, sb + 32 + c * 16, 16);
+    h = V::add_bits(h, sb + 32 + c * 16 + 8, 16);
+  }
+}
+
+// Q6_K sub-block `sub`'s four 4-k chunks of 6-bit codes as unsigned bytes (0..63)
+template <class V>
+TQ_INLINE void q6k_chunks(const uint8_t* sub, typename V::VI (&q)[4]) {
+  const typename V::VI hb = V::load(sub + 16);
+  const typename V::VI w0 = V::load(sub + 80), w1 = V::load(sub + 144);
+  q[0] = V::merge_nib(w0, V::template field<0>(hb));
+  q[1] = V::merge_nib(V::srl4(w0), V::template field<1>(hb));
+  q[2] = V::merge_nib(w1, V::template field<2>(hb));
+  q[3] = V::merge_nib(V::srl4(w1), V::template field<3>(hb));
+}
+
 // One sub-block of 32 of Q4_K / Q5_K in pair sums (AVX2): iacc += scale x the sub-block's products, the scale applied
 // by the widening vpmaddwd (no int32 multiply). `ap`: row 0's 32 activations (rows `ld` apart); `sub`: the
 // sub-block's offset in a group's block (its scales, then mins, masks, chunks at `qoff` past the scales' end).
 template <class V, int MR, int NG, bool kFive>
 TQ_INLINE void k45_sub_pairs(const uint8_t* const* g, const int8_t* ap, int64_t ld, int sub, int qoff,
-                             typename V::VI (&iacc)[MR][NG]) {
+                             typename V::VI (&iacc)[MR][NG], const uint8_t* u = nullptr) {
   constexpr int kFlush = kFive ? 2 : 4;  // chunks per int16 sum: 4 x 2 x 3,810 (|u| <= 15) or 2 x 2 x 7,874 (31)
   typename V::VI sc[NG], p16[MR][NG];
   for (int j = 0; j < NG; ++j) sc[j] = V::pair16(V::u8x16(g[j] + sub));
   for (int c = 0; c < 4; ++c) {
     for (int j = 0; j < NG; ++j) {
-      const uint8_t* sb = g[j] + sub;
-      const typename V::VI w = V::load(sb + qoff + c * 64);
-      typename V::VI l = V::lo(w), h = V::hi(w);
-      if (kFive) {
-        l = V::add_bits(l, sb + 32 + c * 16, 16);
-        h = V::add_bits(h, sb + 32 + c * 16 + 8, 16);
+      typename V::VI l, h;
+      if (u != nullptr) {  // unpacked already (strip_unpacked: NG = 1)
+        l = V::load(u + c * 128);
+        h = V::load(u + c * 128 + 64);
+      } else {
+        k45_chunk<V, kFive>(g[j] + sub, qoff, c, l, h);
       }
       for (int r = 0; r < MR; ++r) {
         const int8_t* x = ap + r * ld + 8 * c;
@@ -906,9 +934,11 @@ TQ_INLINE void k45_sub_pairs(const uint8_t* const* g, const int8_t* ap, int64_t 
   }
 }
 
-// Q4_K, Q5_K: 256-blocks, 8 sub-blocks of 32 with 6-bit scales and mins (bytes here); integer sums per super-block
+// Q4_K, Q5_K: 256-blocks, 8 sub-blocks of 32 with 6-bit scales and mins (bytes here); integer sums per super-block.
+// `u` (pair sums only: strip_unpacked, NG = 1): the block's codes unpacked by unpack_block, read instead of `g`'s.
 template <class V, int MR, int NG, int64_t F>
-TQ_INLINE void block_k45(const uint8_t* const* g, const Act& a, int64_t r0, int64_t b, FAcc<V, MR, NG>& facc) {
+TQ_INLINE void block_k45(const uint8_t* const* g, const Act& a, int64_t r0, int64_t b, FAcc<V, MR, NG>& facc,
+                         const uint8_t* u = nullptr) {
   constexpr bool kFive = F == kQ5_K;
   constexpr int kSub = kFive ? kK5Sub : kK4Sub, qoff = kSub - 256;  // a sub-block: scales, mins, (masks), chunks
   const int64_t nb = a.K / 256, ns = a.K / 16;
@@ -917,7 +947,8 @@ TQ_INLINE void block_k45(const uint8_t* const* g, const Act& a, int64_t r0, int6
     for (int j = 0; j < NG; ++j) iacc[r][j] = V::zero();
   for (int s = 0; s < 8; ++s) {
     if constexpr (V::kPairSums) {
-      k45_sub_pairs<V, MR, NG, kFive>(g, a.row(r0) + b * 256 + 32 * s, a.K, 64 + s * kSub, qoff, iacc);
+      k45_sub_pairs<V, MR, NG, kFive>(g, a.row(r0) + b * 256 + 32 * s, a.K, 64 + s * kSub, qoff, iacc,
+                                      u != nullptr ? u + s * 512 : nullptr);
       continue;
     }
     typename V::VI isum[MR][NG];
@@ -926,13 +957,8 @@ TQ_INLINE void block_k45(const uint8_t* const* g, const Act& a, int64_t r0, int6
     for (int c = 0; c < 4; ++c) {
       const int ch = 4 * s + c;
       for (int j = 0; j < NG; ++j) {
-        const uint8_t* sub = g[j] + 64 + s * kSub;
-        const typename V::VI w = V::load(sub + qoff + c * 64);
-        typename V::VI l = V::lo(w), h = V::hi(w);
-        if (kFive) {
-          l = V::add_bits(l, sub + 32 + c * 16, 16);
-          h = V::add_bits(h, sub + 32 + c * 16 + 8, 16);
-        }
+        typename V::VI l, h;
+        k45_chunk<V, kFive>(g[j] + 64 + s * kSub, qoff, c, l, h);
         for (int r = 0; r < MR; ++r) {
           const int8_t* ap = a.row(r0 + r) + b * 256 + 8 * ch;
           isum[r][j] = V::dot(isum[r][j], l, V::bcast4(ap));
@@ -964,7 +990,7 @@ TQ_INLINE void block_k45(const uint8_t* const* g, const Act& a, int64_t r0, int6
 // two int16 halves of -16 x sum (|sum| <= 16 x 127, so 16 x sum fits int16) against the scale in both.
 template <class V, int MR, int NG>
 TQ_INLINE void q6k_sub_pairs(const uint8_t* const* g, const Act& a, int64_t r0, int64_t b, int s,
-                             typename V::VI (&iacc)[MR][NG]) {
+                             typename V::VI (&iacc)[MR][NG], const uint8_t* u = nullptr) {
   const int64_t ns = a.K / 16;
   typename V::VI sc[NG];
   for (int j = 0; j < NG; ++j) sc[j] = V::pair16(V::s8x16(g[j] + 32 + s * kQ6Sub));
@@ -973,11 +999,12 @@ TQ_INLINE void q6k_sub_pairs(const uint8_t* const* g, const Act& a, int64_t r0, 
     for (int j = 0; j < NG; ++j) iacc[r][j] = V::widen(iacc[r][j], off, sc[j]);
   }
   for (int j = 0; j < NG; ++j) {
-    const uint8_t* sub = g[j] + 32 + s * kQ6Sub;
-    const typename V::VI hb = V::load(sub + 16);
-    const typename V::VI w0 = V::load(sub + 80), w1 = V::load(sub + 144);
-    const typename V::VI q[4] = {V::merge_nib(w0, V::template field<0>(hb)), V::merge_nib(V::srl4(w0), V::template field<1>(hb)),
-                                 V::merge_nib(w1, V::template field<2>(hb)), V::merge_nib(V::srl4(w1), V::template field<3>(hb))};
+    typename V::VI q[4];
+    if (u != nullptr) {  // unpacked already (strip_unpacked: NG = 1)
+      for (int f = 0; f < 4; ++f) q[f] = V::load(u + f * 64);
+    } else {
+      q6k_chunks<V>(g[j] + 32 + s * kQ6Sub, q);
+    }
     for (int r = 0; r < MR; ++r) {
       const int8_t* ap = a.row(r0 + r) + b * 256 + 16 * s;
       iacc[r][j] = V::widen(iacc[r][j], V::add16(V::prod16(q[0], V::bcast4(ap)), V::prod16(q[1], V::bcast4(ap + 4))), sc[j]);
@@ -986,27 +1013,26 @@ TQ_INLINE void q6k_sub_pairs(const uint8_t* const* g, const Act& a, int64_t r0, 
   }
 }
 
-// Q6_K: 256-blocks, 16 sub-blocks of 16 with signed 8-bit scales; q - 32 folded into each sub-block's integer sum
+// Q6_K: 256-blocks, 16 sub-blocks of 16 with signed 8-bit scales; q - 32 folded into each sub-block's integer sum.
+// `u`: as block_k45's.
 template <class V, int MR, int NG>
-TQ_INLINE void block_q6k(const uint8_t* const* g, const Act& a, int64_t r0, int64_t b, FAcc<V, MR, NG>& facc) {
+TQ_INLINE void block_q6k(const uint8_t* const* g, const Act& a, int64_t r0, int64_t b, FAcc<V, MR, NG>& facc,
+                         const uint8_t* u = nullptr) {
   const int64_t nb = a.K / 256, ns = a.K / 16;
   typename V::VI iacc[MR][NG];
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < NG; ++j) iacc[r][j] = V::zero();
   for (int s = 0; s < 16; ++s) {
     if constexpr (V::kPairSums) {
-      q6k_sub_pairs<V, MR, NG>(g, a, r0, b, s, iacc);
+      q6k_sub_pairs<V, MR, NG>(g, a, r0, b, s, iacc, u != nullptr ? u + s * 256 : nullptr);
       continue;
     }
     typename V::VI isum[MR][NG];
     for (int r = 0; r < MR; ++r)
       for (int j = 0; j < NG; ++j) isum[r][j] = V::set1(-32 * a.sum[(r0 + r) * ns + b * 16 + s]);
     for (int j = 0; j < NG; ++j) {
-      const uint8_t* sub = g[j] + 32 + s * kQ6Sub;
-      const typename V::VI hb = V::load(sub + 16);
-      const typename V::VI w0 = V::load(sub + 80), w1 = V::load(sub + 144);
-      const typename V::VI q[4] = {V::merge_nib(w0, V::template field<0>(hb)), V::merge_nib(V::srl4(w0), V::template field<1>(hb)),
-                                   V::merge_nib(w1, V::template field<2>(hb)), V::merge_nib(V::srl4(w1), V::template field<3>(hb))};
+      typename V::VI q[4];
+      q6k_chunks<V>(g[j] + 32 + s * kQ6Sub, q);
       for (int r = 0; r < MR; ++r) {
         const int8_t* ap = a.row(r0 + r) + b * 256 + 16 * s;
         for (int f = 0; f < 4; ++f) isum[r][j] = V::dot(isum[r][j], q[f], V::bcast4(ap + 4 * f));
@@ -1046,6 +1072,18 @@ struct Segment {
   const float* bias;  // float32 [N] or null
 };
 
+// Row r's 16 lanes of group g (`v`, scaled), plus the bias, cast and stored (the lanes past N dropped)
+template <class V, typename O>
+TQ_INLINE void store_lanes(const Segment& sg, int64_t g, int64_t r, typename V::VF v, O* out, int64_t ldo) {
+  const int64_t n0 = g * kLanes;
+  const int n = static_cast<int>(std::min<int64_t>(kLanes, sg.N - n0));
+  if (n <= 0) return;
+  float tmp[kLanes];
+  V::store(tmp, v, kLanes);
+  O* o = out + r * ldo + sg.col0 + n0;
+  for (int i = 0; i < n; ++i) o[i] = static_cast<O>(tmp[i] + (sg.bias != nullptr ? sg.bias[n0 + i] : 0.f));
+}
+
 template <class V, int MR, int NG, int64_t F, typename O>
 void tile(const Segment& sg, const Act& a, int64_t r0, int64_t g0, O* out, int64_t ldo) {
   constexpr int head = F == kI8 ? 64 : 0;
@@ -1060,17 +1098,9 @@ void tile(const Segment& sg, const Act& a, int64_t r0, int64_t g0, O* out, int64
     run_block<V, MR, NG, F>(g, a, r0, b, facc);
   }
   for (int j = 0; j < NG; ++j) {
-    const int64_t n0 = (g0 + j) * kLanes;
-    const int n = static_cast<int>(std::min<int64_t>(kLanes, sg.N - n0));
-    if (n <= 0) continue;
     typename V::VF scale = V::fset1(1.f);
     if (F == kI8) scale = V::f32x16(sg.packed + (g0 + j) * sg.gbytes);
-    for (int r = 0; r < MR; ++r) {
-      float tmp[kLanes];
-      V::store(tmp, V::fmul(facc[r][j], scale), kLanes);
-      O* o = out + (r0 + r) * ldo + sg.col0 + n0;
-      for (int i = 0; i < n; ++i) o[i] = static_cast<O>(tmp[i] + (sg.bias != nullptr ? sg.bias[n0 + i] : 0.f));
-    }
+    for (int r = 0; r < MR; ++r) store_lanes<V>(sg, g0 + j, r0 + r, V::fmul(facc[r][j], scale), out, ldo);
   }
 }
 
@@ -1093,11 +1123,73 @@ constexpr int64_t kNarrowMaxGroupBytes = 24 << 10;
 
 constexpr bool is_kquant(int64_t f) { return f == kQ4_K || f == kQ5_K || f == kQ6_K; }
 
+// Q5_K / Q6_K on AVX2 over many rows: a group's 256-block unpacked to one byte a weight once (unpack_block, 4 KB that
+// stay in L1), then every row tile of the strip runs that block from those bytes, its float sums kept in a buffer
+// between blocks; the packed path unpacks the bit planes again for each tile of two rows (AVX2 has no registers for
+// more rows). Q4_K's nibbles cost fewer instructions to unpack than their unpacked bytes cost to load: it keeps the
+// packed path (measured on the AVX2 EPYC: 0.69-0.98x unpacked, 4 to 512 rows). The same bytes go into the same sums and the same float steps
+// in the same order, so the results are those of the packed path to the bit.
+constexpr int64_t kUnpackedBlock = 256 * kLanes;
+constexpr int64_t kUnpackMinRows = 4;
+
+template <class V, int64_t F>
+void unpack_block(const uint8_t* gp, uint8_t* ub) {
+  if constexpr (F == kQ6_K) {
+    for (int s = 0; s < 16; ++s) {
+      typename V::VI q[4];
+      q6k_chunks<V>(gp + 32 + s * kQ6Sub, q);
+      for (int f = 0; f < 4; ++f) V::storei(ub + s * 256 + f * 64, q[f]);
+    }
+  } else {
+    constexpr int kSub = F == kQ5_K ? kK5Sub : kK4Sub;
+    for (int s = 0; s < 8; ++s)
+      for (int c = 0; c < 4; ++c) {
+        typename V::VI l, h;
+        k45_chunk<V, F == kQ5_K>(gp + 64 + s * kSub, kSub - 256, c, l, h);
+        V::storei(ub + s * 512 + c * 128, l);
+        V::storei(ub + s * 512 + c * 128 + 64, h);
+      }
+  }
+}
+
+// MR rows at r of one block from its unpacked bytes `ub`, their float sums loaded from and stored to `acc` (16 a row)
+template <class V, int MR, int64_t F>
+TQ_INLINE void unpacked_block_rows(const uint8_t* gp, const uint8_t* ub, const Act& a, int64_t r, int64_t b, float* acc) {
+  FAcc<V, MR, 1> facc;
+  for (int i = 0; i < MR; ++i) facc[i][0] = V::f32x16(reinterpret_cast<const uint8_t*>(acc + i * kLanes));
+  const uint8_t* g[1] = {gp};
+  if constexpr (F == kQ6_K) block_q6k<V, MR, 1>(g, a, r, b, facc, ub);
+  else block_k45<V, MR, 1, F>(g, a, r, b, facc, ub);
+  for (int i = 0; i < MR; ++i) V::store(acc + i * kLanes, facc[i][0], kLanes);
+}
+
+template <class V, int64_t F, typename O>
+void strip_unpacked(const Segment& sg, const Act& a, int64_t r0, int64_t r1, int64_t g0, int64_t g1, O* out, int64_t ldo) {
+  const FmtInfo fi = fmt_info(F);
+  alignas(64) uint8_t ub[kUnpackedBlock];
+  thread_local std::vector<float> acc;
+  for (int64_t g = g0; g < g1; ++g) {
+    acc.assign(static_cast<size_t>((r1 - r0) * kLanes), 0.f);
+    for (int64_t b = 0; b < a.K / 256; ++b) {
+      const uint8_t* gp = sg.packed + g * sg.gbytes + b * fi.blk;
+      unpack_block<V, F>(gp, ub);
+      int64_t r = r0;
+      for (; r + 2 <= r1; r += 2) unpacked_block_rows<V, 2, F>(gp, ub, a, r, b, acc.data() + (r - r0) * kLanes);
+      if (r < r1) unpacked_block_rows<V, 1, F>(gp, ub, a, r, b, acc.data() + (r - r0) * kLanes);
+    }
+    for (int64_t r = r0; r < r1; ++r)
+      store_lanes<V>(sg, g, r, V::f32x16(reinterpret_cast<const uint8_t*>(acc.data() + (r - r0) * kLanes)), out, ldo);
+  }
+}
+
 // Rows [r0, r1) x groups [g0, g1) of one segment; row tiles of up to kMaxRows. One or two rows (decode) take 4 groups
 // per tile on AVX512 (more weight streams in flight; K-quants: one, where narrow tiles are set), more rows kGroups
 // (their accumulators fill the registers).
 template <class V, int64_t F, typename O>
 void strip(const Segment& sg, const Act& a, int64_t r0, int64_t r1, int64_t g0, int64_t g1, O* out, int64_t ldo) {
+  if constexpr (V::kPairSums && (F == kQ5_K || F == kQ6_K)) {
+    if (r1 - r0 >= kUnpackMinRows) return strip_unpacked<V, F>(sg, a, r0, r1, g0, g1, out, ldo);
+  }
   constexpr int NG = V::kGroups;
   constexpr int NGW = V::kWideGroups;
   const bool narrow = is_kquant(F) && sg.gbytes <= kNarrowMaxGroupBytes && g_narrow_kquant_tiles.load(std::memory_order_relaxed);
