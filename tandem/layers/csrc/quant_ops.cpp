@@ -907,16 +907,16 @@ TQ_INLINE void q6k_chunks(const uint8_t* sub, typename V::VI (&q)[4]) {
 // One sub-block of 32 of Q4_K / Q5_K in pair sums (AVX2): iacc += scale x the sub-block's products, the scale applied
 // by the widening vpmaddwd (no int32 multiply). `ap`: row 0's 32 activations (rows `ld` apart); `sub`: the
 // sub-block's offset in a group's block (its scales, then mins, masks, chunks at `qoff` past the scales' end).
-template <class V, int MR, int NG, bool kFive>
+template <class V, int MR, int NG, bool kFive, bool kU>
 TQ_INLINE void k45_sub_pairs(const uint8_t* const* g, const int8_t* ap, int64_t ld, int sub, int qoff,
-                             typename V::VI (&iacc)[MR][NG], const uint8_t* u = nullptr) {
+                             typename V::VI (&iacc)[MR][NG], const uint8_t* u) {
   constexpr int kFlush = kFive ? 2 : 4;  // chunks per int16 sum: 4 x 2 x 3,810 (|u| <= 15) or 2 x 2 x 7,874 (31)
   typename V::VI sc[NG], p16[MR][NG];
   for (int j = 0; j < NG; ++j) sc[j] = V::pair16(V::u8x16(g[j] + sub));
   for (int c = 0; c < 4; ++c) {
     for (int j = 0; j < NG; ++j) {
       typename V::VI l, h;
-      if (u != nullptr) {  // unpacked already (strip_unpacked: NG = 1)
+      if constexpr (kU) {  // unpacked already (strip_unpacked: NG = 1)
         l = V::load(u + c * 128);
         h = V::load(u + c * 128 + 64);
       } else {
@@ -935,10 +935,12 @@ TQ_INLINE void k45_sub_pairs(const uint8_t* const* g, const int8_t* ap, int64_t 
 }
 
 // Q4_K, Q5_K: 256-blocks, 8 sub-blocks of 32 with 6-bit scales and mins (bytes here); integer sums per super-block.
-// `u` (pair sums only: strip_unpacked, NG = 1): the block's codes unpacked by unpack_block, read instead of `g`'s.
-template <class V, int MR, int NG, int64_t F>
+// kU (pair sums only: strip_unpacked, NG = 1): `u` holds the block's codes unpacked by unpack_block, read instead of
+// `g`'s.
+template <class V, int MR, int NG, int64_t F, bool kU = false>
 TQ_INLINE void block_k45(const uint8_t* const* g, const Act& a, int64_t r0, int64_t b, FAcc<V, MR, NG>& facc,
                          const uint8_t* u = nullptr) {
+  static_assert(!kU || V::kPairSums, "unpacked blocks run on the pair-sum path only");
   constexpr bool kFive = F == kQ5_K;
   constexpr int kSub = kFive ? kK5Sub : kK4Sub, qoff = kSub - 256;  // a sub-block: scales, mins, (masks), chunks
   const int64_t nb = a.K / 256, ns = a.K / 16;
@@ -947,8 +949,8 @@ TQ_INLINE void block_k45(const uint8_t* const* g, const Act& a, int64_t r0, int6
     for (int j = 0; j < NG; ++j) iacc[r][j] = V::zero();
   for (int s = 0; s < 8; ++s) {
     if constexpr (V::kPairSums) {
-      k45_sub_pairs<V, MR, NG, kFive>(g, a.row(r0) + b * 256 + 32 * s, a.K, 64 + s * kSub, qoff, iacc,
-                                      u != nullptr ? u + s * 512 : nullptr);
+      k45_sub_pairs<V, MR, NG, kFive, kU>(g, a.row(r0) + b * 256 + 32 * s, a.K, 64 + s * kSub, qoff, iacc,
+                                          kU ? u + s * 512 : nullptr);
       continue;
     }
     typename V::VI isum[MR][NG];
@@ -988,9 +990,9 @@ TQ_INLINE void block_k45(const uint8_t* const* g, const Act& a, int64_t r0, int6
 // One sub-block of 16 of Q6_K in pair sums (AVX2): iacc += scale x (the products - 32 x the activations' sum), the
 // scale applied by the widening vpmaddwd. Two products of |u| <= 63 per int16 sum (2 x 2 x 8,001); the offset as
 // two int16 halves of -16 x sum (|sum| <= 16 x 127, so 16 x sum fits int16) against the scale in both.
-template <class V, int MR, int NG>
+template <class V, int MR, int NG, bool kU>
 TQ_INLINE void q6k_sub_pairs(const uint8_t* const* g, const Act& a, int64_t r0, int64_t b, int s,
-                             typename V::VI (&iacc)[MR][NG], const uint8_t* u = nullptr) {
+                             typename V::VI (&iacc)[MR][NG], const uint8_t* u) {
   const int64_t ns = a.K / 16;
   typename V::VI sc[NG];
   for (int j = 0; j < NG; ++j) sc[j] = V::pair16(V::s8x16(g[j] + 32 + s * kQ6Sub));
@@ -1000,7 +1002,7 @@ TQ_INLINE void q6k_sub_pairs(const uint8_t* const* g, const Act& a, int64_t r0, 
   }
   for (int j = 0; j < NG; ++j) {
     typename V::VI q[4];
-    if (u != nullptr) {  // unpacked already (strip_unpacked: NG = 1)
+    if constexpr (kU) {  // unpacked already (strip_unpacked: NG = 1)
       for (int f = 0; f < 4; ++f) q[f] = V::load(u + f * 64);
     } else {
       q6k_chunks<V>(g[j] + 32 + s * kQ6Sub, q);
@@ -1014,17 +1016,18 @@ TQ_INLINE void q6k_sub_pairs(const uint8_t* const* g, const Act& a, int64_t r0, 
 }
 
 // Q6_K: 256-blocks, 16 sub-blocks of 16 with signed 8-bit scales; q - 32 folded into each sub-block's integer sum.
-// `u`: as block_k45's.
-template <class V, int MR, int NG>
+// kU, `u`: as block_k45's.
+template <class V, int MR, int NG, bool kU = false>
 TQ_INLINE void block_q6k(const uint8_t* const* g, const Act& a, int64_t r0, int64_t b, FAcc<V, MR, NG>& facc,
                          const uint8_t* u = nullptr) {
+  static_assert(!kU || V::kPairSums, "unpacked blocks run on the pair-sum path only");
   const int64_t nb = a.K / 256, ns = a.K / 16;
   typename V::VI iacc[MR][NG];
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < NG; ++j) iacc[r][j] = V::zero();
   for (int s = 0; s < 16; ++s) {
     if constexpr (V::kPairSums) {
-      q6k_sub_pairs<V, MR, NG>(g, a, r0, b, s, iacc, u != nullptr ? u + s * 256 : nullptr);
+      q6k_sub_pairs<V, MR, NG, kU>(g, a, r0, b, s, iacc, kU ? u + s * 256 : nullptr);
       continue;
     }
     typename V::VI isum[MR][NG];
@@ -1159,8 +1162,8 @@ TQ_INLINE void unpacked_block_rows(const uint8_t* gp, const uint8_t* ub, const A
   FAcc<V, MR, 1> facc;
   for (int i = 0; i < MR; ++i) facc[i][0] = V::f32x16(reinterpret_cast<const uint8_t*>(acc + i * kLanes));
   const uint8_t* g[1] = {gp};
-  if constexpr (F == kQ6_K) block_q6k<V, MR, 1>(g, a, r, b, facc, ub);
-  else block_k45<V, MR, 1, F>(g, a, r, b, facc, ub);
+  if constexpr (F == kQ6_K) block_q6k<V, MR, 1, true>(g, a, r, b, facc, ub);
+  else block_k45<V, MR, 1, F, true>(g, a, r, b, facc, ub);
   for (int i = 0; i < MR; ++i) V::store(acc + i * kLanes, facc[i][0], kLanes);
 }
 
