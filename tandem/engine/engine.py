@@ -91,6 +91,9 @@ SLACK_SHARE = 0.85
 # proposal waited for) stops at this share of the forward after its launch: scheduling, the wait for the grammar
 # fills and the rest of the host's step must still fit before the forward ends
 DRAFT_SHARE = 0.6
+# Scheduling ahead, a proposer's deferred work (finished outputs into the suffix cache) runs once the grammar fills
+# are joined, while the forward's expected time has not reached this share of it (the collect follows at its end)
+TIDY_SHARE = 0.9
 # Scheduling ahead with a cheap proposer, rows whose drafts were dropped (their assumed outcome did not happen) are
 # drafted again between sampling and the launch, up to REDRAFT_CHUNK requests at a time, while this share of the
 # shortest recent forward has not been spent and the next request's measured cost still fits in it
@@ -338,6 +341,7 @@ class LLMEngine:
         if unsettled:
             tokens.update(self._resample(self._rows_of(plan, logits, unsettled), unsettled))
         outputs = self._advance(plan, tokens)
+        self.speculation.tidy(None)  # the synchronous step: nothing to overlap it with
         self._record_step(plan, timer, handle, masks)
         self._forward_end = handle.finished_at
         return outputs + self._drain_errors()
@@ -365,21 +369,21 @@ class LLMEngine:
         nxt = self._schedule_ahead(frozenset(sr.request_id for sr in cur.plan.requests), parked)
         timer.mark("scheduled")
         self._join_fill(cur)
+        self.speculation.tidy(self._slack_deadline(cur, TIDY_SHARE))  # deferred work, while the forward still runs
         with gc_deferred():  # the device waits from here to the launch
             logits = self.runner.collect(cur.handle)  # [R, V]
             timer.mark("collected")
             self._forward_s.append(cur.handle.finished_at - cur.launched_at)
             self.guidance.record_wait(cur.masks.filled, cur.filled_at, cur.handle.finished_at)
-            tokens = self._sample_ahead(cur, logits)
-            timer.mark("sampled")
+            tokens = self._sample_ahead(cur, logits, timer)
             speculative = self.speculation.active
-            check_late = not speculative and self._checks_after_launch(cur, nxt)
-            unsettled = [] if check_late else self._check_unmasked(cur.plan, logits, cur.masks.filled, tokens)
+            now, late = self._split_checks(cur, nxt)  # unmasked argmaxes checked before / after nxt's launch
+            unsettled = self._check_unmasked(cur.plan, logits, cur.masks.filled, tokens, now)
             held = self._rows_of(cur.plan, logits, unsettled) if unsettled else None  # [n, V]: copied before the launch
             # their tokens come during the next forward (or never: the request failed): they sit it out
             self.scheduler.withdraw(nxt, [rid for rid, toks in tokens.items() if not toks])
             if speculative:
-                self._settle_ahead(cur.plan, tokens, nxt)
+                self._settle_ahead(cur.plan, tokens, nxt, frozenset(late))
             else:
                 self.scheduler.feed(tokens, nxt)
             self._inflight = self._launch_ahead(nxt, fill_now=False)
@@ -387,8 +391,8 @@ class LLMEngine:
         self._idle_since(cur.handle.finished_at, timer.at("launched"))
         if not speculative:
             self.scheduler.resolve(cur.plan, tokens, None, commit=False)  # the requests' own token lists
-            if check_late:
-                self._check_after_launch(cur.plan, logits, cur.masks.filled, tokens, nxt)
+        if late:
+            self._check_after_launch(cur.plan, logits, cur.masks.filled, tokens, nxt, late)
         drafts = cur.drafts()
         accepted = self._accept_ahead(tokens, drafts)  # the matchers are where the next step starts: its fill may begin
         if self._inflight is not None:  # llguidance's threads fill beside the work below (nxt lacks the unsettled)
@@ -409,25 +413,36 @@ class LLMEngine:
             self._drop_inflight()  # every request of it has ended: nothing to collect
         return outputs + self._drain_errors()
 
-    def _sample_ahead(self, cur: _InFlight, logits: torch.Tensor) -> dict[str, list[int]]:
-        """The tokens of `cur`'s rows `logits` [R, V], those of rows fed a retracted token left out; drafts verified
-        without masks are checked (`_check_unmasked_verify`)."""
+    def _sample_ahead(self, cur: _InFlight, logits: torch.Tensor, timer: StepTimer) -> dict[str, list[int]]:
+        """The tokens of `cur`'s rows `logits` [R, V], those of rows fed a retracted token left out; marks
+        'sampled', then checks the drafts verified without masks (`_check_unmasked_verify`: host work)."""
         tokens = self.runner.on_tensor_thread(self.step_sampler.sample, cur.plan, logits, cur.masks.staged, self._seqs)
         for rid in cur.garbage:
             tokens.pop(rid, None)
         self.thinking.limit(tokens, self._seqs)
+        timer.mark("sampled")
         self._check_unmasked_verify(cur.plan, logits, cur.masks.filled, tokens)
         return tokens
 
-    def _checks_after_launch(self, cur: _InFlight, nxt: StepPlan) -> bool:
-        """Check `cur`'s unmasked argmaxes after `nxt`'s launch (no drafts: see engine/unmasked.py)."""
-        return bool(cur.masks.filled.unmasked) and self.unmasked_checks.after_launch(
-            nxt.num_tokens, min(self._forward_s, default=0.0))
+    def _split_checks(self, cur: _InFlight, nxt: StepPlan) -> tuple[list[str], list[str]]:
+        """`cur`'s unmasked argmaxes to check before `nxt`'s launch, and after it (see engine/unmasked.py). After
+        it only where the policy says so, and, with drafts, only for requests whose row of `nxt` verifies none: a
+        retracted row is that one token (`Scheduler.retract`), and drafts made past a rejected token would be
+        verified from the wrong context."""
+        unmasked = cur.masks.filled.unmasked
+        if not unmasked or not self.unmasked_checks.after_launch(nxt.num_tokens, min(self._forward_s, default=0.0)):
+            return unmasked, []
+        if not self.speculation.active:
+            return [], unmasked
+        drafting = {sr.request_id for sr in nxt.requests if sr.num_draft_tokens}
+        return [r for r in unmasked if r in drafting], [r for r in unmasked if r not in drafting]
 
-    def _settle_ahead(self, plan: StepPlan, tokens: Mapping[str, list[int]], nxt: StepPlan) -> None:
+    def _settle_ahead(self, plan: StepPlan, tokens: Mapping[str, list[int]], nxt: StepPlan,
+                      unchecked: frozenset[str]) -> None:
         """Before nxt's launch, with drafts: `plan`'s outcome into the requests and into nxt (rows whose drafts
         assumed another outcome lose them, rows after a rejected draft move back), then drafts again, from the
-        real outcome, for as many of those rows as a small share of a forward's time allows (cheap proposers)."""
+        real outcome, for as many of those rows as a small share of a forward's time allows (cheap proposers);
+        none for the `unchecked` (their argmax is checked after the launch: their rows stay without drafts)."""
         changed = self.scheduler.settle(plan, tokens, nxt, self.speculation.still_valid(tokens))
         self.speculation.missed(len(changed))
         budget = self._redraft_budget(len(nxt.requests))
@@ -436,8 +451,8 @@ class LLMEngine:
         # those that lost their drafts first, then the other rows without any (their proposal past the outcome in
         # flight had nothing: the real outcome may match)
         lost = set(changed)
-        bare = changed + [sr.request_id for sr in nxt.requests
-                          if sr.num_tokens == 1 and sr.needs_logits and not sr.num_draft_tokens and sr.request_id not in lost]
+        bare = changed + [sr.request_id for sr in nxt.requests if sr.num_tokens == 1 and sr.needs_logits
+                          and not sr.num_draft_tokens and sr.request_id not in lost and sr.request_id not in unchecked]
         drafts = self._redraft(bare, budget)
         if drafts:
             self.scheduler.add_drafts(nxt, drafts)
@@ -580,13 +595,14 @@ class LLMEngine:
         return self._outputs(touched.values(), now)
 
     def _check_after_launch(self, plan: StepPlan, logits: torch.Tensor, masks: StepMasks,
-                            tokens: dict[str, list[int]], nxt: StepPlan) -> None:
-        """Scheduling ahead without drafts: `nxt` was launched fed the unmasked rows' argmaxes, unchecked, and
-        `plan` resolved with them. Check them now, while it runs: a rejected one is replaced by the masked argmax (a
-        top candidate, or its row of `logits` [R, V], which no forward writes again, sampled with its mask filled)
-        and retracted, its row of `nxt` thrown away when collected (the request sits out that step)."""
-        argmax = {rid: toks[0] for rid in masks.unmasked if (toks := tokens.get(rid))}
-        unsettled = self._check_unmasked(plan, logits, masks, tokens)
+                            tokens: dict[str, list[int]], nxt: StepPlan, unchecked: Sequence[str]) -> None:
+        """Scheduling ahead: `nxt` was launched fed the `unchecked` rows' argmaxes (each such row of `nxt`
+        verifying no drafts), and `plan` resolved or settled with them. Check them now, while it runs: a rejected
+        one is replaced by the masked argmax (a top candidate, or its row of `logits` [R, V], which no forward writes
+        again, sampled with its mask filled) and retracted, its row of `nxt` thrown away when collected (the request
+        sits out that step)."""
+        argmax = {rid: toks[0] for rid in unchecked if (toks := tokens.get(rid))}
+        unsettled = self._check_unmasked(plan, logits, masks, tokens, unchecked)
         if unsettled:
             tokens.update(self._resample(self._rows_of(plan, logits, unsettled), unsettled, late=True))
         inflight = self._inflight
@@ -600,16 +616,17 @@ class LLMEngine:
                 self.stats.num_retracted_rows += 1
 
     def _check_unmasked(self, plan: StepPlan, logits: torch.Tensor, masks: StepMasks,
-                        tokens: dict[str, list[int]]) -> list[str]:
-        """Greedy rows sampled without their grammar mask: keep each token the grammar accepts; for the others take
-        the first allowed of the row's top candidates. Returns the rows still unsettled, their tokens in `tokens`
-        emptied: `_resample` them with their masks. The top candidates count as sampling (`stats.sample_s`, device
-        work beside an accelerator), the checks as host time."""
-        if not masks.unmasked:
+                        tokens: dict[str, list[int]], unmasked: Sequence[str] | None = None) -> list[str]:
+        """Greedy rows sampled without their grammar mask (`unmasked`, default all of `masks.unmasked`): keep each
+        token the grammar accepts; for the others take the first allowed of the row's top candidates. Returns the
+        rows still unsettled, their tokens in `tokens` emptied: `_resample` them with their masks. The top candidates
+        count as sampling (`stats.sample_s`, device work beside an accelerator), the checks as host time."""
+        unmasked = masks.unmasked if unmasked is None else unmasked
+        if not unmasked:
             return []
         t0 = time.perf_counter()
-        rejected = self.guidance.check_unmasked(masks.unmasked, tokens)
-        self.unmasked_checks.observe(len(masks.unmasked), len(rejected), time.perf_counter() - t0)
+        rejected = self.guidance.check_unmasked(unmasked, tokens)
+        self.unmasked_checks.observe(len(unmasked), len(rejected), time.perf_counter() - t0)
         if not rejected:
             return []
         rows = self._plain_rows(plan)
@@ -716,6 +733,7 @@ class LLMEngine:
 
     def _idle(self) -> list[RequestOutput]:
         """Nothing could be scheduled this step."""
+        self.speculation.tidy(None)
         if self.guidance.has_pending:
             time.sleep(0.002)  # only grammar compiles are outstanding: let them run
         return self._drain_errors()

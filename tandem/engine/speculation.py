@@ -159,6 +159,11 @@ class Speculation(ABC):
         """The request ended: drop its drafting state."""
 
     @abstractmethod
+    def tidy(self, deadline: float | None) -> None:
+        """The proposer's deferred work (`Proposer.tidy`) while the engine would wait: until `deadline` (perf_counter;
+        None: all of it)."""
+
+    @abstractmethod
     def stats_dict(self) -> dict[str, Any]:
         """Counters for `LLMEngine.get_stats` (empty when off)."""
 
@@ -196,6 +201,9 @@ class NoSpeculation(Speculation):
         pass
 
     def release(self, request_id: str) -> None:
+        pass
+
+    def tidy(self, deadline: float | None) -> None:
         pass
 
     def stats_dict(self) -> dict[str, Any]:
@@ -633,6 +641,9 @@ class SpeculativeDecoder(Speculation):
             self.adaptive.release(request_id)
         self._guess.pop(request_id, None)
         self._ahead.pop(request_id, None)
+
+    def tidy(self, deadline: float | None) -> None:
+        self.proposer.tidy(deadline)
 
     def stats_dict(self) -> dict[str, Any]:
         return self.stats.as_dict()

@@ -64,6 +64,11 @@ class Proposer(ABC):
     def release(self, request_id: str) -> None:
         """The request finished or was aborted: drop its state (a proposer may first learn from its output)."""
 
+    def tidy(self, deadline: float | None) -> None:  # noqa: B027 - optional: most proposers defer nothing
+        """Work `release` deferred (e.g. learning from a finished request's output), done now: as much as fits
+        before `deadline` (perf_counter), all of it when None. The engine calls it where its thread would otherwise
+        wait for the device, so that the work stays off the steps whose host work already fills a forward."""
+
     def propose_async(self, batch: Sequence[DraftRequest]) -> Future[dict[str, Drafts]]:
         """Start drafting for `batch`; the future holds what `propose` returns. Synchronous unless overridden."""
         done: Future[dict[str, Drafts]] = Future()

@@ -15,11 +15,15 @@ it for free. Appending a token costs O(number of the sequence's suffixes that oc
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import time
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tandem.spec_decode.proposer import DraftRequest, Drafts, Proposer
+
+# finished outputs waiting for `tidy` beyond this many are cached at once by `release`: bounded memory and staleness
+MAX_UNCACHED = 256
 
 
 @dataclass
@@ -340,6 +344,11 @@ class SuffixProposer(Proposer):
         self._cached: OrderedDict[str, int] = OrderedDict()  # request id -> global sequence id, oldest first
         self._next_seq_id = 0
         self._requests: dict[str, _RequestState] = {}
+        # finished requests' outputs not yet in the global tree (oldest first), and one caching's cost, smoothed:
+        # caching a ~130-token output took ~0.2 ms (AMD EPYC), and 256 requests finishing within a few steps put
+        # several ms of it into single steps (docs/benchmarks.md, issue 25)
+        self._uncached: deque[tuple[str, list[int]]] = deque()
+        self._cache_s = 0.0
 
     # ---- Proposer ----------------------------------------------------------------------------------------------
     def propose(self, batch: Sequence[DraftRequest]) -> dict[str, Drafts]:
@@ -359,13 +368,26 @@ class SuffixProposer(Proposer):
         """Nothing to do: accepted tokens reach the request's tree through the next `propose`."""
 
     def release(self, request_id: str) -> None:
-        """Drop the request's tree and cache its output in the global tree (evicting the oldest beyond the cap)."""
+        """Drop the request's tree; its output goes into the global tree at the next `tidy` (at once beyond
+        `MAX_UNCACHED` waiting)."""
         state = self._requests.pop(request_id, None)
         if state is None or self.max_cached_requests == 0:
             return
         output = [int(t) for t in state.view[state.num_prompt_tokens :]]
         if output:
-            self.cache_output(request_id, output)
+            self._uncached.append((request_id, output))
+        if len(self._uncached) > MAX_UNCACHED:
+            self.cache_output(*self._uncached.popleft())
+
+    def tidy(self, deadline: float | None) -> None:
+        """Cache the finished outputs waiting, oldest first, while one more fits before `deadline` (all: None)."""
+        while self._uncached:
+            t0 = time.perf_counter()
+            if deadline is not None and t0 + self._cache_s > deadline:
+                return
+            self.cache_output(*self._uncached.popleft())
+            took = time.perf_counter() - t0
+            self._cache_s = took if self._cache_s == 0.0 else self._cache_s + 0.25 * (took - self._cache_s)
 
     # ---- global cache ------------------------------------------------------------------------------------------
     def cache_output(self, request_id: str, output: Sequence[int]) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -14,7 +15,7 @@ import pytest
 from tandem.bench.schemas import distinct_schemas
 from tandem.bench.simulated import simulated_engine
 from tandem.engine.engine import LLMEngine
-from tandem.engine.guidance import masked_argmax_among
+from tandem.engine.guidance import StepMasks, masked_argmax_among
 from tandem.params import SamplingParams, StructuredOutputsParams
 from tandem.spec_decode.config import SpeculativeConfig
 from tandem.tokenizer import Tokenizer
@@ -98,22 +99,43 @@ def test_drafts_verified_unmasked_in_the_synchronous_step_give_the_masked_tokens
     assert 0 < stats["guided_verify_rejected"] < stats["guided_unmasked_verify"]
 
 
-def test_argmaxes_checked_after_the_next_launch_give_the_masked_tokens(gpt2: Tokenizer) -> None:
+@pytest.mark.parametrize("speculative", [False, True], ids=["scheduled-ahead", "with-suffix-drafts"])
+def test_argmaxes_checked_after_the_next_launch_give_the_masked_tokens(gpt2: Tokenizer, speculative: bool) -> None:
     """Scheduling ahead, the next plan launched fed the unchecked argmaxes (`UnmaskedCheckPolicy` forced to check
     after the launch; tests/engine/test_unmasked.py: when it chooses to): every rejected one is retracted, its row
     of the plan in flight thrown away and its position fed again; the tokens, finish reasons and errors are those of
-    an engine that fills every mask."""
-    requests = _schema_requests(24)
-    engine = simulated_engine(gpt2, 0.0, 24, "llguidance", None, rows_by_token=True, unmasked_min_fill_ms=0.0)
+    an engine that fills every mask. With suffix drafts, only the rows of requests whose next row verifies no drafts
+    are checked after the launch (and are not redrafted before it); the others before it, as without the policy."""
+    spec = SpeculativeConfig(method="suffix", num_speculative_tokens=3, adaptive=False) if speculative else None
+    requests = _schema_requests(24, max_tokens=80 if speculative else 40)  # 80: noise logits loop, drafts match
+    engine = simulated_engine(gpt2, 0.0, 24, "llguidance", spec, rows_by_token=True, unmasked_min_fill_ms=0.0)
     engine.unmasked_checks.forced = True
     late, stats = _run(engine, requests)
-    masked, _ = _run(simulated_engine(gpt2, 0.0, 24, "llguidance", None, unmasked_greedy=False, rows_by_token=True),
+    masked, _ = _run(simulated_engine(gpt2, 0.0, 24, "llguidance", spec, unmasked_greedy=False, rows_by_token=True),
                      requests)
     assert late == masked
     assert all(err is None for _, _, err in late.values())
     assert stats["guided_unmasked_rejected"] > 10
-    assert stats["num_retracted_rows"] == stats["guided_unmasked_rejected"]  # each one's row in flight thrown away
-    assert stats["num_late_rows"] == 0  # nothing withdrawn before a launch
+    if not speculative:
+        assert stats["num_retracted_rows"] == stats["guided_unmasked_rejected"]  # each one's row in flight thrown away
+        assert stats["num_late_rows"] == 0  # nothing withdrawn before a launch
+    else:  # retracted after the launch, or checked before it (those whose next rows verify drafts)
+        assert 10 < stats["num_retracted_rows"] <= stats["guided_unmasked_rejected"]
+        assert stats["spec_num_accepted"] > 50 and stats["guided_verify_rejected"] > 0
+
+
+def test_with_drafts_only_rows_whose_next_row_verifies_none_are_checked_after_the_launch(gpt2: Tokenizer) -> None:
+    """`LLMEngine._split_checks`: which unmasked argmaxes wait until after the next launch."""
+    spec = SpeculativeConfig(method="suffix", num_speculative_tokens=3, adaptive=False)
+    cur = SimpleNamespace(masks=SimpleNamespace(filled=StepMasks(None, None, unmasked=["a", "b", "c"])))
+    nxt = SimpleNamespace(num_tokens=5, requests=[SimpleNamespace(request_id="a", num_draft_tokens=3),
+                                                  SimpleNamespace(request_id="b", num_draft_tokens=0)])
+    for speculation, forced, split in ((spec, True, (["a"], ["b", "c"])), (None, True, ([], ["a", "b", "c"])),
+                                       (spec, False, (["a", "b", "c"], []))):
+        engine = simulated_engine(gpt2, 0.0, 4, "llguidance", speculation, rows_by_token=True)
+        engine.unmasked_checks.forced = forced
+        assert engine._split_checks(cur, nxt) == split  # type: ignore[arg-type]
+        engine.shutdown()
 
 
 # 6 ms, not 3: on the Xeon of this kind, in the full suite, a 3 ms forward's slack once fitted no row at all

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Iterable
 
 import numpy as np
 
 from tandem.spec_decode import DraftRequest, SuffixProposer, SuffixTree, make_proposer
+from tandem.spec_decode.suffix import MAX_UNCACHED
 
 
 def brute_counts(seqs: Iterable[list[int]], depth: int) -> dict[tuple[int, ...], int]:
@@ -159,6 +161,8 @@ def test_global_tree_helps_a_second_request_with_the_same_output() -> None:
     p = SuffixProposer()
     propose(p, [*prompt_a, *output], 4, "a", num_prompt=30)
     p.release("a")
+    assert p.cached_request_ids == []  # cached by the next `tidy`, where the engine would wait for the device
+    p.tidy(None)
     assert p.cached_request_ids == ["a"]
     context = [*prompt_b, *output[:10]]
     assert propose(p, context, 5, "b", num_prompt=30) == output[10:15]
@@ -171,7 +175,24 @@ def test_release_reads_the_final_tokens_from_the_live_view() -> None:
     propose(p, tokens, 2, "a", num_prompt=3)
     tokens += [7, 8, 9]  # the engine's list grew after the last propose
     p.release("a")
+    tokens += [10]  # the engine's list is read at release, not at tidy
+    p.tidy(None)
     assert p.global_tree.sequence(0) == [4, 5, 6, 7, 8, 9]
+
+
+def test_tidy_caches_what_fits_before_its_deadline_and_release_bounds_the_backlog() -> None:
+    p = SuffixProposer()
+    for i in range(3):
+        propose(p, [1, 2, 3, 10 + i, 11 + i], 2, f"r{i}", num_prompt=3)
+        p.release(f"r{i}")
+    p.tidy(time.perf_counter() - 1.0)  # a deadline passed: nothing
+    assert p.cached_request_ids == []
+    p.tidy(time.perf_counter() + 10.0)
+    assert p.cached_request_ids == ["r0", "r1", "r2"]
+    for i in range(MAX_UNCACHED + 2):  # beyond the backlog's bound, release caches the oldest waiting at once
+        propose(p, [1, 2, 3, 4], 2, f"s{i}", num_prompt=3)
+        p.release(f"s{i}")
+    assert p.cached_request_ids == ["r0", "r1", "r2", "s0", "s1"]
 
 
 def test_global_memory_is_bounded_lru() -> None:
