@@ -446,11 +446,10 @@ class Scheduler:
     def retract(self, plan: StepPlan, request_id: str, position: int, token: int) -> bool:
         """Scheduling ahead, the request's row of `plan` verifying no drafts: `plan` (launched) was fed
         `request_id`'s token at `position`, which turned out wrong (an unmasked argmax the grammar rejected, resolved
-        or settled already); `token` replaces it. When `plan`
-        computes that position, the request's row there is garbage: the position counts as not computed (the next
-        `schedule` feeds it again, overwriting its KV slot after `plan` wrote it), the tentative tail `plan` was to
-        sample into is dropped and the blocks past the position released. Returns whether the row in `plan` is
-        garbage (its logits must be thrown away)."""
+        or settled already); `token` replaces it. When `plan` computes that position, the request's row there is
+        garbage: the position counts as not computed (the next `schedule` feeds it again, overwriting its KV slot
+        after `plan` wrote it), the tentative tail `plan` was to sample into is dropped and the blocks past the
+        position released. Returns whether the row in `plan` is garbage (its logits must be thrown away)."""
         req = self._requests.get(request_id)
         if req is None or req.status is not RequestStatus.RUNNING or position >= len(req.token_ids):
             return False
