@@ -7,7 +7,8 @@ mixed by row count only when they round alike on this CPU: a request's numbers m
 in (tests/engine/test_engine.py::test_batch_invariance). On Sapphire Rapids they do not (the tile unit's bf16 dot products differ from
 `vdpbf16ps` in the last bits, measured), so there one unit serves every row count: AMX when its one-row time is
 within `BATCH1_TOLERANCE` of AVX512-BF16's (batch 1 no slower) and it is faster from `BATCH_ROWS` rows, else
-AVX512-BF16. `TANDEM_BF16_GEMM=amx|avx512|auto` overrides the measurement.
+AVX512-BF16. `TANDEM_BF16_GEMM=amx|avx512|auto` overrides the measurement. A CPU with neither (AVX2 / FMA only) runs
+the same packed weight widened to float32 (`avx2-fma`): nothing to choose.
 """
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ _PLAN: dict[str, Bf16Plan] = {}
 
 
 def _make_plan() -> Bf16Plan:
+    if _gemm_isa() == 1:
+        return Bf16Plan("avx2-fma", 0, "no AVX512-BF16 in this CPU or build: bf16 widened to float32 in AVX2 FMAs")
     if not _amx_available():
         return Bf16Plan("avx512-bf16", 0, "no AMX bf16 tiles in this CPU or build")
     wanted = os.environ.get(ENV, "auto").strip().lower()
@@ -122,6 +125,13 @@ def _race(fns: list[Callable[[], object]], budget_s: float = 0.08, min_calls: in
             best[i], spent = min(best[i], dt), spent + dt
         calls += 1
     return best
+
+
+def _gemm_isa() -> int:
+    """linear_bf16's unit in this build: 2 AVX512-BF16, 1 AVX2 / FMA, 0 none (or no kernels)."""
+    from tandem.layers.kernels import load_cpu_kernels
+
+    return int(torch.ops.tandem.bf16_gemm_isa()) if load_cpu_kernels() else 0
 
 
 def _amx_available() -> bool:

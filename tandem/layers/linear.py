@@ -6,7 +6,8 @@ is held once. Kinds, on the CPU with tandem's kernels:
   * `QuantProjection`: quantized weights (GGUF blocks, int8) repacked losslessly for `csrc/quant_ops.cpp` (VNNI or
     AVX2 integer dot products over int8-quantized activations); one call runs a fused group of parts of mixed formats.
   * `Bf16GemmProjection`: bf16 weights packed once for tandem's GEMM (`csrc/cpu_ops.cpp: linear_bf16`), which runs
-    on AVX512-BF16 or on AMX tiles over that same packing, as `gemm_plan.bf16_plan()` measured for this CPU.
+    on AVX512-BF16 or on AMX tiles over that same packing, as `gemm_plan.bf16_plan()` measured for this CPU; on a
+    CPU with neither, AVX2 / FMA over the same packing, bf16 widened to float32 in registers.
   * `OneDnnProjection`: bf16 / float32 weights pre-packed for oneDNN (x86 `F.linear` on bf16 reaches a third of the
     memory bandwidth at batch 1; oneDNN with a packed weight all of it).
   * `DenseProjection`: `F.linear` (accelerators, anything else). Quantized weights on an accelerator, or without the
@@ -155,7 +156,8 @@ class OneDnnProjection(Projection):
 class Bf16GemmProjection(Projection):
     """tandem's bf16 GEMM over W packed [N / 16, K / 2, 16, 2], the operand layout of both `vdpbf16ps` and an AMX B
     tile. AVX512-BF16: 1.1-1.3x oneDNN at 32 rows and 2-3x at 1-5 rows (AMD EPYC); AMX tiles where the CPU has them
-    and `bf16_plan()` chose them. Either way every row is computed the same way at any batch size."""
+    and `bf16_plan()` chose them; AVX2 / FMA (widened to float32) on a CPU without AVX512-BF16: 2-2.6x torch's bf16
+    `F.linear` at 1 row, 6-9x from 8 (AMD EPYC Zen 3). Either way every row is computed the same way at any batch size."""
 
     kind = "bf16-gemm"
 
@@ -377,7 +379,8 @@ def kernel_paths() -> dict[str, str]:
     if _bf16_gemm_available():
         from tandem.layers.gemm_plan import bf16_plan
 
-        bf16 = {"amx": "tandem amx-bf16 tiles", "avx512-bf16": "tandem avx512-bf16 gemm"}.get(
+        bf16 = {"amx": "tandem amx-bf16 tiles", "avx512-bf16": "tandem avx512-bf16 gemm",
+                "avx2-fma": "tandem avx2-fma gemm (bf16 widened to float32)"}.get(
             bf16_plan().path, f"tandem {bf16_plan().path}")
     else:
         bf16 = "onednn" if _onednn_ok(torch.bfloat16) else "torch"

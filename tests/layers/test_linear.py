@@ -35,11 +35,36 @@ def test_bf16_rows_are_batch_invariant(kernels: bool) -> None:
     w, x = torch.randn(96, 64, generator=g).bfloat16(), torch.randn(40, 64, generator=g).bfloat16()
     f = make_linear(w, use_kernels=kernels)
     if kernels and f.kind != "bf16-gemm":
-        pytest.skip("tandem's bf16 GEMM needs avx512_bf16, which this CPU lacks (the oneDNN case runs)")
+        pytest.skip("tandem's bf16 GEMM needs avx512_bf16 or avx2 / fma, which this CPU lacks (the oneDNN case runs)")
     full = f(x)
     torch.testing.assert_close(full.float(), x.float() @ w.float().T, atol=0.05, rtol=1e-2)
     for m in ROWS:
         assert torch.equal(f(x[:m].contiguous()), full[:m]), m
+
+
+@pytest.mark.parametrize("n,k", [(16, 32), (48, 96), (80, 576), (576, 1536)])
+def test_bf16_gemm_tiles_give_every_row_count_the_same_bits(n: int, k: int) -> None:
+    """tandem's bf16 GEMM (AVX512-BF16, or AVX2 / FMA widening bf16 to float32) over 1-5 blocks of 16 columns and a
+    bias: each row count takes its own tiles (one row across a group's blocks, two rows over block pairs, four-row
+    tiles and their tails), and every row comes out bitwise the same, within bf16 rounding of a float64 reference.
+    NaN and infinity pass through as in a float32 product."""
+    g = torch.Generator().manual_seed(n + k)
+    w, x = torch.randn(n, k, generator=g).bfloat16(), torch.randn(23, k, generator=g).bfloat16()
+    bias = torch.randn(n, generator=g).bfloat16()
+    f = make_linear(w, bias, use_kernels=True)
+    if f.kind != "bf16-gemm":
+        pytest.skip("tandem's bf16 GEMM needs avx512_bf16 or avx2 / fma, which this CPU lacks")
+    full = f(x)
+    ref = x.double() @ w.double().T + bias.double()
+    assert ((full.double() - ref).abs() <= ref.abs() * 2**-8 + 1e-3 * k**0.5).all()
+    for m in range(1, 10):
+        assert torch.equal(f(x[:m].contiguous()), full[:m]), m
+    for rows in ([0], [5, 6], [0, 3, 7, 11]):  # a row alone, a pair, four: the same bits as in the full batch
+        assert torch.equal(f(x[rows].contiguous()), full[rows]), rows
+    bad = x[:2].clone()
+    bad[0, 3], bad[1, 0] = float("nan"), float("inf")
+    out = f(bad).float()
+    assert out[0].isnan().all() and out[1].isinf().all()
 
 
 def test_float32_rows_agree_within_rounding() -> None:
@@ -100,6 +125,21 @@ def test_bf16_plan_never_mixes_units_that_round_differently(monkeypatch: pytest.
     monkeypatch.setattr(gemm_plan, "_PLAN", {})
     monkeypatch.setenv(gemm_plan.ENV, "amx")
     assert gemm_plan.bf16_plan().amx_rows == 1
+
+
+def test_bf16_plan_and_machine_line_name_the_unit_this_build_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An AVX2 / FMA build (no AVX512-BF16) has one unit: the plan says `avx2-fma`, never AMX, whatever the
+    environment asks, and `kernel_paths` (the benchmarks' machine line) names it."""
+    from tandem.layers import gemm_plan
+    from tandem.layers.linear import kernel_paths
+
+    if not load_cpu_kernels() or int(torch.ops.tandem.bf16_gemm_isa()) != 1:
+        pytest.skip("this build's bf16 GEMM is not the AVX2 / FMA one (the CPU has AVX512-BF16, or no AVX2)")
+    monkeypatch.setenv(gemm_plan.ENV, "amx")
+    monkeypatch.setattr(gemm_plan, "_PLAN", {})
+    plan = gemm_plan.bf16_plan()
+    assert (plan.path, plan.amx_rows) == ("avx2-fma", 0)
+    assert "avx2-fma" in kernel_paths()["bf16"]
 
 
 def test_bf16_plan_is_cached_per_cpu(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]

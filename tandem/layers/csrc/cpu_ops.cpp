@@ -7,7 +7,7 @@
 //   rope_write_kv  rotate q and k, store k and v in the paged cache
 //   paged_attention  causal attention of few queries per request read straight from the paged cache (no gather)
 //   silu_mul       silu(gate) * up
-// and the projections themselves on AVX512-BF16 CPUs:
+// and the projections themselves (AVX512-BF16; on AVX2 / FMA CPUs the bf16 weights widened to float32 in registers):
 //   linear_bf16    y = x @ W^T (+ bias) over a VNNI-packed weight
 // and one for sampling:
 //   greedy_tokens  each row's argmax among the tokens its grammar bitmask allows
@@ -23,7 +23,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -576,11 +576,100 @@ inline void gemm_rows(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w
     default: break;
   }
 }
+constexpr int64_t kBf16GemmIsa = 2;
+#elif defined(__AVX2__) && defined(__FMA__)
+// No bf16 dot product: each packed 32-bit lane (k even in its low half, k odd in its high half) widens to two float32
+// values with a shift and a mask, multiplied by float32 copies of x in FMAs. torch's bf16 F.linear on such a CPU (AMD
+// EPYC Zen 3, 2 threads) ran 2.7x / 4.7x slower than float32 at 8 / 32 rows; this reads half of float32's bytes at one
+// row. Every output accumulates, from zero, x[2i] * w[2i] then x[2i + 1] * w[2i + 1] for i ascending (two rounded
+// FMAs, not vdpbf16ps's sum), then adds the bias and rounds once to bf16 (nearest even): the same at any M.
+constexpr bool kHasBf16Gemm = true;
+constexpr int64_t kBf16GemmIsa = 1;
+
+// float32 -> bf16, round to nearest even; NaN stays a quiet NaN (as _mm512_cvtneps_pbh)
+inline __m256i bf16_round(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256i nan = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+  return _mm256_blendv_epi8(rounded, nan, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+}
+
+// MR rows x NB blocks of 16 columns; x is float32 [MR, K] (row stride K). MR * NB <= 4: 2 * MR * NB accumulators, the
+// block's four widened weight vectors and two broadcasts stay in AVX2's 16 registers.
+template <int MR, int NB>
+inline void gemm_tile(const float* x, int64_t K, const uint16_t* wp, int64_t cb0, const uint16_t* bias, uint16_t* y,
+                      int64_t N) {
+  static_assert(MR * NB <= 4, "AVX2 has 16 vector registers");
+  __m256 acc[MR][NB][2];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NB; ++j) acc[r][j][0] = acc[r][j][1] = _mm256_setzero_ps();
+  const int64_t K2 = K / 2;
+  const __m256i high = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  const uint16_t* wcol[NB];
+  for (int j = 0; j < NB; ++j) wcol[j] = wp + (cb0 + j) * K2 * 32;
+  for (int64_t k2 = 0; k2 < K2; ++k2) {
+    for (int j = 0; j < NB; ++j) {
+      const __m256i p0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wcol[j] + k2 * 32));       // columns 0-7
+      const __m256i p1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wcol[j] + k2 * 32 + 16));  // 8-15
+      const __m256 even0 = _mm256_castsi256_ps(_mm256_slli_epi32(p0, 16)), odd0 = _mm256_castsi256_ps(_mm256_and_si256(p0, high));
+      const __m256 even1 = _mm256_castsi256_ps(_mm256_slli_epi32(p1, 16)), odd1 = _mm256_castsi256_ps(_mm256_and_si256(p1, high));
+      for (int r = 0; r < MR; ++r) {
+        const __m256 a0 = _mm256_broadcast_ss(x + r * K + 2 * k2), a1 = _mm256_broadcast_ss(x + r * K + 2 * k2 + 1);
+        acc[r][j][0] = _mm256_fmadd_ps(a1, odd0, _mm256_fmadd_ps(a0, even0, acc[r][j][0]));
+        acc[r][j][1] = _mm256_fmadd_ps(a1, odd1, _mm256_fmadd_ps(a0, even1, acc[r][j][1]));
+      }
+    }
+  }
+  for (int j = 0; j < NB; ++j) {
+    __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
+    if (bias != nullptr) {
+      const __m256i bb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias + (cb0 + j) * 16));
+      b0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(bb)), 16));
+      b1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(bb, 1)), 16));
+    }
+    for (int r = 0; r < MR; ++r) {
+      // packus works within 128-bit halves: [0-3, 8-11, 4-7, 12-15] -> columns in order
+      const __m256i packed = _mm256_packus_epi32(bf16_round(_mm256_add_ps(acc[r][j][0], b0)),
+                                                 bf16_round(_mm256_add_ps(acc[r][j][1], b1)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * N + (cb0 + j) * 16), _mm256_permute4x64_epi64(packed, 0xD8));
+    }
+  }
+}
+
+// the rows of x over nb (1-4) blocks from cb0: one row spans all nb blocks (nb weight streams at once, latency hidden
+// across 2 * nb accumulators); more rows go block by block in tiles of up to four rows (the block re-read from L2)
+inline void gemm_rows_avx2(const float* x, int64_t M, int64_t K, const uint16_t* wp, int64_t cb0, int64_t nb,
+                           const uint16_t* bias, uint16_t* y, int64_t N) {
+  if (M == 1) {
+    switch (nb) {
+      case 4: gemm_tile<1, 4>(x, K, wp, cb0, bias, y, N); return;
+      case 3: gemm_tile<1, 3>(x, K, wp, cb0, bias, y, N); return;
+      case 2: gemm_tile<1, 2>(x, K, wp, cb0, bias, y, N); return;
+      default: gemm_tile<1, 1>(x, K, wp, cb0, bias, y, N); return;
+    }
+  }
+  int64_t j = 0;
+  for (; M == 2 && j + 2 <= nb; j += 2) gemm_tile<2, 2>(x, K, wp, cb0 + j, bias, y, N);
+  for (; j < nb; ++j) {
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) gemm_tile<4, 1>(x + m * K, K, wp, cb0 + j, bias, y + m * N, N);
+    switch (M - m) {
+      case 3: gemm_tile<3, 1>(x + m * K, K, wp, cb0 + j, bias, y + m * N, N); break;
+      case 2: gemm_tile<2, 1>(x + m * K, K, wp, cb0 + j, bias, y + m * N, N); break;
+      case 1: gemm_tile<1, 1>(x + m * K, K, wp, cb0 + j, bias, y + m * N, N); break;
+      default: break;
+    }
+  }
+}
 #else
 constexpr bool kHasBf16Gemm = false;
+constexpr int64_t kBf16GemmIsa = 0;
 #endif
 
 bool has_bf16_gemm() { return kHasBf16Gemm; }
+// which linear_bf16 this build runs: 2 AVX512-BF16 (and AMX where permitted), 1 AVX2 / FMA (widened to float32), 0 none
+int64_t bf16_gemm_isa() { return kBf16GemmIsa; }
 
 // ---- the same GEMM on AMX tiles (Sapphire Rapids and later), over the same packed weight ----
 // A B tile is 16 k-pairs x 16 columns x 2 = the packed weight's [K / 2, 16, 2] block read 16 k-pairs at a time (1 KiB,
@@ -720,7 +809,7 @@ bool has_amx_bf16() { return kHasAmxBf16 && amx_permitted(); }
 
 // amx_rows > 0: calls of at least that many rows run on AMX tiles (when the CPU and K allow), the rest on AVX512-BF16
 Tensor linear_bf16(const Tensor& x, const Tensor& wp, const c10::optional<Tensor>& bias, int64_t amx_rows) {
-  TORCH_CHECK(kHasBf16Gemm, "linear_bf16: this build has no AVX512-BF16");
+  TORCH_CHECK(kHasBf16Gemm, "linear_bf16: this build has neither AVX512-BF16 nor AVX2 / FMA");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "linear_bf16: x must be contiguous bf16 [M, K]");
   TORCH_CHECK(wp.dim() == 4 && wp.scalar_type() == at::kBFloat16 && wp.is_contiguous() && wp.size(2) == 16 && wp.size(3) == 2,
               "linear_bf16: weight must be packed [N / 16, K / 2, 16, 2] bf16");
@@ -756,6 +845,17 @@ Tensor linear_bf16(const Tensor& x, const Tensor& wp, const c10::optional<Tensor
         default: gemm_rows<1>(xp, M, K, w, cb0, bp, yp, N); break;
       }
     }
+  });
+#elif defined(__AVX2__) && defined(__FMA__)
+  (void)amx_rows;
+  const Tensor xf = x.to(at::kFloat);  // [M, K]: exact, widened once for every column
+  const float* xp = xf.data_ptr<float>();
+  const uint16_t* w = reinterpret_cast<const uint16_t*>(wp.data_ptr<at::BFloat16>());
+  const uint16_t* bp = has_bias ? reinterpret_cast<const uint16_t*>(bias->data_ptr<at::BFloat16>()) : nullptr;
+  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  const int64_t groups = (NBLK + 3) / 4;  // work unit: 64 output columns (4 blocks of 16)
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) gemm_rows_avx2(xp, M, K, w, g * 4, std::min<int64_t>(4, NBLK - g * 4), bp, yp, N);
   });
 #endif
   return y;
@@ -870,6 +970,7 @@ TORCH_LIBRARY(tandem, m) {
   m.def("linear_bf16(Tensor x, Tensor wp, Tensor? bias, int amx_rows=0) -> Tensor");
   m.def("greedy_tokens(Tensor logits, Tensor? bitmask, int vocab_size) -> Tensor");
   m.def("has_bf16_gemm() -> bool", &has_bf16_gemm);
+  m.def("bf16_gemm_isa() -> int", &bf16_gemm_isa);
   m.def("has_amx_bf16() -> bool", &has_amx_bf16);
 }
 
