@@ -36,10 +36,11 @@ def add_parser(bsub: Any) -> None:
     p.add_argument("--shape", default=None,
                    help="run random-weight models of this architecture shape instead (smollm2-135m, smollm2-360m, "
                         "smollm2-1.7b, llama3.2-1b, qwen2.5-0.5b, llama3.1-8b; mixtures of experts qwen3-30b-a3b, "
-                        "mixtral-8x7b and their layer-reduced qwen3-30b-a3b-l8, mixtral-8x7b-l4); written once under "
-                        "$TANDEM_HOME")
+                        "mixtral-8x7b, gpt-oss-20b and their layer-reduced qwen3-30b-a3b-l8, mixtral-8x7b-l4, "
+                        "gpt-oss-20b-l4); written once under $TANDEM_HOME")
     p.add_argument("--formats", default="BF16,Q8_0,Q4_1,Q4_K_M",
-                   help="with --shape: GGUF file types (BF16, F16, Q8_0, Q4_0, Q4_1, Q5_0, Q6_K, Q4_K_M) and/or hf, "
+                   help="with --shape: GGUF file types (BF16, F16, Q8_0, Q4_0, Q4_1, Q5_0, Q6_K, Q4_K_M, and "
+                        "for gpt-oss MXFP4 (MXFP4 experts, the rest BF16) and MXFP4_MOE (the rest Q8_0)) and/or hf, "
                         "hf-int8 (bf16 safetensors, loaded as is / as int8); llama.cpp runs the same GGUF")
     add_engine_args(p)
     p.set_defaults(func=run, dtype="bfloat16")

@@ -1,7 +1,8 @@
 """Mixtures of experts (Qwen3-MoE, Mixtral) against transformers on tiny random-weight checkpoints: logits of a
 prefill, a chunk over the cache and decodes; one step holding requests that route to different experts; greedy
-generation through the engine, also with n-gram speculation and a grammar, and over 2 tensor-parallel ranks;
-each active expert read once per step."""
+generation through the engine (Qwen3-MoE and Mixtral), also with n-gram / suffix speculation and JSON-schema
+grammars, and over 2 tensor-parallel ranks; each active expert read once per step; Q5_K experts grouped into one kernel
+call."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
 import torch
 import transformers
@@ -17,8 +19,9 @@ from tandem import LLM, SamplingParams, StructuredOutputsParams
 from tandem.config import CacheConfig, ConfigError, ModelConfig, SchedulerConfig
 from tandem.core.plan import ScheduledRequest, StepPlan
 from tandem.layers.kernels import load_cpu_kernels
-from tandem.layers.linear import DenseProjection
+from tandem.layers.linear import DenseProjection, make_linear, quant_isa
 from tandem.layers.moe import Expert, MoeMlp
+from tandem.layers.quant import FORMATS
 from tandem.models.loader import load_checkpoint
 from tandem.runner.runner import ModelRunner
 from tests.tiny import hf_greedy, perturb_norms, save_tiny
@@ -143,6 +146,58 @@ def test_each_chosen_expert_runs_once_per_step_and_the_others_never() -> None:
     assert torch.allclose(weights.sum(-1), torch.ones(5))
 
 
+def _silu_mul(gu: torch.Tensor, tokens: int | None = None) -> torch.Tensor:
+    """silu(gate) * up of a fused gate / up output [n, 2 I] (the `SiluMul` the layer ops pass)."""
+    half = gu.shape[1] // 2
+    return torch.nn.functional.silu(gu[:, :half]) * gu[:, half:]
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_q5_k_experts_grouped_equal_each_expert_alone_to_the_bit(bias: bool) -> None:
+    """Q5_K experts (Q5_K_M files' type; 256-wide rows, hidden and expert width 256), routed by the kernels: the
+    grouped gate / up and down calls give each pair's row what its expert alone gives it, bit for bit; a token alone
+    gets its bits in the batch; the layer's output is the dequantized experts' within the activations' 8-bit
+    rounding."""
+    from tests.layers.test_quant import random_blocks
+
+    if not (load_cpu_kernels() and quant_isa()):
+        pytest.skip("no quantized CPU kernels here")
+    torch.manual_seed(4)
+    h_dim, width, n = 256, 256, 6
+
+    def expert(e: int) -> tuple[Expert, Expert]:
+        gate, up, down = (random_blocks("Q5_K", rows, 256, 3 * e + i) for i, rows in enumerate((width, width, h_dim)))
+        b_gu, b_down = (torch.randn(2 * width) if bias else None), (torch.randn(h_dim) if bias else None)
+        quant = Expert(make_linear([gate, up], b_gu, use_kernels=True, dtype=torch.float32),
+                       make_linear(down, b_down, use_kernels=True, dtype=torch.float32))
+        dense = Expert(DenseProjection(torch.cat([gate.dequantize(torch.float32), up.dequantize(torch.float32)]), b_gu),
+                       DenseProjection(down.dequantize(torch.float32), b_down))
+        return quant, dense
+
+    quant, dense = zip(*(expert(e) for e in range(n)))
+    router = DenseProjection(torch.randn(n, h_dim), None)
+    moe = MoeMlp(router, list(quant), top_k=2, renormalize=True, kernels=True)
+    assert moe.gate_ups.segments is not None and moe.downs.segments is not None  # one quant_grouped call each
+    assert {f for seg in [*moe.gate_ups.segments, *moe.downs.segments] for f in seg.formats} == {FORMATS["Q5_K"].kernel_id}
+    h = torch.randn(9, h_dim)
+    tokens, _, chosen, counts = moe.pairs(h)
+    assert len([c for c in counts if c]) > 2  # the pairs spread over several experts
+    x = h.index_select(0, tokens)
+    gu = moe.gate_ups(x, chosen, counts)
+    y = moe.downs(_silu_mul(gu), chosen, counts)
+    start = 0
+    for e, c in zip(chosen, counts):
+        if c:
+            assert torch.equal(gu[start : start + c], quant[e].gate_up(x[start : start + c])), e
+            assert torch.equal(y[start : start + c], quant[e].down(_silu_mul(gu[start : start + c]))), e
+        start += c
+    out = moe(h, _silu_mul)
+    for t in (0, 4, 8):
+        assert torch.equal(moe(h[t : t + 1], _silu_mul), out[t : t + 1]), t
+    ref = MoeMlp(router, list(dense), top_k=2, renormalize=True)(h, _silu_mul)
+    assert float((out - ref).norm() / ref.norm()) < 0.02
+
+
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 PROMPTS = ["t1 t2 t3 t4 t1 t2 t3 t4 t1 t2", "t5 t9 t20 t30 t31 t40", "t7"]
 
@@ -160,9 +215,18 @@ def qwen3_moe_folder(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(save_tiny(tmp_path_factory.mktemp("tiny-qwen3-moe"), _tiny_moe("qwen3-moe")))
 
 
-def test_engine_greedy_equals_transformers_generate(qwen3_moe_folder: str) -> None:
-    want = hf_greedy(qwen3_moe_folder, PROMPTS)
-    assert generate_tokens(qwen3_moe_folder, PROMPTS, GREEDY) == want
+@pytest.fixture(scope="module")
+def mixtral_folder(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(save_tiny(tmp_path_factory.mktemp("tiny-mixtral"), _tiny_moe("mixtral")))
+
+
+@pytest.mark.parametrize("folder", ["qwen3_moe_folder", "mixtral_folder"], ids=["qwen3-moe", "mixtral"])
+def test_engine_greedy_equals_transformers_generate(folder: str, request: pytest.FixtureRequest) -> None:
+    """Three prompts batched through `LLM` (float32, greedy): each one's tokens are transformers' `generate`'s for
+    that prompt alone (Qwen3-MoE's renormalized top 2 of 8, Mixtral's top 2 of 4)."""
+    path = request.getfixturevalue(folder)
+    want = hf_greedy(path, PROMPTS)
+    assert generate_tokens(path, PROMPTS, GREEDY) == want
 
 
 def test_speculation_and_tensor_parallel_keep_the_tokens(qwen3_moe_folder: str) -> None:
@@ -175,21 +239,27 @@ def test_speculation_and_tensor_parallel_keep_the_tokens(qwen3_moe_folder: str) 
     assert generate_tokens(qwen3_moe_folder, PROMPTS, GREEDY, tensor_parallel_size=2) == plain
 
 
-def test_json_schema_on_a_moe_model_over_the_gpt2_vocabulary(tmp_path: Path, shared_data: Path) -> None:
-    """A random Qwen3-MoE over GPT-2's real vocabulary (its logits noise, the grammar does the work): the answer is
-    the schema's JSON, and the same with n-gram drafts (lossless: identical tokens)."""
+def save_gpt2_vocab_moe(folder: Path, shared_data: Path) -> None:
+    """A random Qwen3-MoE (2 layers, top 2 of 4 experts) over GPT-2's real vocabulary, and that tokenizer, in
+    `folder`: its logits are noise, a grammar does the work."""
     import shutil
 
     from tandem.tokenizer import Tokenizer
 
     for name in ("vocab.json", "merges.txt"):
-        shutil.copy(shared_data / "tokenizers" / "gpt2" / name, tmp_path / name)
-    tok = Tokenizer.from_path(tmp_path).hf
+        shutil.copy(shared_data / "tokenizers" / "gpt2" / name, folder / name)
+    tok = Tokenizer.from_path(folder).hf
     torch.manual_seed(0)
     cfg = transformers.Qwen3MoeConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, head_dim=8,
                                       num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
                                       moe_intermediate_size=16, max_position_embeddings=512, eos_token_id=tok.eos_token_id)
-    transformers.Qwen3MoeForCausalLM(cfg).save_pretrained(tmp_path, safe_serialization=True)
+    transformers.Qwen3MoeForCausalLM(cfg).save_pretrained(folder, safe_serialization=True)
+
+
+def test_json_schema_on_a_moe_model_over_the_gpt2_vocabulary(tmp_path: Path, shared_data: Path) -> None:
+    """A random Qwen3-MoE over GPT-2's real vocabulary (its logits noise, the grammar does the work): the answer is
+    the schema's JSON, and the same with n-gram drafts (lossless: identical tokens)."""
+    save_gpt2_vocab_moe(tmp_path, shared_data)
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}},
               "required": ["name", "age"], "additionalProperties": False}
     p = SamplingParams(max_tokens=60, temperature=0.0, structured_outputs=StructuredOutputsParams(json=schema))
@@ -205,3 +275,42 @@ def test_json_schema_on_a_moe_model_over_the_gpt2_vocabulary(tmp_path: Path, sha
         assert set(json.loads(outs[0].text)) == {"name", "age"}
     else:  # cut by max_tokens inside the JSON: still a prefix of one
         assert outs[0].finish_reason == "length" and outs[0].text.startswith("{")
+
+
+SCHEMAS: list[dict[str, Any]] = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}},
+     "required": ["name", "age"], "additionalProperties": False},
+    {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]}, "tags": {"type": "array", "items":
+     {"type": "string", "maxLength": 4}, "maxItems": 3}}, "required": ["city", "tags"], "additionalProperties": False},
+    {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99}, "minItems": 2, "maxItems": 6},
+]
+# prompts that hold the answers' shape, so that suffix drafting finds continuations to propose from the start
+JSON_PROMPTS = ['Records: {"name":"Ann","age":31} {"name":"","age":22} {"name":"Bo","age":7}. Another:',
+                'Trips: {"city":"Oslo","tags":["a","b"]} {"city":"Lima","tags":[" aux"," aux"]}. Next:',
+                "Numbers: [1,2,3,4] [13,68] [5,6]. More:"]
+
+
+def test_json_schemas_with_suffix_drafts_on_a_moe_model_are_lossless(tmp_path: Path, shared_data: Path) -> None:
+    """Three requests with three different JSON schemas batched on a random Qwen3-MoE over GPT-2's vocabulary: with
+    suffix drafts (greedy, fixed K) every request's tokens are the undrafted run's (lossless), drafts were really
+    verified and some accepted, and each finished answer is its schema's JSON."""
+    save_gpt2_vocab_moe(tmp_path, shared_data)
+    params = [SamplingParams(max_tokens=40, temperature=0.0, structured_outputs=StructuredOutputsParams(json=schema))
+              for schema in SCHEMAS]
+    runs: list[list[Any]] = []
+    stats: dict[str, Any] = {}
+    for spec in (None, {"method": "suffix", "num_speculative_tokens": 3, "adaptive": False}):
+        llm = LLM(str(tmp_path), dtype="float32", kv_cache_memory=16 << 20, max_model_len=512, progress=False, speculative_config=spec)
+        try:
+            runs.append([o.outputs[0] for o in llm.generate(JSON_PROMPTS, params, use_tqdm=False)])
+            stats = llm.llm_engine.get_stats()
+        finally:
+            llm.shutdown()
+    plain, suffix = runs
+    assert [o.token_ids for o in suffix] == [o.token_ids for o in plain]
+    assert stats["spec_num_drafted"] > 0 and stats["spec_num_accepted"] > 0  # drafts verified, some kept by the grammar
+    for out, schema in zip(plain, SCHEMAS):
+        if out.finish_reason == "stop":
+            jsonschema.validate(json.loads(out.text), schema)
+        else:  # cut by max_tokens inside the JSON: still a prefix of one
+            assert out.finish_reason == "length" and out.text.startswith(("{", "["))

@@ -3,6 +3,7 @@ order, quantized types, the Q4_K_M mix) that load back into the same weights."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import gguf
@@ -24,6 +25,35 @@ TINY = ModelShape("tiny", "llama", 256, 512, 3, 4, 2, 320, False, 10000.0, 256)
 ])
 def test_shapes_have_the_architectures_parameter_counts(name: str, params: int) -> None:
     assert SHAPES[name].num_params == params
+
+
+@pytest.mark.parametrize(("name", "params", "active"), [
+    ("qwen3-30b-a3b", 30_532_122_624, 3.3e9),  # Qwen3-30B-A3B: 30.5B total, 3.3B activated
+    ("mixtral-8x7b", 46_702_792_704, 12.9e9),  # Mixtral-8x7B: 46.7B, 12.9B per token
+    ("gpt-oss-20b", 20_914_757_184, 3.61e9 + 201088 * 2880),  # gpt-oss-20b: 20.91B, 3.61B active without the embedding
+], ids=["qwen3-30b-a3b", "mixtral-8x7b", "gpt-oss-20b"])
+def test_moe_shapes_have_the_released_models_parameter_counts(name: str, params: int, active: float) -> None:
+    """The mixtures of experts' totals are the released checkpoints' (counted from their sizes, no weight
+    allocated), and the parameters a token multiplies (router, k experts) their model cards' active counts (rounded
+    there: Qwen3's 3.35B is "3.3B")."""
+    shape = SHAPES[name]
+    assert shape.num_params == params
+    assert abs(shape.active_params - active) < 0.02 * active
+
+
+@pytest.mark.parametrize(("variant", "full"), [("qwen3-30b-a3b-l8", "qwen3-30b-a3b"), ("mixtral-8x7b-l4", "mixtral-8x7b"),
+                                               ("gpt-oss-20b-l4", "gpt-oss-20b")], ids=lambda v: str(v))
+def test_layer_reduced_moe_shapes_drop_whole_layers(variant: str, full: str) -> None:
+    """A `-l8` / `-l4` variant is its model with fewer of the same layers: every size but the layer count equal, and
+    the parameters it lacks (total and active) whole layers' worth."""
+    small, big = SHAPES[variant], SHAPES[full]
+    assert dataclasses.replace(big, name=small.name, layers=small.layers) == small
+    assert small.layers == int(variant.rsplit("-l", 1)[1]) < big.layers
+    outside = (1 + (not big.tied)) * big.vocab * big.hidden + big.hidden  # embedding, output matrix, final norm
+    per_layer, rest = divmod(big.num_params - outside, big.layers)
+    assert rest == 0 and small.num_params == outside + small.layers * per_layer
+    active_per_layer, rest = divmod(big.active_params - outside, big.layers)
+    assert rest == 0 and small.active_params == outside + small.layers * active_per_layer
 
 
 @pytest.mark.parametrize(("quantizer", "kind"), [(quantize_q4_k, gguf.GGMLQuantizationType.Q4_K),
