@@ -3,10 +3,10 @@
 Names and q/k row order as `convert_hf_to_gguf.py` writes them (llama permutes q/k rows to interleaved RoPE pairs),
 the architecture's metadata, a tokenizer copied from another GGUF (padded with unused tokens up to the model's
 vocabulary), and each tensor in a type: BF16 / F16 / Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 with the `gguf` package's
-quantizers, Q4_K and Q6_K with the ones here (min-max per sub-block, scales rounded to their 6 / 8 bits: simple, and
-valid blocks; llama.cpp's own search finds slightly smaller errors), and the mixes llama.cpp names Q4_K_M (its
-`llama_tensor_get_type`: Q6_K for the output matrix and for attn_v / ffn_down of the layers `use_more_bits` picks,
-Q4_K elsewhere, Q5_0 / Q8_0 where a row is not a multiple of 256). A mixture of experts is written as the converter
+quantizers, Q4_K, Q5_K and Q6_K with the ones here (min-max per sub-block, scales rounded to their 6 / 8 bits:
+simple, and valid blocks; llama.cpp's own search finds slightly smaller errors), and the mixes llama.cpp names Q4_K_M
+and Q5_K_M (its `llama_tensor_get_type`: Q6_K for the output matrix and for attn_v / ffn_down of the layers
+`use_more_bits` picks, Q4_K / Q5_K elsewhere, Q5_0 / Q5_1 / Q8_0 where a row is not a multiple of 256). A mixture of experts is written as the converter
 writes it: per layer one [E, rows, cols] tensor per projection (`ffn_gate_exps`, `ffn_up_exps`, `ffn_down_exps`,
 quantized expert by expert as the arrays arrive) and the router `ffn_gate_inp` in F32 (llama.cpp never quantizes it).
 
@@ -42,6 +42,7 @@ FILE_TYPES: dict[str, tuple[gguf.LlamaFileType, Q]] = {
     "Q4_0": (gguf.LlamaFileType.MOSTLY_Q4_0, Q.Q4_0),
     "Q6_K": (gguf.LlamaFileType.MOSTLY_Q6_K, Q.Q6_K),
     "Q4_K_M": (gguf.LlamaFileType.MOSTLY_Q4_K_M, Q.Q4_K),
+    "Q5_K_M": (gguf.LlamaFileType.MOSTLY_Q5_K_M, Q.Q5_K),
     "MXFP4": (gguf.LlamaFileType.MOSTLY_MXFP4_MOE, Q.BF16),  # experts MXFP4, the rest BF16 (the converter's gpt-oss)
     "MXFP4_MOE": (gguf.LlamaFileType.MOSTLY_MXFP4_MOE, Q.Q8_0),  # experts MXFP4, the rest Q8_0 (llama-quantize's mix)
 }
@@ -61,7 +62,7 @@ def tensor_type(file_type: str, gguf_name: str, cols: int, n_layers: int, tied: 
     kind = base
     if file_type in _MXFP4_EXPERT_FILES and "_exps." in gguf_name:
         kind = Q.MXFP4
-    if file_type == "Q4_K_M":
+    if file_type in ("Q4_K_M", "Q5_K_M"):
         layer = int(gguf_name.split(".")[1]) if gguf_name.startswith("blk.") else -1
         if gguf_name == "output.weight" or (tied and gguf_name == "token_embd.weight"):
             kind = Q.Q6_K if cols % 256 == 0 else Q.Q8_0
@@ -75,23 +76,40 @@ def tensor_type(file_type: str, gguf_name: str, cols: int, n_layers: int, tied: 
 
 def quantize_q4_k(x: np.ndarray) -> np.ndarray:
     """[n, 256k] float32 -> Q4_K blocks [n, k * 144] uint8: per 32 values a 6-bit scale and min of the block's."""
+    d, dmin, scales, q = _k_scales_mins(x, 15)
+    qs = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(-1, 128).astype(np.uint8)  # pair p: sub-block 2p low, 2p + 1 high
+    return np.concatenate([d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), scales, qs], axis=1).reshape(x.shape[0], -1)
+
+
+def quantize_q5_k(x: np.ndarray) -> np.ndarray:
+    """[n, 256k] float32 -> Q5_K blocks [n, k * 176] uint8: Q4_K's scales and mins with q in [0, 31], its low four
+    bits packed as Q4_K's, the fifth bit of sub-block j's value l in bit j of qh[l] (llama.cpp's block_q5_K)."""
+    d, dmin, scales, q = _k_scales_mins(x, 31)
+    qs = ((q[:, 0::2] & 15) | ((q[:, 1::2] & 15) << 4)).reshape(-1, 128).astype(np.uint8)
+    qh = ((q >> 4) << np.arange(8, dtype=np.int32)[None, :, None]).sum(axis=1).astype(np.uint8)  # [B, 32]
+    return np.concatenate([d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), scales, qh, qs],
+                          axis=1).reshape(x.shape[0], -1)
+
+
+def _k_scales_mins(x: np.ndarray, top: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The Q4_K / Q5_K layout's common part for [n, 256k] float32: per 256-block d and dmin (float16 [B]), the 12
+    bytes of eight 6-bit scales and mins ([B, 12] uint8), and the values' codes in [0, top] ([B, 8, 32] int32)."""
     b = x.reshape(-1, 8, 32).astype(np.float32)
     lo = np.minimum(b.min(axis=2), 0.0)  # [B, 8] mins are <= 0: stored as positive offsets
-    scale = (b.max(axis=2) - lo) / 15.0
+    scale = (b.max(axis=2) - lo) / float(top)
     d = (scale.max(axis=1) / 63.0).astype(np.float16)
     dmin = ((-lo).max(axis=1) / 63.0).astype(np.float16)
     sc = _ratio(scale, d.astype(np.float32)[:, None], 63)
     mn = _ratio(-lo, dmin.astype(np.float32)[:, None], 63)
     step = d.astype(np.float32)[:, None] * sc  # [B, 8]
     off = dmin.astype(np.float32)[:, None] * mn
-    q = _ratio(b + off[:, :, None], step[:, :, None], 15)  # [B, 8, 32]
+    q = _ratio(b + off[:, :, None], step[:, :, None], top)  # [B, 8, 32]
     scales = np.concatenate([
         (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6),
         (mn[:, :4] & 63) | ((mn[:, 4:] >> 4) << 6),
         (sc[:, 4:] & 15) | ((mn[:, 4:] & 15) << 4),
     ], axis=1).astype(np.uint8)
-    qs = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(-1, 128).astype(np.uint8)  # pair p: sub-block 2p low, 2p + 1 high
-    return np.concatenate([d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), scales, qs], axis=1).reshape(x.shape[0], -1)
+    return d, dmin, scales, q
 
 
 def quantize_q6_k(x: np.ndarray) -> np.ndarray:
@@ -166,6 +184,8 @@ def quantize(x: np.ndarray, kind: Q) -> np.ndarray:
 def _quantize_rows(x: np.ndarray, kind: Q) -> np.ndarray:
     if kind == Q.Q4_K:
         return quantize_q4_k(x)
+    if kind == Q.Q5_K:
+        return quantize_q5_k(x)
     if kind == Q.Q6_K:
         return quantize_q6_k(x)
     if kind == Q.MXFP4:

@@ -129,7 +129,7 @@ def test_llama_cpp_quantized_demo_matches_llama_cpp(file_type: str, demo_tokeniz
 
 
 @pytest.mark.parametrize(("family", "file_type"), [(f, t) for f in ("qwen3moe", "mixtral") for t in ("Q8_0", "Q4_K_M")]
-                         + [("gpt-oss", "MXFP4_MOE"), ("gpt-oss", "MXFP4")])
+                         + [("qwen3moe", "Q5_K_M"), ("gpt-oss", "MXFP4_MOE"), ("gpt-oss", "MXFP4")])
 def test_mixture_of_experts_matches_llama_cpp(family: str, file_type: str, demo_tokenizer: Path, peer: str,
                                               tmp_path_factory: pytest.TempPathFactory) -> None:
     """A small Qwen3-MoE (`qwen3moe`), Mixtral (`llama` with experts) and gpt-oss (`gpt-oss`: MXFP4 experts, the rest

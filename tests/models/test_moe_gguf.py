@@ -35,7 +35,7 @@ TINY_SHAPES = {
                           yarn_factor=32.0, yarn_original=128),
 }
 STACKED = ["qwen3moe", "mixtral"]  # one [E, rows, cols] tensor holds E experts' matrices
-FILE_TYPES = {"qwen3moe": ("Q8_0", "Q4_K_M"), "mixtral": ("Q8_0", "Q4_K_M"), "gpt-oss": ("MXFP4", "MXFP4_MOE")}
+FILE_TYPES = {"qwen3moe": ("Q8_0", "Q4_K_M", "Q5_K_M"), "mixtral": ("Q8_0", "Q4_K_M"), "gpt-oss": ("MXFP4", "MXFP4_MOE")}
 QUANTIZED = [(family, file_type) for family, types in FILE_TYPES.items() for file_type in types]
 # the random shapes' logits spread ~0.3 and their routers barely choose; these scales give a real model's spread
 # (~4) and decisive routing, so that greedy tokens and routes are far from ties
@@ -142,7 +142,7 @@ def test_quantized_experts_stay_in_their_blocks(family: str, file_type: str, fil
     names = [n for n in ckpt.weights.names() if ".experts." in n and n.endswith(".weight")]
     assert len(names) == 3 * TINY_SHAPES[family].experts * TINY_SHAPES[family].layers
     expert = ckpt.weights.read(names[5])
-    assert isinstance(expert, QuantizedTensor) and expert.qtype in ("Q8_0", "Q4_K", "Q5_0", "Q6_K", "MXFP4")
+    assert isinstance(expert, QuantizedTensor) and expert.qtype in ("Q8_0", "Q4_K", "Q5_0", "Q5_K", "Q5_1", "Q6_K", "MXFP4")
     assert (expert.qtype == "MXFP4") == file_type.startswith("MXFP4")
     router = ckpt.weights.read(next(n for n in ckpt.weights.names() if n.endswith(("gate.weight", "router.weight"))))
     assert isinstance(router, torch.Tensor) and router.dtype == torch.float32

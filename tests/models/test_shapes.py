@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tandem.layers.quant import QuantizedTensor
-from tandem.models.gguf_writer import quantize_q4_k, quantize_q6_k, tensor_type, write_gguf
+from tandem.models.gguf_writer import quantize_q4_k, quantize_q5_k, quantize_q6_k, tensor_type, write_gguf
 from tandem.models.loader import load_checkpoint
 from tandem.models.shapes import SHAPES, ModelShape, random_weights
 
@@ -57,13 +57,15 @@ def test_layer_reduced_moe_shapes_drop_whole_layers(variant: str, full: str) -> 
 
 
 @pytest.mark.parametrize(("quantizer", "kind"), [(quantize_q4_k, gguf.GGMLQuantizationType.Q4_K),
+                                                  (quantize_q5_k, gguf.GGMLQuantizationType.Q5_K),
                                                   (quantize_q6_k, gguf.GGMLQuantizationType.Q6_K)])
 def test_k_quantizers_write_valid_blocks(quantizer, kind) -> None:  # type: ignore[no-untyped-def]
     x = np.random.default_rng(0).standard_normal((6, 512)).astype(np.float32) * 0.02
     x[0, :256] = 0.0  # an all-zero block
     back = gguf.quants.dequantize(quantizer(x), kind).reshape(x.shape)
     assert np.all(back[0, :256] == 0)
-    assert np.linalg.norm(back - x) / np.linalg.norm(x) < (0.1 if kind == gguf.GGMLQuantizationType.Q4_K else 0.03)
+    bound = {gguf.GGMLQuantizationType.Q4_K: 0.1, gguf.GGMLQuantizationType.Q5_K: 0.05}.get(kind, 0.03)
+    assert np.linalg.norm(back - x) / np.linalg.norm(x) < bound  # measured 0.077 / 0.038 for Q4_K / Q5_K
 
 
 def test_q4_k_m_mix_follows_llama_cpp() -> None:
@@ -76,9 +78,14 @@ def test_q4_k_m_mix_follows_llama_cpp() -> None:
     assert tensor_type("Q4_K_M", "token_embd.weight", 4096, n, False) == gguf.GGMLQuantizationType.Q4_K
     assert tensor_type("Q4_K_M", "token_embd.weight", 576, n, True) == gguf.GGMLQuantizationType.Q8_0  # tied, 576 % 256
     assert tensor_type("Q4_K_M", "blk.1.ffn_up.weight", 576, n, True) == gguf.GGMLQuantizationType.Q5_0
+    # Q5_K_M: the same mix around Q5_K, Q5_1 where a row is not a multiple of 256
+    assert tensor_type("Q5_K_M", "blk.0.attn_v.weight", 4096, n, False) == gguf.GGMLQuantizationType.Q6_K
+    assert tensor_type("Q5_K_M", "blk.4.ffn_down.weight", 14336, n, False) == gguf.GGMLQuantizationType.Q5_K
+    assert tensor_type("Q5_K_M", "output.weight", 4096, n, False) == gguf.GGMLQuantizationType.Q6_K
+    assert tensor_type("Q5_K_M", "blk.1.ffn_up.weight", 576, n, True) == gguf.GGMLQuantizationType.Q5_1
 
 
-@pytest.mark.parametrize("file_type", ["BF16", "Q8_0", "Q4_K_M"])
+@pytest.mark.parametrize("file_type", ["BF16", "Q8_0", "Q4_K_M", "Q5_K_M"])
 def test_written_gguf_loads_back_to_the_same_weights(tmp_path: Path, file_type: str) -> None:
     source = {name: torch.from_numpy(a).bfloat16().float() for name, a in random_weights(TINY, seed=3)}
     path = write_gguf(tmp_path / f"tiny.{file_type}.gguf", TINY, ((n, t.numpy()) for n, t in source.items()), file_type, None)
@@ -93,7 +100,8 @@ def test_written_gguf_loads_back_to_the_same_weights(tmp_path: Path, file_type: 
             assert torch.equal(got, want), name  # exact: bf16 values, q/k rows back in HF order
         else:
             assert float((got - want).norm() / want.norm()) < 0.1, name
-    expected = {"BF16": {"dense"}, "Q8_0": {"dense", "Q8_0"}, "Q4_K_M": {"dense", "Q4_K", "Q6_K"}}[file_type]
+    expected = {"BF16": {"dense"}, "Q8_0": {"dense", "Q8_0"}, "Q4_K_M": {"dense", "Q4_K", "Q6_K"},
+                "Q5_K_M": {"dense", "Q5_K", "Q6_K"}}[file_type]
     assert kinds == expected
 
 
