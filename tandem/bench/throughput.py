@@ -39,7 +39,7 @@ def add_parser(bsub: Any) -> None:
                         "mixtral-8x7b, gpt-oss-20b and their layer-reduced qwen3-30b-a3b-l8, mixtral-8x7b-l4, "
                         "gpt-oss-20b-l4); written once under $TANDEM_HOME")
     p.add_argument("--formats", default="BF16,Q8_0,Q4_1,Q4_K_M",
-                   help="with --shape: GGUF file types (BF16, F16, Q8_0, Q4_0, Q4_1, Q5_0, Q6_K, Q4_K_M, and "
+                   help="with --shape: GGUF file types (BF16, F16, Q8_0, Q4_0, Q4_1, Q5_0, Q6_K, Q4_K_M, Q5_K_M, and "
                         "for gpt-oss MXFP4 (MXFP4 experts, the rest BF16) and MXFP4_MOE (the rest Q8_0)) and/or hf, "
                         "hf-int8 (bf16 safetensors, loaded as is / as int8); llama.cpp runs the same GGUF")
     add_engine_args(p)
