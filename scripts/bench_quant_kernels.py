@@ -4,13 +4,15 @@ One projection of a real shape (default: SmolLM2-1.7B's gate/up, [16384, 2048]) 
 calls over enough copies of the weight that each call reads it from memory, not from the last-level cache. Columns:
   bf16-avx512     tandem's bf16 GEMM on AVX512-BF16 (csrc/cpu_ops.cpp: linear_bf16)
   bf16-amx        the same GEMM on AMX tiles, same packed weight (CPUs with amx_bf16)
+  bf16-avx2       the same GEMM on a CPU without AVX512-BF16: AVX2 / FMA, bf16 widened to float32 in registers
   onednn          oneDNN's bf16 matmul on a pre-packed weight (torch.ops.mkldnn; AMX where the CPU has it)
   F.linear        torch's bf16 F.linear
+  F.linear-f32    torch's float32 F.linear on a float32 copy of the weight (twice the bytes; x widened in the call)
   torch-w8a16     torch._weight_int8pack_mm (int8 weights, per-channel scales, bf16 activations)
   torchao-*       torchao's Int8WeightOnly / Int8DynamicActivationInt8Weight configs on nn.Linear (when installed)
   Q8_0 ... I8     tandem's quantized kernels (csrc/quant_ops.cpp), int8 activation blocks, VNNI (or AVX2 with --isa avx2)
 Usage: python scripts/bench_quant_kernels.py [--n 16384 --k 2048] [--rows 1,4,8,32,128,512] [--isa avx512]
-                                            [--only bf16-avx512,bf16-amx,onednn,F.linear] [--gflops]
+                                            [--only bf16-avx512,bf16-amx,bf16-avx2,onednn,F.linear,F.linear-f32] [--gflops]
 """
 
 from __future__ import annotations
@@ -93,8 +95,14 @@ def bf16_candidates(w: torch.Tensor) -> dict[str, list[Callable[[torch.Tensor], 
         if torch.ops.tandem.has_amx_bf16():
             out["bf16-amx"] = [lambda x, p=p: gemm(x, p, None, 1) for p in packs]
         out["onednn"] = [OneDnnProjection(w.clone(), None) for _ in range(c)]
+    elif torch.ops.tandem.bf16_gemm_isa() == 1:  # the AVX2 / FMA build of the same GEMM
+        gemm = torch.ops.tandem.linear_bf16
+        out["bf16-avx2"] = [lambda x, p=p: gemm(x, p, None, 0)
+                            for p in (Bf16GemmProjection(w.clone(), None).packed for _ in range(c))]
     plain = [w.clone() for _ in range(c)]
     out["F.linear"] = [lambda x, p=p: torch.nn.functional.linear(x, p) for p in plain]
+    wide = [w.float() for _ in range(c)]
+    out["F.linear-f32"] = [lambda x, p=p: torch.nn.functional.linear(x.float(), p) for p in wide]
     return out
 
 
@@ -127,7 +135,7 @@ def main() -> None:
 
     def run() -> list[dict[str, object]]:
         torch.set_num_threads(args.threads)
-        if only and only <= {"bf16-avx512", "bf16-amx", "onednn", "F.linear"}:
+        if only and only <= {"bf16-avx512", "bf16-amx", "bf16-avx2", "onednn", "F.linear", "F.linear-f32"}:
             fns = bf16_candidates((torch.randn(args.n, args.k) * 0.02).bfloat16())
         else:
             fns = candidates(args.n, args.k, 2 if args.isa == "avx512" else 1)

@@ -156,7 +156,7 @@ class OneDnnProjection(Projection):
 class Bf16GemmProjection(Projection):
     """tandem's bf16 GEMM over W packed [N / 16, K / 2, 16, 2], the operand layout of both `vdpbf16ps` and an AMX B
     tile. AVX512-BF16: 1.1-1.3x oneDNN at 32 rows and 2-3x at 1-5 rows (AMD EPYC); AMX tiles where the CPU has them
-    and `bf16_plan()` chose them; AVX2 / FMA (widened to float32) on a CPU without AVX512-BF16: 2-2.6x torch's bf16
+    and `bf16_plan()` chose them; AVX2 / FMA (widened to float32) on a CPU without AVX512-BF16: 1.7-2x torch's bf16
     `F.linear` at 1 row, 6-9x from 8 (AMD EPYC Zen 3). Either way every row is computed the same way at any batch size."""
 
     kind = "bf16-gemm"

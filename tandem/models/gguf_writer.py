@@ -6,9 +6,10 @@ vocabulary), and each tensor in a type: BF16 / F16 / Q8_0 / Q4_0 / Q4_1 / Q5_0 /
 quantizers, Q4_K, Q5_K and Q6_K with the ones here (min-max per sub-block, scales rounded to their 6 / 8 bits:
 simple, and valid blocks; llama.cpp's own search finds slightly smaller errors), and the mixes llama.cpp names Q4_K_M
 and Q5_K_M (its `llama_tensor_get_type`: Q6_K for the output matrix and for attn_v / ffn_down of the layers
-`use_more_bits` picks, Q4_K / Q5_K elsewhere, Q5_0 / Q5_1 / Q8_0 where a row is not a multiple of 256). A mixture of experts is written as the converter
-writes it: per layer one [E, rows, cols] tensor per projection (`ffn_gate_exps`, `ffn_up_exps`, `ffn_down_exps`,
-quantized expert by expert as the arrays arrive) and the router `ffn_gate_inp` in F32 (llama.cpp never quantizes it).
+`use_more_bits` picks, Q4_K / Q5_K elsewhere, Q5_0 / Q5_1 / Q8_0 where a row is not a multiple of 256). A mixture of
+experts is written as the converter writes it: per layer one [E, rows, cols] tensor per projection (`ffn_gate_exps`,
+`ffn_up_exps`, `ffn_down_exps`, quantized expert by expert as the arrays arrive) and the router `ffn_gate_inp` in F32
+(llama.cpp never quantizes it).
 
 gpt-oss (GGUF architecture `gpt-oss`, `GptOssModel` in llama.cpp's converter): its stacked HF experts (gate_up
 [E, hidden, 2 I] with gate / up columns interleaved, down [E, I, hidden], their biases) become `ffn_gate_exps` /
