@@ -106,7 +106,8 @@ def bf16_candidates(w: torch.Tensor) -> dict[str, list[Callable[[torch.Tensor], 
     return out
 
 
-def candidates(n: int, k: int, isa: int) -> dict[str, list[Callable[[torch.Tensor], torch.Tensor]]]:
+def candidates(n: int, k: int, isa: int, only: set[str]) -> dict[str, list[Callable[[torch.Tensor], torch.Tensor]]]:
+    """Every column (or those in `only`); a quant type whose block does not divide `k` is left out."""
     rng = np.random.default_rng(0)
     w = (torch.randn(n, k) * 0.02).bfloat16()
     out = bf16_candidates(w)
@@ -116,6 +117,8 @@ def candidates(n: int, k: int, isa: int) -> dict[str, list[Callable[[torch.Tenso
     with torch.no_grad():
         out.update({name: [lambda x, m=m: m(x) for m in mods] for name, mods in torchao_linears(w, copies(n * k * 2)).items()})
     for qtype in ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "I8"):
+        if (only and qtype not in only) or k % FORMATS[qtype].block:
+            continue
         weight = q8 if qtype == "I8" else random_quantized(qtype, n, k, rng)
         out[qtype] = [QuantProjection([weight], None, isa) for _ in range(copies(weight.nbytes))]
     return out
@@ -138,7 +141,7 @@ def main() -> None:
         if only and only <= {"bf16-avx512", "bf16-amx", "bf16-avx2", "onednn", "F.linear", "F.linear-f32"}:
             fns = bf16_candidates((torch.randn(args.n, args.k) * 0.02).bfloat16())
         else:
-            fns = candidates(args.n, args.k, 2 if args.isa == "avx512" else 1)
+            fns = candidates(args.n, args.k, 2 if args.isa == "avx512" else 1, only)
         fns = {name: f for name, f in fns.items() if not only or name in only}
         rows = []
         for m in (int(r) for r in args.rows.split(",")):
