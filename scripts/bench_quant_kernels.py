@@ -81,6 +81,9 @@ def torchao_linears(w: torch.Tensor, count: int) -> dict[str, list[Callable[[tor
     return out
 
 
+BF16_COLUMNS = ("bf16-avx512", "bf16-amx", "bf16-avx2", "onednn", "F.linear", "F.linear-f32")
+
+
 def bf16_candidates(w: torch.Tensor) -> dict[str, list[Callable[[torch.Tensor], torch.Tensor]]]:
     from tandem.layers.kernels import load_cpu_kernels
 
@@ -107,17 +110,24 @@ def bf16_candidates(w: torch.Tensor) -> dict[str, list[Callable[[torch.Tensor], 
 
 
 def candidates(n: int, k: int, isa: int, only: set[str]) -> dict[str, list[Callable[[torch.Tensor], torch.Tensor]]]:
-    """Every column (or those in `only`); a quant type whose block does not divide `k` is left out."""
+    """The columns in `only` (all when empty), each group built only when one of its columns is asked for; a quant
+    type whose block does not divide `k` is left out."""
+    def wanted(*names: str) -> bool:
+        return not only or any(name in only for name in names)
+
     rng = np.random.default_rng(0)
     w = (torch.randn(n, k) * 0.02).bfloat16()
-    out = bf16_candidates(w)
+    out = bf16_candidates(w) if wanted(*BF16_COLUMNS) else {}
     q8 = quantize_int8(w)
-    packs = [(q8.data.clone(), q8.scales.bfloat16()) for _ in range(copies(n * k))]  # type: ignore[union-attr]
-    out["torch-w8a16"] = [lambda x, p=p: torch._weight_int8pack_mm(x, p[0], p[1]) for p in packs]
-    with torch.no_grad():
-        out.update({name: [lambda x, m=m: m(x) for m in mods] for name, mods in torchao_linears(w, copies(n * k * 2)).items()})
+    if wanted("torch-w8a16"):
+        packs = [(q8.data.clone(), q8.scales.bfloat16()) for _ in range(copies(n * k))]  # type: ignore[union-attr]
+        out["torch-w8a16"] = [lambda x, p=p: torch._weight_int8pack_mm(x, p[0], p[1]) for p in packs]
+    if wanted("torchao-w8a16", "torchao-w8a8"):
+        with torch.no_grad():
+            out.update({name: [lambda x, m=m: m(x) for m in mods]
+                        for name, mods in torchao_linears(w, copies(n * k * 2)).items()})
     for qtype in ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "I8"):
-        if (only and qtype not in only) or k % FORMATS[qtype].block:
+        if not wanted(qtype) or k % FORMATS[qtype].block:
             continue
         weight = q8 if qtype == "I8" else random_quantized(qtype, n, k, rng)
         out[qtype] = [QuantProjection([weight], None, isa) for _ in range(copies(weight.nbytes))]
@@ -138,10 +148,7 @@ def main() -> None:
 
     def run() -> list[dict[str, object]]:
         torch.set_num_threads(args.threads)
-        if only and only <= {"bf16-avx512", "bf16-amx", "bf16-avx2", "onednn", "F.linear", "F.linear-f32"}:
-            fns = bf16_candidates((torch.randn(args.n, args.k) * 0.02).bfloat16())
-        else:
-            fns = candidates(args.n, args.k, 2 if args.isa == "avx512" else 1, only)
+        fns = candidates(args.n, args.k, 2 if args.isa == "avx512" else 1, only)
         fns = {name: f for name, f in fns.items() if not only or name in only}
         rows = []
         for m in (int(r) for r in args.rows.split(",")):

@@ -1095,6 +1095,8 @@ TQ_INLINE void store_lanes(const Segment& sg, int64_t g, int64_t r, typename V::
 // prefetches never fault, so those past a buffer's end are harmless. The loads and sums are unchanged: the same bits.
 constexpr int64_t kDecodePrefetchBytes = 2048;
 
+constexpr bool is_kquant(int64_t f) { return f == kQ4_K || f == kQ5_K || f == kQ6_K; }
+
 template <class V, int MR, int NG, int64_t F, typename O>
 void tile(const Segment& sg, const Act& a, int64_t r0, int64_t g0, O* out, int64_t ldo) {
   constexpr int head = F == kI8 ? 64 : 0;
@@ -1104,12 +1106,15 @@ void tile(const Segment& sg, const Act& a, int64_t r0, int64_t g0, O* out, int64
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < NG; ++j) facc[r][j] = V::fzero();
   const uint8_t* g[NG];
-  constexpr bool prefetch = V::kPairSums && MR <= 2 && F != kQ4_K && F != kQ5_K && F != kQ6_K;
+  constexpr bool prefetch = V::kPairSums && MR <= 2 && !is_kquant(F);
   for (int64_t b = 0; b < nblk; ++b) {
     for (int j = 0; j < NG; ++j) g[j] = sg.packed + (g0 + j) * sg.gbytes + head + b * fi.blk;
     if constexpr (prefetch) {
       for (int j = 0; j < NG; ++j)
-        for (int64_t o = 0; o < fi.blk; o += 64) __builtin_prefetch(g[j] + kDecodePrefetchBytes + o, 0, 3);
+        for (int64_t o = 0; o < fi.blk; o += 64) {  // an address, not a pointer past the buffer
+          const uintptr_t at = reinterpret_cast<uintptr_t>(g[j]) + kDecodePrefetchBytes + o;
+          __builtin_prefetch(reinterpret_cast<const void*>(at), 0, 3);
+        }
     }
     run_block<V, MR, NG, F>(g, a, r0, b, facc);
   }
@@ -1136,8 +1141,6 @@ void row_tile(const Segment& sg, const Act& a, int64_t r, int64_t g, int64_t g1,
 // wide tiles are ~10 % faster. Each group's sums are its own, so the results are the same either way.
 std::atomic<bool> g_narrow_kquant_tiles{false};
 constexpr int64_t kNarrowMaxGroupBytes = 24 << 10;
-
-constexpr bool is_kquant(int64_t f) { return f == kQ4_K || f == kQ5_K || f == kQ6_K; }
 
 // Q5_K / Q6_K on AVX2 over many rows: a group's 256-block unpacked to one byte a weight once (unpack_block, 4 KB that
 // stay in L1), then every row tile of the strip runs that block from those bytes, its float sums kept in a buffer
