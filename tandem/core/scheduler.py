@@ -463,6 +463,23 @@ class Scheduler:
         self.block_manager.truncate(req, len(req.token_ids))
         return True
 
+    def rewrite(self, plan: StepPlan, request_id: str, position: int, tokens: Sequence[int]) -> bool:
+        """Scheduling ahead: `plan` (launched) was scheduled, and the step before it settled, with tokens of
+        `request_id` that turned out wrong from `position` on (drafts verified without masks, their grammar's check
+        after the launch); `tokens` replace them. Everything from `position` on counts as not computed (the next
+        `schedule` feeds it again, overwriting the KV slots `plan` and the step before wrote there), the tentative
+        tail `plan` was to sample into is dropped and the blocks past the tokens released. Returns whether the
+        request has a row in `plan`: garbage, drafts and all (its logits must be thrown away)."""
+        req = self._requests.get(request_id)
+        if req is None or req.status is not RequestStatus.RUNNING or position > len(req.token_ids):
+            return False
+        del req.token_ids[position:]
+        req.token_ids.extend(int(t) for t in tokens)
+        req.num_tentative = 0
+        req.num_computed_tokens = max(0, min(req.num_computed_tokens, position, len(req.token_ids) - 1))
+        self.block_manager.truncate(req, len(req.token_ids))
+        return any(sr.request_id == request_id for sr in plan.requests)
+
     @staticmethod
     def _check_accepted(sr: ScheduledRequest, accepted: list[int]) -> None:
         k = sr.num_draft_tokens

@@ -60,6 +60,7 @@ class _InFlight:
     filled_at: float = 0.0
     fill: PendingMasks | None = None
     garbage: set[str] = field(default_factory=set)  # requests whose row was fed a retracted token: thrown away
+    verify_late: bool = False  # its drafts verified without masks are checked after the next launch
 
     @property
     def has_drafts(self) -> bool:
@@ -186,6 +187,7 @@ class LLMEngine:
         self._forward_s: deque[float] = deque(maxlen=4)  # the last forwards' device time (see _slack_deadline)
         self._redraft_s = 0.0  # seconds one request's redraft took, smoothed (see _redraft)
         self.unmasked_checks = UnmaskedCheckPolicy()  # scheduling ahead: check unmasked argmaxes before / after a launch
+        self.verify_checks = UnmaskedCheckPolicy()  # and the tokens of drafts verified without masks
         self._forward_end = 0.0  # the synchronous step: when the previous forward ended
         # grammar masks filled while the forward runs, unless the forward runs on these same cores: a fill beside it
         # preempts a thread of its OpenMP team and the whole team waits at the next barrier (measured: docs/benchmarks.md)
@@ -375,7 +377,7 @@ class LLMEngine:
             timer.mark("collected")
             self._forward_s.append(cur.handle.finished_at - cur.launched_at)
             self.guidance.record_wait(cur.masks.filled, cur.filled_at, cur.handle.finished_at)
-            tokens = self._sample_ahead(cur, logits, timer)
+            tokens = self._sample_ahead(cur, logits, timer, nxt)
             speculative = self.speculation.active
             now, late = self._split_checks(cur, nxt)  # unmasked argmaxes checked before / after nxt's launch
             unsettled = self._check_unmasked(cur.plan, logits, cur.masks.filled, tokens, now)
@@ -391,8 +393,7 @@ class LLMEngine:
         self._idle_since(cur.handle.finished_at, timer.at("launched"))
         if not speculative:
             self.scheduler.resolve(cur.plan, tokens, None, commit=False)  # the requests' own token lists
-        if late:
-            self._check_after_launch(cur.plan, logits, cur.masks.filled, tokens, nxt, late)
+        self._check_late(cur, logits, tokens, nxt, late)
         drafts = cur.drafts()
         accepted = self._accept_ahead(tokens, drafts)  # the matchers are where the next step starts: its fill may begin
         if self._inflight is not None:  # llguidance's threads fill beside the work below (nxt lacks the unsettled)
@@ -413,15 +414,20 @@ class LLMEngine:
             self._drop_inflight()  # every request of it has ended: nothing to collect
         return outputs + self._drain_errors()
 
-    def _sample_ahead(self, cur: _InFlight, logits: torch.Tensor, timer: StepTimer) -> dict[str, list[int]]:
+    def _sample_ahead(self, cur: _InFlight, logits: torch.Tensor, timer: StepTimer,
+                      nxt: StepPlan) -> dict[str, list[int]]:
         """The tokens of `cur`'s rows `logits` [R, V], those of rows fed a retracted token left out; marks
-        'sampled', then checks the drafts verified without masks (`_check_unmasked_verify`: host work)."""
+        'sampled', then checks the drafts verified without masks (`_check_unmasked_verify`: host work), unless
+        `verify_checks` moves that check past `nxt`'s launch (`cur.verify_late`)."""
         tokens = self.runner.on_tensor_thread(self.step_sampler.sample, cur.plan, logits, cur.masks.staged, self._seqs)
         for rid in cur.garbage:
             tokens.pop(rid, None)
         self.thinking.limit(tokens, self._seqs)
         timer.mark("sampled")
-        self._check_unmasked_verify(cur.plan, logits, cur.masks.filled, tokens)
+        cur.verify_late = bool(cur.masks.filled.unmasked_verify) and self.verify_checks.after_launch(
+            nxt.num_tokens, min(self._forward_s, default=0.0))
+        if not cur.verify_late:
+            self._check_unmasked_verify(cur.plan, logits, cur.masks.filled, tokens)
         return tokens
 
     def _split_checks(self, cur: _InFlight, nxt: StepPlan) -> tuple[list[str], list[str]]:
@@ -594,6 +600,37 @@ class LLMEngine:
         self.stats.num_prompt_tokens += sum(sr.num_tokens for sr in plan.requests if sr.is_prefill)
         return self._outputs(touched.values(), now)
 
+    def _check_late(self, cur: _InFlight, logits: torch.Tensor, tokens: dict[str, list[int]], nxt: StepPlan,
+                    late: Sequence[str]) -> None:
+        """After `nxt`'s launch, before `cur`'s tokens count: the checks the policies moved past it (the drafts
+        verified without masks, then the `late` unmasked argmaxes)."""
+        if cur.verify_late:
+            self._check_verify_after_launch(cur.plan, logits, cur.masks.filled, tokens, nxt)
+        if late:
+            self._check_after_launch(cur.plan, logits, cur.masks.filled, tokens, nxt, late)
+
+    def _check_verify_after_launch(self, plan: StepPlan, logits: torch.Tensor, masks: StepMasks,
+                                   tokens: dict[str, list[int]], nxt: StepPlan) -> None:
+        """Scheduling ahead: `nxt` was launched, and `plan` settled, with the unchecked tokens of the drafts
+        `plan` verified without masks. Check them now, while it runs: a request whose tokens its grammar rejects
+        is verified again with its masks (from `logits` [R, V], which no forward writes again), its tokens from the
+        first that changed rewritten (`Scheduler.rewrite`) and its row of `nxt`, drafts and all, thrown away when
+        collected (the request sits out that step)."""
+        before = {rid: tokens.get(rid) for rid in masks.unmasked_verify}
+        self._check_unmasked_verify(plan, logits, masks, tokens, late=True)
+        rows = {sr.request_id: sr for sr in plan.requests}
+        inflight = self._inflight
+        for rid, old in before.items():
+            new = tokens.get(rid)
+            if not old or new is None or new == old or rid not in rows or self.guidance.failure(rid) is not None:
+                continue
+            same = next((i for i, (a, b) in enumerate(zip(old, new)) if a != b), min(len(old), len(new)))
+            sr = rows[rid]
+            first = sr.start_pos + sr.num_tokens - sr.num_draft_tokens  # where its emitted tokens start
+            if self.scheduler.rewrite(nxt, rid, first + same, new[same:]) and inflight is not None:
+                inflight.garbage.add(rid)
+                self.stats.num_rewritten_rows += 1
+
     def _check_after_launch(self, plan: StepPlan, logits: torch.Tensor, masks: StepMasks,
                             tokens: dict[str, list[int]], nxt: StepPlan, unchecked: Sequence[str]) -> None:
         """Scheduling ahead: `nxt` was launched fed the `unchecked` rows' argmaxes (each such row of `nxt`
@@ -644,13 +681,17 @@ class LLMEngine:
         return self._check_ties(rows, logits, undecided, tokens)
 
     def _check_unmasked_verify(self, plan: StepPlan, logits: torch.Tensor, masks: StepMasks,
-                               tokens: dict[str, list[int]]) -> None:
+                               tokens: dict[str, list[int]], late: bool = False) -> None:
         """Greedy requests that verified their drafts without masks: keep the tokens their grammar takes in turn;
         verify the others again now, with their masks filled (a rejected argmax: rare with a real model), their
-        tokens in `tokens` replaced. The verification counts as sampling (`stats.sample_s`)."""
+        tokens in `tokens` replaced. The verification counts as sampling (`stats.sample_s`; `late`: during the next
+        forward, `stats.late_sample_s`)."""
         if not masks.unmasked_verify:
             return
-        rejected = [rid for rid in self.guidance.check_unmasked_verify(masks.unmasked_verify, tokens) if rid in self._seqs]
+        t0 = time.perf_counter()
+        checked = self.guidance.check_unmasked_verify(masks.unmasked_verify, tokens)
+        self.verify_checks.observe(len(masks.unmasked_verify), len(checked), time.perf_counter() - t0)
+        rejected = [rid for rid in checked if rid in self._seqs]
         if not rejected:
             return
         drafts = {sr.request_id: sr.input_ids[-sr.num_draft_tokens:] for sr in plan.requests if sr.num_draft_tokens}
@@ -658,7 +699,10 @@ class LLMEngine:
         t0 = time.perf_counter()
         tokens.update(self.runner.on_tensor_thread(self.step_sampler.verify_masked, plan, logits, mask, self._seqs,
                                                    rejected))
-        self.stats.sample_s += time.perf_counter() - t0
+        if late:
+            self.stats.late_sample_s += time.perf_counter() - t0
+        else:
+            self.stats.sample_s += time.perf_counter() - t0
 
     def _check_ties(self, rows: Mapping[str, int], logits: torch.Tensor, undecided: list[tuple[str, float]],
                     tokens: dict[str, list[int]]) -> list[str]:

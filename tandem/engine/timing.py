@@ -38,6 +38,7 @@ class EngineStats:
     launch_gap_s: float = 0.0  # scheduling ahead: host time between sampling and the next launch (device idle)
     num_late_rows: int = 0  # scheduling ahead: rows sampled again during the next forward, which their request sat out
     num_retracted_rows: int = 0  # scheduling ahead: unmasked argmaxes rejected after the next launch; that row thrown away
+    num_rewritten_rows: int = 0  # and drafts verified unmasked whose tokens were rejected after it: the same
     # their sampling: device work that overlaps the next forward (a benchmark must not count it as the device's time
     # on the critical path, as it does sample_s)
     late_sample_s: float = 0.0

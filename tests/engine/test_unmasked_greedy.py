@@ -62,7 +62,8 @@ def test_random_logits_give_the_masked_tokens(gpt2: Tokenizer, speculative: bool
     requests = _schema_requests(24)
     # every fill counts as costly (GPT-2's 50k vocabulary fills fast on a quick machine): the same paths everywhere
     engine = simulated_engine(gpt2, 0.0, 24, "llguidance", spec, rows_by_token=True, unmasked_min_fill_ms=0.0)
-    engine.unmasked_checks.forced = False  # checked before each launch (after it: the test below)
+    engine.unmasked_checks.forced = False  # checked before each launch (after it: the tests below)
+    engine.verify_checks.forced = False
     unmasked, stats = _run(engine, requests)
     masked, plain_stats = _run(simulated_engine(gpt2, 0.0, 24, "llguidance", spec, unmasked_greedy=False,
                                                 rows_by_token=True), requests)
@@ -110,6 +111,7 @@ def test_argmaxes_checked_after_the_next_launch_give_the_masked_tokens(gpt2: Tok
     requests = _schema_requests(24, max_tokens=80 if speculative else 40)  # 80: noise logits loop, drafts match
     engine = simulated_engine(gpt2, 0.0, 24, "llguidance", spec, rows_by_token=True, unmasked_min_fill_ms=0.0)
     engine.unmasked_checks.forced = True
+    engine.verify_checks.forced = False  # (the drafts' checks after the launch: the test below)
     late, stats = _run(engine, requests)
     masked, _ = _run(simulated_engine(gpt2, 0.0, 24, "llguidance", spec, unmasked_greedy=False, rows_by_token=True),
                      requests)
@@ -122,6 +124,30 @@ def test_argmaxes_checked_after_the_next_launch_give_the_masked_tokens(gpt2: Tok
     else:  # retracted after the launch, or checked before it (those whose next rows verify drafts)
         assert 10 < stats["num_retracted_rows"] <= stats["guided_unmasked_rejected"]
         assert stats["spec_num_accepted"] > 50 and stats["guided_verify_rejected"] > 0
+
+
+@pytest.mark.parametrize("argmaxes_late", [False, True], ids=["argmaxes-before", "argmaxes-after"])
+def test_drafts_verified_unmasked_and_checked_after_the_next_launch_give_the_masked_tokens(
+        gpt2: Tokenizer, argmaxes_late: bool) -> None:
+    """Scheduling ahead with suffix drafts, the next plan launched (and the step settled) with the unchecked tokens
+    of drafts verified without masks (`verify_checks` forced after the launch): a request whose tokens the grammar
+    rejects is verified again with its masks, its tokens rewritten from the first that changed and its row in
+    flight (drafts and all) thrown away. Noise logits reject often; the tokens, finish reasons and errors are those
+    of an engine that fills every mask."""
+    spec = SpeculativeConfig(method="suffix", num_speculative_tokens=3, adaptive=False)
+    requests = _schema_requests(24, max_tokens=80)
+    engine = simulated_engine(gpt2, 0.0, 24, "llguidance", spec, rows_by_token=True, unmasked_min_fill_ms=0.0)
+    engine.verify_checks.forced = True
+    engine.unmasked_checks.forced = argmaxes_late
+    late, stats = _run(engine, requests)
+    masked, _ = _run(simulated_engine(gpt2, 0.0, 24, "llguidance", spec, unmasked_greedy=False, rows_by_token=True),
+                     requests)
+    assert late == masked
+    assert all(err is None for _, _, err in late.values())
+    assert stats["spec_num_accepted"] > 50 and stats["guided_unmasked_verify"] > 50
+    # every rejected verification rewrote its request and threw its row in flight away (or the request had none)
+    assert 10 < stats["num_rewritten_rows"] <= stats["guided_verify_rejected"]
+    assert (stats["num_retracted_rows"] > 10) == argmaxes_late
 
 
 def test_with_drafts_only_rows_whose_next_row_verifies_none_are_checked_after_the_launch(gpt2: Tokenizer) -> None:
