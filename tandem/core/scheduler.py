@@ -444,11 +444,11 @@ class Scheduler:
         plan.requests = kept
 
     def retract(self, plan: StepPlan, request_id: str, position: int, token: int) -> bool:
-        """Scheduling ahead, the request's row of `plan` verifying no drafts: `plan` (launched) was fed
-        `request_id`'s token at `position`, which turned out wrong (an unmasked argmax the grammar rejected, resolved
-        or settled already); `token` replaces it. When `plan` computes that position, the request's row there is
-        garbage: the position counts as not computed (the next `schedule` feeds it again, overwriting its KV slot
-        after `plan` wrote it), the tentative tail `plan` was to sample into is dropped and the blocks past the
+        """Scheduling ahead: `plan` (launched) was fed `request_id`'s token at `position`, which turned out wrong
+        (an unmasked argmax the grammar rejected, resolved or settled already); `token` replaces it. When `plan`
+        computes that position, the request's row there is garbage: the position counts as not computed (the next
+        `schedule` feeds it again, overwriting its KV slot after `plan` wrote it), the tentative tail `plan` was to
+        sample into (its drafts, if the row verifies any, and the placeholder) is dropped and the blocks past the
         position released. Returns whether the row in `plan` is garbage (its logits must be thrown away)."""
         req = self._requests.get(request_id)
         if req is None or req.status is not RequestStatus.RUNNING or position >= len(req.token_ids):
@@ -457,7 +457,7 @@ class Scheduler:
         sr = next((sr for sr in plan.requests if sr.request_id == request_id), None)
         if sr is None or not sr.start_pos <= position < sr.start_pos + sr.num_tokens:
             return False
-        del req.token_ids[position + 1 :]  # the placeholder `plan` samples into (its only tentative tail: no drafts)
+        del req.token_ids[position + 1 :]  # the row's drafts and the placeholder `plan` samples into
         req.num_tentative = 0
         req.num_computed_tokens = position
         self.block_manager.truncate(req, len(req.token_ids))

@@ -431,17 +431,13 @@ class LLMEngine:
         return tokens
 
     def _split_checks(self, cur: _InFlight, nxt: StepPlan) -> tuple[list[str], list[str]]:
-        """`cur`'s unmasked argmaxes to check before `nxt`'s launch, and after it (see engine/unmasked.py). After
-        it only where the policy says so, and, with drafts, only for requests whose row of `nxt` verifies none: a
-        retracted row is that one token (`Scheduler.retract`), and drafts made past a rejected token would be
-        verified from the wrong context."""
+        """`cur`'s unmasked argmaxes to check before `nxt`'s launch, and after it (see engine/unmasked.py): all
+        after it where the policy says so (a rejected one is retracted, its row of `nxt` thrown away with any
+        drafts it verifies: `Scheduler.retract`)."""
         unmasked = cur.masks.filled.unmasked
         if not unmasked or not self.unmasked_checks.after_launch(nxt.num_tokens, min(self._forward_s, default=0.0)):
             return unmasked, []
-        if not self.speculation.active:
-            return [], unmasked
-        drafting = {sr.request_id for sr in nxt.requests if sr.num_draft_tokens}
-        return [r for r in unmasked if r in drafting], [r for r in unmasked if r not in drafting]
+        return [], unmasked
 
     def _settle_ahead(self, plan: StepPlan, tokens: Mapping[str, list[int]], nxt: StepPlan,
                       unchecked: frozenset[str]) -> None:

@@ -13,9 +13,8 @@ With replayed outputs of a real model (no argmax rejected) and a 20 ms step at 2
 (docs/benchmarks.md, issue 25); at batch 1 a check costs the plan 0.06 % of a step, so it stays before the launch
 once anything is rejected. With noise logits (a third of the argmaxes rejected) it stays before at any batch size: on
 two cores a retract-always variant filled the forward's window and its retracted rows cost 3-11 % more steps
-(docs/benchmarks.md, issue 10). With speculation only the rows whose row of the next plan verifies no drafts move
-after the launch (`LLMEngine._split_checks`); the others are checked before it, as drafts made past a rejected token
-would be verified from the wrong context.
+(docs/benchmarks.md, issue 10). With speculation, a retracted row of the next plan is thrown away with the drafts it
+verifies (made past the rejected token: their verification is never used).
 
 A second instance (`LLMEngine.verify_checks`) decides the same for the tokens of drafts verified without masks
 (one validation per request): after the launch, a rejected request is verified again with its masks, its tokens

@@ -105,8 +105,8 @@ def test_argmaxes_checked_after_the_next_launch_give_the_masked_tokens(gpt2: Tok
     """Scheduling ahead, the next plan launched fed the unchecked argmaxes (`UnmaskedCheckPolicy` forced to check
     after the launch; tests/engine/test_unmasked.py: when it chooses to): every rejected one is retracted, its row
     of the plan in flight thrown away and its position fed again; the tokens, finish reasons and errors are those of
-    an engine that fills every mask. With suffix drafts, only the rows of requests whose next row verifies no drafts
-    are checked after the launch (and are not redrafted before it); the others before it, as without the policy."""
+    an engine that fills every mask. With suffix drafts too: a retracted row is thrown away with the drafts it
+    verifies."""
     spec = SpeculativeConfig(method="suffix", num_speculative_tokens=3, adaptive=False) if speculative else None
     requests = _schema_requests(24, max_tokens=80 if speculative else 40)  # 80: noise logits loop, drafts match
     engine = simulated_engine(gpt2, 0.0, 24, "llguidance", spec, rows_by_token=True, unmasked_min_fill_ms=0.0)
@@ -121,7 +121,7 @@ def test_argmaxes_checked_after_the_next_launch_give_the_masked_tokens(gpt2: Tok
     if not speculative:
         assert stats["num_retracted_rows"] == stats["guided_unmasked_rejected"]  # each one's row in flight thrown away
         assert stats["num_late_rows"] == 0  # nothing withdrawn before a launch
-    else:  # retracted after the launch, or checked before it (those whose next rows verify drafts)
+    else:  # retracted after the launch (or settled with a rejected verification's request: not retracted again)
         assert 10 < stats["num_retracted_rows"] <= stats["guided_unmasked_rejected"]
         assert stats["spec_num_accepted"] > 50 and stats["guided_verify_rejected"] > 0
 
@@ -150,13 +150,13 @@ def test_drafts_verified_unmasked_and_checked_after_the_next_launch_give_the_mas
     assert (stats["num_retracted_rows"] > 10) == argmaxes_late
 
 
-def test_with_drafts_only_rows_whose_next_row_verifies_none_are_checked_after_the_launch(gpt2: Tokenizer) -> None:
-    """`LLMEngine._split_checks`: which unmasked argmaxes wait until after the next launch."""
+def test_unmasked_argmaxes_are_checked_after_the_launch_where_the_policy_says(gpt2: Tokenizer) -> None:
+    """`LLMEngine._split_checks`: which unmasked argmaxes wait until after the next launch (with drafts or not)."""
     spec = SpeculativeConfig(method="suffix", num_speculative_tokens=3, adaptive=False)
     cur = SimpleNamespace(masks=SimpleNamespace(filled=StepMasks(None, None, unmasked=["a", "b", "c"])))
     nxt = SimpleNamespace(num_tokens=5, requests=[SimpleNamespace(request_id="a", num_draft_tokens=3),
                                                   SimpleNamespace(request_id="b", num_draft_tokens=0)])
-    for speculation, forced, split in ((spec, True, (["a"], ["b", "c"])), (None, True, ([], ["a", "b", "c"])),
+    for speculation, forced, split in ((spec, True, ([], ["a", "b", "c"])), (None, True, ([], ["a", "b", "c"])),
                                        (spec, False, (["a", "b", "c"], []))):
         engine = simulated_engine(gpt2, 0.0, 4, "llguidance", speculation, rows_by_token=True)
         engine.unmasked_checks.forced = forced
