@@ -304,7 +304,9 @@ def _row(mode: str, level: int, n: int, tokens: int, times: tuple[float, float, 
     """One run's row. tok/s: on the simulated accelerator's clock (its forwards, sampling included as on a real
     one, and the time it waited for the host); wall_tok/s: on this machine's, where sampling runs on the host.
     host_cpu_ms/step: this process's CPU time per step (every thread), sampling excluded (device work on a real
-    accelerator; on one thread here, so its CPU time is its wall time): the CPU side's demand; cores_for_step: how
+    accelerator; on one thread here, so its CPU time is its wall time): the CPU side's demand; launch_gap_ms/step:
+    the part of the wait between sampling and the next launch (the rest: the host's work outlasting a forward, and
+    the run's start before its first launch); cores_for_step: how
     many cores that demand needs to fit in one device step, i.e. the host to size for no waiting. accept: drafts
     accepted / drafted; scheduled_ahead_share: steps scheduled while the previous ran."""
     def d(key: str) -> float:
@@ -327,6 +329,7 @@ def _row(mode: str, level: int, n: int, tokens: int, times: tuple[float, float, 
         "device_step_ms": round(1e3 * step_s, 2),
         "device_wait_ms/step": round(1e3 * wait / steps, 2),
         "device_wait_%_of_step": round(100 * wait / steps / step_s, 1) if step_s else None,
+        "launch_gap_ms/step": round(1e3 * d("launch_gap_s") / steps, 2),  # of it: sampled -> next launch (host)
         "sim_late_ms/step": round(1e3 * late / steps, 2),
         "accept": round(d("spec_num_accepted") / drafted, 3) if drafted else None,
         "tokens/step": round(tokens / steps, 2),
