@@ -105,6 +105,8 @@ REDRAFT_CHUNK = 8
 # suffix requests beside a 20 ms step emitted 251.6 tokens a step without redrafts and 249.1-254.3 with them, while
 # the device waited 6.0-6.1 % of the step without and 9.2-11.5 % with (AMD EPYC, 2 cores). At batch 1 (a miss's
 # redraft is its next step's drafts: copy tasks) it stays on: 40 us x 1 row against 0.25 x a 17 ms forward.
+# With the C++ suffix trie a redraft takes ~15 us and fits at 256 rows too: there, off / on in four alternating
+# pairs, guided + suffix waited 8.1-9.2 / 7.0-8.4 % of the step at 8,480-8,802 / 8,703-9,195 tok/s (docs).
 REDRAFT_YIELD = 0.25
 IDLE_GAP_S = 1.0  # a longer gap between two forwards is an engine without work, not a device waiting for the host
 UNMASKED_CANDIDATES = 16  # top logits tried, in order, for an unmasked greedy row whose argmax the grammar rejected
