@@ -778,6 +778,34 @@ def test_settle_moves_the_next_row_back_after_a_rejected_draft() -> None:
     assert req.token_ids[7:] == [9, 20, 25, 26] and req.num_tentative == 0 and req.num_computed_tokens == 10
 
 
+def test_rewrite_after_a_settled_step_throws_the_row_in_flight_away_and_feeds_the_position_again() -> None:
+    """Scheduling ahead, a step settled with every draft accepted and the next row (drafts and all) launched; the
+    drafts' grammar check after the launch rejects the second emitted token: `rewrite` puts the masked
+    verification's token there, the row in flight is garbage, everything from that position counts as not
+    computed and the blocks past the tokens come back; the plan after feeds the position again, and the prefix cache
+    never learns the wrong tokens."""
+    from tandem.core.scheduler import PLACEHOLDER
+
+    sched, bm, req, cur, nxt = _ahead_pair([20, 21], [30, 31, 32, 33, 34, 35])
+    sched.settle(cur, {"a": [20, 21, 22]}, nxt, ["a"])  # emitted 20, 21, 22 at positions 8, 9, 10
+    assert req.token_ids[7:] == [9, 20, 21, 22, 30, 31, 32, 33, 34, 35, PLACEHOLDER]
+    free = bm.num_free_blocks
+    assert sched.rewrite(nxt, "a", 9, [25])  # 21 rejected: the masked verification emitted 20, 25
+    assert req.token_ids[7:] == [9, 20, 25] and req.num_computed_tokens == 9 and req.num_tentative == 0
+    assert bm.num_free_blocks > free and len(req.block_ids) == 3  # positions 0-11 kept, nxt's drafts' blocks back
+    sched.commit(cur)
+    after = sched.schedule(frozenset({"a"}))
+    assert [(sr.input_ids, sr.start_pos) for sr in after.requests] == [([25], 9)]
+    sched.reserve(after)
+    sched.settle(nxt, {}, after, [])  # the garbage row of nxt gives no tokens
+    sched.settle(after, {"a": [26]}, StepPlan(9), [])
+    sched.commit(after)
+    assert req.token_ids[7:] == [9, 20, 25, 26] and req.num_computed_tokens == 10
+    first = hash_block(ROOT_HASH, [1, 2, 3, 4])
+    assert req.block_hashes == [first, hash_block(first, [5, 6, 7, 9])]
+    assert not sched.rewrite(after, "a", 12, [1])  # past the request's tokens: nothing to rewrite
+
+
 def test_add_drafts_after_a_miss_and_withdraw_undo_the_reservation() -> None:
     from tandem.core.scheduler import PLACEHOLDER
 
