@@ -614,11 +614,12 @@ class LLMEngine:
         is verified again with its masks (from `logits` [R, V], which no forward writes again), its tokens from the
         first that changed rewritten (`Scheduler.rewrite`) and its row of `nxt`, drafts and all, thrown away when
         collected (the request sits out that step)."""
-        before = {rid: tokens.get(rid) for rid in masks.unmasked_verify}
-        self._check_unmasked_verify(plan, logits, masks, tokens, late=True)
-        rows = {sr.request_id: sr for sr in plan.requests}
+        replaced = self._check_unmasked_verify(plan, logits, masks, tokens, late=True)
+        if not replaced:
+            return
+        rows = {sr.request_id: sr for sr in plan.requests if sr.request_id in replaced}
         inflight = self._inflight
-        for rid, old in before.items():
+        for rid, old in replaced.items():
             new = tokens.get(rid)
             if not old or new is None or new == old or rid not in rows or self.guidance.failure(rid) is not None:
                 continue
@@ -679,19 +680,20 @@ class LLMEngine:
         return self._check_ties(rows, logits, undecided, tokens)
 
     def _check_unmasked_verify(self, plan: StepPlan, logits: torch.Tensor, masks: StepMasks,
-                               tokens: dict[str, list[int]], late: bool = False) -> None:
+                               tokens: dict[str, list[int]], late: bool = False) -> dict[str, list[int]]:
         """Greedy requests that verified their drafts without masks: keep the tokens their grammar takes in turn;
         verify the others again now, with their masks filled (a rejected argmax: rare with a real model), their
-        tokens in `tokens` replaced. The verification counts as sampling (`stats.sample_s`; `late`: during the next
-        forward, `stats.late_sample_s`)."""
+        tokens in `tokens` replaced; returns those requests' tokens before. The verification counts as sampling
+        (`stats.sample_s`; `late`: during the next forward, `stats.late_sample_s`)."""
         if not masks.unmasked_verify:
-            return
+            return {}
         t0 = time.perf_counter()
         checked = self.guidance.check_unmasked_verify(masks.unmasked_verify, tokens)
         self.verify_checks.observe(len(masks.unmasked_verify), len(checked), time.perf_counter() - t0)
         rejected = [rid for rid in checked if rid in self._seqs]
         if not rejected:
-            return
+            return {}
+        before = {rid: tokens.get(rid, []) for rid in rejected}
         drafts = {sr.request_id: sr.input_ids[-sr.num_draft_tokens:] for sr in plan.requests if sr.num_draft_tokens}
         mask = self.guidance.verify_masks({rid: drafts[rid] for rid in rejected})  # [sum(k + 1), W]
         t0 = time.perf_counter()
@@ -701,6 +703,7 @@ class LLMEngine:
             self.stats.late_sample_s += time.perf_counter() - t0
         else:
             self.stats.sample_s += time.perf_counter() - t0
+        return before
 
     def _check_ties(self, rows: Mapping[str, int], logits: torch.Tensor, undecided: list[tuple[str, float]],
                     tokens: dict[str, list[int]]) -> list[str]:
