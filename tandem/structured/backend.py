@@ -16,7 +16,7 @@ from __future__ import annotations
 import base64
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -137,7 +137,7 @@ class GrammarBackend(Protocol):
     # `Matcher.validate` takes exactly the tokens `fill_bitmask` allows, so a validated argmax is the masked argmax
     # (unmasked greedy rows rely on it); xgrammar's masks can be narrower than its matcher (left recursion)
     validates_as_masks: bool
-    # `fill_batch` fills many rows in one library call on the library's own threads, the GIL released once: the
+    # `prepare_batch`'s call fills many rows in one library call on the library's own threads, the GIL released once: the
     # manager hands it a step's rows at once; otherwise rows are filled one by one over the manager's fill pool
     fills_in_batches: bool
 
@@ -149,9 +149,11 @@ class GrammarBackend(Protocol):
         """A fresh matcher at the grammar's start (cheap)."""
         ...
 
-    def fill_batch(self, work: Sequence[tuple[Matcher, int]], bitmask: np.ndarray) -> None:
-        """`Matcher.fill_bitmask` for each (matcher of this backend, row) of `work` (distinct matchers and rows);
-        a matcher whose state is broken gets a row allowing only EOS, as `fill_bitmask` gives it."""
+    def prepare_batch(self, work: Sequence[tuple[Matcher, int]], bitmask: np.ndarray) -> Callable[[], None]:
+        """The Python part of filling `work` (distinct matchers of this backend and rows), done on the calling thread;
+        returns the call that fills the rows as `Matcher.fill_bitmask` would (a matcher whose state is broken gets a
+        row allowing only EOS), which may run on another thread and holds the GIL as little as the library allows.
+        Until that call returns, the matchers must not be used and `bitmask` must be neither read nor freed."""
         ...
 
     def close(self) -> None:

@@ -4,7 +4,7 @@ and structural tags (translated to Lark: `StructuralTagLark`).
 llguidance computes masks lazily (a derivative-based lexer over a token trie plus an Earley parser), so its
 "compile" is cheap: we translate the spec to llguidance's grammar JSON and build one prototype `LLMatcher`, which
 validates it; each request's matcher is a `deep_copy()` of the prototype (microseconds). One matcher's mask fill
-holds the GIL; a step's fills go to llguidance's own threads in one call (`fill_batch`). The 'grammar' kind
+holds the GIL; a step's fills go to llguidance's own threads in one call (`prepare_batch`). The 'grammar' kind
 accepts Lark text and llama.cpp GBNF (converted to Lark by `llguidance.grammar_from`).
 
 Choices made here:
@@ -183,7 +183,7 @@ class LLGuidanceBackend:
 
     def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int] = (), fill_threads: int = 2) -> None:
         """Wrap a fast Hugging Face tokenizer; `vocab_size` is the logits width (ids past the tokenizer: never allowed);
-        `fill_threads`: the threads of `fill_batch`."""
+        `fill_threads`: the threads of `prepare_batch`'s call."""
         eos = list(eos_token_ids) or [int(hf_tokenizer.eos_token_id)]
         tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos)
         added = {int(i): str(t.content) for i, t in getattr(hf_tokenizer, "added_tokens_decoder", {}).items()}
@@ -237,7 +237,7 @@ class LLGuidanceBackend:
         assert isinstance(grammar, LLGuidanceCompiled), "a grammar compiled by another backend"
         return LLGuidanceMatcher(grammar, self.eos_token_ids)
 
-    def fill_batch(self, work: Sequence[tuple[Matcher, int]], bitmask: np.ndarray) -> None:
+    def prepare_batch(self, work: Sequence[tuple[Matcher, int]], bitmask: np.ndarray) -> Callable[[], None]:
         check_bitmask(bitmask, self.vocab_size)  # the executor writes whole rows at the array's address
         if any(not 0 <= row < bitmask.shape[0] for _, row in work):
             raise ValueError(f"rows must be in [0, {bitmask.shape[0]})")
@@ -248,8 +248,8 @@ class LLGuidanceBackend:
                 fill_only(bitmask, row, self.eos_token_ids)
             else:
                 pairs.append((matcher.native, row))
-        if pairs:
-            self._executor.unsafe_compute_mask_ptr(pairs, bitmask.ctypes.data, bitmask.shape[1] * 4, bitmask.shape[0])
+        executor, address, stride, rows = self._executor, bitmask.ctypes.data, bitmask.shape[1] * 4, bitmask.shape[0]
+        return lambda: executor.unsafe_compute_mask_ptr(pairs, address, stride, rows) if pairs else None
 
     def close(self) -> None:
         """Nothing to stop: compiles run on the caller's threads."""

@@ -197,9 +197,14 @@ class XGrammarBackend:
         assert isinstance(grammar, XGrammarCompiled), "a grammar compiled by another backend"
         return XGrammarMatcher(grammar, self.eos_token_ids, self._vocab_bytes)
 
-    def fill_batch(self, work: Sequence[tuple[Matcher, int]], bitmask: np.ndarray) -> None:
-        for matcher, row in work:
-            matcher.fill_bitmask(bitmask, row)
+    def prepare_batch(self, work: Sequence[tuple[Matcher, int]], bitmask: np.ndarray) -> Callable[[], None]:
+        rows = list(work)
+
+        def fill() -> None:
+            for matcher, row in rows:
+                matcher.fill_bitmask(bitmask, row)
+
+        return fill
 
     def close(self) -> None:
         """Stop the compile workers (if isolated)."""

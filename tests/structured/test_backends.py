@@ -252,7 +252,7 @@ def test_fill_batch_writes_what_row_by_row_fills_write(backend: Any, vocab: Voca
         matchers.append(m)
     rows = np.random.default_rng(0).permutation(len(matchers) + 2)[: len(matchers)]
     batch = np.full((len(matchers) + 2, bitmask_words(vocab.vocab_size)), 0x5A5A5A5A, dtype=np.int32)
-    backend.fill_batch(list(zip(matchers, rows.tolist(), strict=True)), batch)
+    backend.prepare_batch(list(zip(matchers, rows.tolist(), strict=True)), batch)()
     one = allocate_bitmask(1, vocab.vocab_size)
     for m, row in zip(matchers, rows, strict=True):
         m.fill_bitmask(one, 0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pickle
 import re
+import sys
 import threading
 import time
 from concurrent.futures import Future
@@ -28,6 +29,7 @@ from tandem.structured import (
     allowed_tokens,
     measure_mask_fill,
 )
+from tandem.structured import manager as manager_module
 from tandem.structured.llguidance_backend import LLGuidanceBackend
 from tandem.structured.manager import TIMED_FILL_EVERY, Slack
 from tandem.structured.xgrammar_backend import XGrammarBackend
@@ -601,6 +603,70 @@ def test_fills_outside_batches_write_the_batched_rows_and_are_timed(tokenizer: A
     assert np.array_equal(batched, alone)
     assert all(manager._requests[rid].untimed_fills == 0 for rid in ids)
     manager.shutdown()
+
+
+class _HeldBackend:
+    """A backend whose batch calls are held until `release` is set (a long fill), noting where each was prepared
+    and that one began."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.began = threading.Event()
+        self.release = threading.Event()
+        self.prepared_on: int | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def prepare_batch(self, work: Any, bitmask: np.ndarray) -> Any:
+        self.prepared_on = threading.get_ident()
+        call = self._inner.prepare_batch(work, bitmask)
+
+        def held() -> None:
+            self.began.set()
+            self.release.wait(10.0)
+            call()
+
+        return held
+
+
+def test_start_fill_returns_once_its_batch_has_begun(tokenizer: Any, backends: dict[str, Any],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch's Python runs on the calling thread and its library call has begun on a fill-pool thread when
+    `start_fill` returns: that thread needs the GIL to start, which a caller that goes on running Python hands
+    over only at the interpreter's switch interval (here set to 1 s). Its rows equal a synchronous fill's.
+    (Negative control: no hand-over, `HANDOFF_WAIT_S = 0`, fails it.)"""
+    monkeypatch.setattr(manager_module, "HANDOFF_WAIT_S", 5.0)  # a loaded machine's thread wake-up: not timed here
+    held = _HeldBackend(backends["llguidance"])
+    manager = make_manager(tokenizer, {"llguidance": held}, backend="llguidance")
+    ids = ["a", "b", "c"]
+    for rid in ids:
+        manager.submit(rid, StructuredOutputsParams(json=PERSON))
+        assert wait(manager, rid) == "ready"
+    bitmask = allocate_bitmask(3, len(tokenizer))
+    held.release.set()
+    assert manager.fill_bitmask(ids, bitmask, [0, 1, 2]) == {}  # the pool's threads exist (starting one hands over)
+    held.release.clear()
+    held.began.clear()
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1.0)
+    try:
+        pending = manager.start_fill(ids, bitmask, [0, 1, 2])
+        began = held.began.is_set()  # (Python only since `start_fill` returned: no GIL released)
+    finally:
+        sys.setswitchinterval(interval)
+        held.release.set()
+    assert began and held.prepared_on == threading.get_ident()
+    assert pending.result() == ({}, [])
+    plain = make_manager(tokenizer, backends, backend="llguidance")
+    for rid in ids:
+        plain.submit(rid, StructuredOutputsParams(json=PERSON))
+        assert wait(plain, rid) == "ready"
+    expected = allocate_bitmask(3, len(tokenizer))
+    assert plain.fill_bitmask(ids, expected, [0, 1, 2]) == {}
+    np.testing.assert_array_equal(bitmask, expected)
+    manager.shutdown()
+    plain.shutdown()
 
 
 @pytest.mark.parametrize("room_s,filled", [(60.0, True), (-1.0, False)], ids=["far-deadline", "deadline-passed"])
