@@ -266,9 +266,9 @@ class SpeculativeDecoder(Speculation):
         batch: list[DraftRequest] = []
         restart: list[DraftRequest] = []
         ks: dict[str, int] = {}
-        for req in decoding:
+        for req, chosen in zip(decoding, self._choose_ks([r.request_id for r in decoding], len(decoding)), strict=True):
             rid = req.request_id
-            k = ks[rid] = min(self._choose_k(rid, len(decoding)), allowed(req))
+            k = ks[rid] = min(chosen, allowed(req))
             ahead = self._ahead.pop(rid, None)
             req.draft_token_ids = []
             if k <= 0:
@@ -326,6 +326,12 @@ class SpeculativeDecoder(Speculation):
 
     def _choose_k(self, rid: str, batch_size: int) -> int:
         return self.adaptive.choose(rid, batch_size) if self.adaptive is not None else self.k_max
+
+    def _choose_ks(self, request_ids: list[str], batch_size: int) -> list[int]:
+        """`_choose_k` of each of `request_ids`, in order (adaptive K's in one pass)."""
+        if self.adaptive is not None:
+            return self.adaptive.choose_many(request_ids, batch_size)
+        return [self.k_max] * len(request_ids)
 
     def _set(self, req: Request, tokens: list[int], k: int) -> None:
         """Schedule the first k proposed tokens; keep the next one as the guess of the bonus token."""
@@ -396,9 +402,9 @@ class SpeculativeDecoder(Speculation):
         self._step += 1
         for req in decoding:
             req.draft_token_ids = []
-            if req.request_id in parked:
-                continue
-            k = ks[req.request_id] = min(self._ahead_k(req.request_id, len(decoding)), allowed(req))
+        live = [req for req in decoding if req.request_id not in parked]
+        for req, chosen in zip(live, self._ahead_ks([req.request_id for req in live], len(decoding)), strict=True):
+            k = ks[req.request_id] = min(chosen, allowed(req))
             if k > 0 and not self.proposer.drafts_concurrently and self._due(req.request_id):
                 # propose now, past the confirmed tokens and the tentative drafts (a guess first, then k drafts)
                 tail = req.token_ids[len(req.token_ids) - req.num_tentative : len(req.token_ids) - 1]
@@ -473,8 +479,9 @@ class SpeculativeDecoder(Speculation):
         in_flight = [r.request_id for r in decoding if r.num_tentative]
         return frozenset(in_flight if len(in_flight) < len(decoding) else in_flight[::2])
 
-    def _ahead_k(self, rid: str, batch: int) -> int:
-        return self._choice.k if self.policy is not None else self._choose_k(rid, batch)
+    def _ahead_ks(self, request_ids: list[str], batch: int) -> list[int]:
+        """K for each of `request_ids` this step, in order (the policy's, or adaptive K's per request)."""
+        return [self._choice.k] * len(request_ids) if self.policy is not None else self._choose_ks(request_ids, batch)
 
     def _take_ahead(self, req: Request, k: int, deadline: float | None, catch_up_deadline: float | None) -> None:
         """Drafts for `req` from its proposal made ahead, when that one still fits what is known and tentative;

@@ -23,7 +23,10 @@ Model (every quantity measured online, EWMA-smoothed, so the choice is a determi
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 
 @dataclass
@@ -171,6 +174,31 @@ class AdaptiveK:
         self._drafts_since_step += k
         return k
 
+    def choose_many(self, request_ids: Sequence[str], batch_size: int) -> list[int]:
+        """`choose` for each of `request_ids` (a step's decode batch), in order: the same Ks and counts, the best K
+        of every request found in one NumPy pass (`choose` one request at a time was ~1 ms of the host's step at
+        256 requests, AMD EPYC)."""
+        phase = self._guard_phase()
+        if not request_ids or phase == "off" or (phase == "hold" and self.speculation_off):
+            return [0] * len(request_ids)
+        stats = [self._stats(rid) for rid in request_ids]
+        best = self._best_ks([s.acceptance for s in stats], batch_size)
+        ks: list[int] = []
+        probe_k: int | None = None  # the probe's decision, the same for every request this step
+        for s, k in zip(stats, best, strict=True):
+            if k > 0:
+                s.steps_at_zero = 0
+            else:
+                s.steps_at_zero += 1
+                if self.probe_interval > 0 and s.steps_at_zero >= self.probe_interval:
+                    probe_k = self._best_k(self._shared, batch_size) if probe_k is None else probe_k
+                    if probe_k > 0:
+                        s.steps_at_zero = 0
+                        k = 1
+            ks.append(k)
+        self._drafts_since_step += sum(ks)
+        return ks
+
     def expected_tokens(self, request_id: str, k: int) -> float:
         """E(K): expected tokens this request gains from a step with `k` drafts."""
         return self._expected_tokens(self._stats(request_id).acceptance, k)
@@ -250,6 +278,19 @@ class AdaptiveK:
         if costs is None:
             costs = self._cost_cache[batch_size] = [self.step_seconds(batch_size, k) for k in range(self.k_max + 1)]
         return costs
+
+    def _best_ks(self, acceptances: list[list[float]], batch_size: int) -> list[int]:
+        """`_best_k` of each acceptance list [k_max], by the same float operations in the same order (a running
+        product, then a running sum from 1.0, each divided by its K's cost; the first best K wins ties)."""
+        if self.k_max == 0:
+            return [0] * len(acceptances)
+        costs = np.asarray(self._costs(batch_size))  # [k_max + 1]
+        reach = np.cumprod(np.asarray(acceptances, dtype=np.float64), axis=1)  # [n, k_max]: P(drafts 1..k accepted)
+        total = np.cumsum(np.concatenate([np.ones((reach.shape[0], 1)), reach], axis=1), axis=1)  # [n, k_max + 1]: E(K)
+        rates = total / costs  # [n, k_max + 1]
+        best = rates.argmax(axis=1)  # [n]
+        best[rates[np.arange(len(best)), best] < rates[:, 0] * (1.0 + self.min_gain)] = 0
+        return [int(k) for k in best]
 
     def _best_k(self, acceptance: list[float], batch_size: int) -> int:
         """argmax_K E(K) / cost(K), with K > 0 only when it beats K = 0 by min_gain (ties: smaller K)."""

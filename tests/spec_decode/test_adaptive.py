@@ -211,3 +211,37 @@ def test_a_stale_slow_measurement_stops_holding_k_down() -> None:
         k = fresh.choose("r", 1)
         fresh.observe_step(1 + k, true_cost(1 + k), 0.0)
     assert k <= 1
+
+
+def test_choose_many_equals_choose_one_by_one() -> None:
+    """A step's batch chosen at once (`choose_many`: every request's best K in one NumPy pass) gets the Ks that
+    `choose` gives one request at a time, over a run where acceptance, step costs, probes and the goodput guard all
+    move the choice (negative controls: the last best K winning ties in `_best_ks`, or no probes, fails it)."""
+    def run(batched: bool) -> list[list[int]]:
+        ak = AdaptiveK(k_max=6, probe_interval=5, guard_window=8, guard_period=64)
+        rng = random.Random(3)
+        rates = {f"r{i}": (0.0 if i % 4 == 0 else rng.random()) for i in range(40)}
+        history = []
+        for _ in range(400):
+            rids = [rid for rid in rates if rng.random() < 0.9]
+            ks = ak.choose_many(rids, len(rids)) if batched else [ak.choose(rid, len(rids)) for rid in rids]
+            history.append(ks)
+            for rid, k in zip(rids, ks, strict=True):
+                accepted = 0
+                while accepted < k and rng.random() < rates[rid]:
+                    accepted += 1
+                ak.observe_acceptance(rid, k, accepted)
+                ak.observe_emitted(accepted + 1)
+            num_tokens = sum(1 + k for k in ks)
+            ak.observe_step(num_tokens, roofline(num_tokens) * (1 + 0.05 * rng.random()), 1e-5 * sum(ks))
+        return history
+
+    one_by_one = run(batched=False)
+    assert run(batched=True) == one_by_one
+    flat_ks = [k for ks in one_by_one for k in ks]
+    assert 0 in flat_ks and max(flat_ks) >= 3 and len(set(flat_ks)) >= 3  # the run moved the choice
+    assert AdaptiveK(k_max=0).choose_many(["a", "b"], 2) == [0, 0] and AdaptiveK(k_max=3).choose_many([], 4) == []
+    tie = AdaptiveK(k_max=4, acceptance_alpha=1.0)
+    tie.observe_acceptance("t", 4, 1)  # p1 = 1, p2 = 0: K = 1..4 expect the same tokens
+    tie.observe_step(8, 0.01, 0.0)  # one size measured, no drafting cost: every K costs the same
+    assert tie.choose_many(["t"], 4) == [tie.choose("t", 4)] == [1]  # the tie goes to the smallest K
