@@ -548,6 +548,12 @@ class StructuredOutputManager:
         grammar = self._request(request_id).grammar
         return grammar is not None and self.backend(grammar.backend).validates_as_masks
 
+    def skip_traits(self, request_id: str) -> tuple[bool, bool]:
+        """(`validates_as_masks`, `mask_was_open`) of the request in one look-up (asked of a step's every row)."""
+        request = self._request(request_id)
+        grammar = request.grammar
+        return grammar is not None and self.backend(grammar.backend).validates_as_masks, request.open_mask
+
     def mask_was_open(self, request_id: str) -> bool:
         """The request's last plain mask allowed at least `OPEN_MASK_FRACTION` of the vocabulary and, if it was
         filled alone (timed), took at least `config.unmasked_min_fill_ms` of CPU; False before its first fill. A
