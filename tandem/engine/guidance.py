@@ -315,12 +315,21 @@ class Guidance:
         return PendingMasks(self, masks, pending, time.perf_counter() - t0)
 
     def _sort_rows(self, plan: StepPlan, slack: bool) -> _FillRows:
-        """The plan's logits rows by how their masks are made (`_may_skip_verify`, `_may_skip_mask`, `_may_probe`);
-        the rows filled in full leave `_recheck` (and `_refilled`). `slack`: the rows that may skip their mask are
-        offered to the forward's slack instead of left unmasked."""
+        """The plan's logits rows by how their masks are made; the rows filled in full leave `_recheck` (and
+        `_refilled`). `slack`: the rows that may skip their mask are offered to the forward's slack instead of left
+        unmasked. All need a greedy request with nothing else changing its logits (`_argmax_only`), whose argmax
+        was not rejected last time (`_recheck`), and a backend whose validation takes exactly its masks' tokens:
+        - drafts verified without masks (k + 1 fills one after another on this thread: 0.5 ms a request over the
+          demo model's 49k tokens, 3.4 ms of a 20 ms step at 256 guided requests with suffix drafts, AMD EPYC), the
+          emitted tokens checked after (`check_unmasked_verify`); not drafts the grammar forced, where the
+          target's argmax may differ from the only allowed token, which its mask makes certain;
+        - a sampled row skips its mask where the last one was open (free text: the model's own choice most likely
+          allowed, a fill expensive);
+        - a row filled in full is probed first (its top candidates checked) unless its last rejection needed the
+          mask after all (`_refilled`): a top candidate settling a rejection costs little, a refill costs its
+          request a step when scheduling ahead."""
         rows = _FillRows()
-        # asked of every row each step (~0.9 ms at 256 rows through the `_may_*` calls): the same tests in the same
-        # order, the sets and the manager's traits looked up here
+        # asked of every row each step (~0.9 ms at 256 rows as calls per test): the sets and traits looked up here
         ready, thinking, argmax_only, recheck, refilled = (self._ready, self._thinking, self._argmax_only,
                                                            self._recheck, self._refilled)
         traits = self.manager.skip_traits  # (validates as masks, last mask open)
@@ -369,25 +378,6 @@ class Guidance:
         self.stats.mask_fill_s += masks.fill_s
         self.stats.num_unmasked_rows += len(masks.unmasked)
         return masks
-
-    def _may_skip_mask(self, request_id: str) -> bool:
-        return (request_id in self._argmax_only and request_id not in self._recheck
-                and self.manager.mask_was_open(request_id) and self.manager.validates_as_masks(request_id))
-
-    def _may_skip_verify(self, request_id: str) -> bool:
-        """Its drafts are verified without mask fills (k + 1 of them, one after another on the calling thread: 0.5
-        ms a request over the demo model's 49k tokens, 3.4 ms of a 20 ms step at 256 guided requests with suffix
-        drafts, measured on an AMD EPYC) and its emitted tokens checked after (`check_unmasked_verify`: one
-        validation). Not for drafts the grammar forced: there the target's argmax may differ from the only allowed
-        token, which its mask makes certain."""
-        return (request_id in self._argmax_only and request_id not in self._recheck and request_id not in self._forced
-                and self.manager.validates_as_masks(request_id))
-
-    def _may_probe(self, request_id: str) -> bool:
-        """A rejected argmax settled by a top candidate costs little; one that needed its mask after all is
-        expensive (scheduling ahead, its request sits out a step): that request's next row is filled in full."""
-        return (bool(self.probe_tokens) and request_id in self._argmax_only and request_id not in self._refilled
-                and self.manager.validates_as_masks(request_id))
 
     # ------------------------------------------------------------------------------------- unmasked greedy rows
     def check_unmasked(self, unmasked: Sequence[str], tokens: Mapping[str, Sequence[int]]) -> list[str]:

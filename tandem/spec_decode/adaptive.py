@@ -176,8 +176,8 @@ class AdaptiveK:
 
     def choose_many(self, request_ids: Sequence[str], batch_size: int) -> list[int]:
         """`choose` for each of `request_ids` (a step's decode batch), in order: the same Ks and counts, the best K
-        of every request found in one NumPy pass (`choose` one request at a time was ~1 ms of the host's step at
-        256 requests, AMD EPYC)."""
+        of every request found in one NumPy pass (256 requests, AMD EPYC: 0.28-0.58 ms one at a time, 0.19-0.30 ms
+        so, by `k_max` 4-16)."""
         phase = self._guard_phase()
         if not request_ids or phase == "off" or (phase == "hold" and self.speculation_off):
             return [0] * len(request_ids)

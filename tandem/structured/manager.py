@@ -441,7 +441,7 @@ class StructuredOutputManager:
         thread has begun it, the GIL handed over: the pool's thread needs the GIL to start, and while this thread
         runs Python it gets it only at the interpreter's switch interval (5 ms). Measured, 256 guided requests
         beside a simulated 20 ms forward (AMD EPYC, 2 cores): a step's batch began 8.5 ms (median) after the
-        launch though it was submitted ~5 ms after it, and ended past the forward in a third of the steps.
+        launch though it was submitted ~5 ms after it (8-19 ms in the steps where the device then waited for it).
         The future's result is the call's wall seconds; a failure to prepare is its exception."""
         future: Future[float]
         try:
@@ -542,23 +542,16 @@ class StructuredOutputManager:
                 return i
         return None
 
-    def validates_as_masks(self, request_id: str) -> bool:
-        """The request's backend validates exactly the tokens its masks allow (see `GrammarBackend`): only then may
-        a row be sampled unmasked and its argmax validated afterwards."""
-        grammar = self._request(request_id).grammar
-        return grammar is not None and self.backend(grammar.backend).validates_as_masks
-
     def skip_traits(self, request_id: str) -> tuple[bool, bool]:
-        """(`validates_as_masks`, `mask_was_open`) of the request in one look-up (asked of a step's every row)."""
+        """(validates as masks, mask was open), in one look-up: whether the request's backend validates exactly the
+        tokens its masks allow (see `GrammarBackend`: only then may a row be sampled unmasked and its argmax
+        validated afterwards), and whether its last plain mask allowed at least `OPEN_MASK_FRACTION` of the
+        vocabulary and, if it was filled alone (timed), took at least `config.unmasked_min_fill_ms` of CPU (False
+        before its first fill): a state of free text, where a model's own choice is most likely allowed and a fill
+        is expensive."""
         request = self._request(request_id)
         grammar = request.grammar
         return grammar is not None and self.backend(grammar.backend).validates_as_masks, request.open_mask
-
-    def mask_was_open(self, request_id: str) -> bool:
-        """The request's last plain mask allowed at least `OPEN_MASK_FRACTION` of the vocabulary and, if it was
-        filled alone (timed), took at least `config.unmasked_min_fill_ms` of CPU; False before its first fill. A
-        state of free text, where a model's own choice is most likely allowed and a fill is expensive."""
-        return self._request(request_id).open_mask
 
     def forced_tokens(self, request_id: str, limit: int = 16) -> list[int]:
         """At most `limit` tokens the grammar forces next (empty if it allows a choice); the matcher is unchanged."""
