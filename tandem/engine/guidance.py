@@ -330,8 +330,8 @@ class Guidance:
           request a step when scheduling ahead."""
         rows = _FillRows()
         # asked of every row each step (~0.9 ms at 256 rows as calls per test): the sets and traits looked up here
-        ready, thinking, argmax_only, recheck, refilled = (self._ready, self._thinking, self._argmax_only,
-                                                           self._recheck, self._refilled)
+        ready, thinking, argmax_only, recheck, refilled, forced = (self._ready, self._thinking, self._argmax_only,
+                                                                   self._recheck, self._refilled, self._forced)
         traits = self.manager.skip_traits  # (validates as masks, last mask open)
         for sr in plan.requests:
             rid = sr.request_id
@@ -340,7 +340,7 @@ class Guidance:
             guided = rid in ready and rid not in thinking
             k = sr.num_draft_tokens
             if k:
-                if guided and rid in argmax_only and rid not in recheck and rid not in self._forced and traits(rid)[0]:
+                if guided and rid in argmax_only and rid not in recheck and rid not in forced and traits(rid)[0]:
                     rows.unmasked_verify.append(rid)
                 elif guided:
                     rows.verify_jobs.append((rid, rows.num_verify, sr.input_ids[-k:]))

@@ -403,9 +403,10 @@ class SpeculativeDecoder(Speculation):
         for req in decoding:
             req.draft_token_ids = []
         live = [req for req in decoding if req.request_id not in parked]
+        cheap = not self.proposer.drafts_concurrently
         for req, chosen in zip(live, self._ahead_ks([req.request_id for req in live], len(decoding)), strict=True):
             k = ks[req.request_id] = min(chosen, allowed(req))
-            if k > 0 and not self.proposer.drafts_concurrently and self._due(req.request_id):
+            if k > 0 and cheap and self._due(req.request_id):
                 # propose now, past the confirmed tokens and the tentative drafts (a guess first, then k drafts)
                 tail = req.token_ids[len(req.token_ids) - req.num_tentative : len(req.token_ids) - 1]
                 fresh.append(DraftRequest(req.request_id, req.confirmed_tokens, req.num_prompt_tokens,

@@ -248,8 +248,10 @@ class LLGuidanceBackend:
                 fill_only(bitmask, row, self.eos_token_ids)
             else:
                 pairs.append((matcher.native, row))
+        if not pairs:
+            return lambda: None
         executor, address, stride, rows = self._executor, bitmask.ctypes.data, bitmask.shape[1] * 4, bitmask.shape[0]
-        return lambda: executor.unsafe_compute_mask_ptr(pairs, address, stride, rows) if pairs else None
+        return lambda: executor.unsafe_compute_mask_ptr(pairs, address, stride, rows)
 
     def close(self) -> None:
         """Nothing to stop: compiles run on the caller's threads."""
