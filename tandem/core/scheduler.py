@@ -14,8 +14,8 @@ before it runs, appending to each request that will sample its drafts (taken as 
 (`req.num_tentative` counts that tail); the next plan is scheduled while this one runs and feeds those
 placeholders; `resolve(plan, tokens, next_plan)` writes the sampled tokens over them (in the requests and in the next
 plan's inputs) before the next plan is launched. With drafts, `settle(plan, tokens, next_plan, keep)` does this
-instead: a request whose drafts were all accepted keeps its row of the next plan (its drafts too when `keep` says
-they still hold), any other has that row moved back to where its accepted tokens end, without drafts, and the KV
+instead: a request whose drafts were all accepted keeps its row of the next plan, fed the token (its drafts too when
+`keep` says they still hold; the request's own list learns the token in `confirm()`, after the launch), any other has that row moved back to where its accepted tokens end, without drafts, and the KV
 slots of its rejected drafts released. A request whose token needs more work than the launch can wait for is
 `withdraw`n from the next plan and resolved later; a token found wrong after that launch (an unmasked argmax the
 grammar rejects) is `retract`ed: replaced, and the request's row in the running plan thrown away (the plan after it
@@ -59,6 +59,8 @@ class Scheduler:
         self._waiting: deque[Request] = deque()  # FIFO; preempted requests re-enter at the front
         self._running: list[Request] = []  # admission order: the last one is the next preemption victim
         self._next_step_id = 0
+        # settle's fed rows whose requests learn their tokens in `confirm`: {request: (its row of the settled plan, token)}
+        self._unconfirmed: dict[str, tuple[ScheduledRequest, int]] = {}
 
     # ----------------------------------------------------------------------------------------------- queries
     @property
@@ -108,6 +110,7 @@ class Scheduler:
 
     def _remove(self, request_id: str) -> Request | None:
         req = self._requests.pop(request_id, None)
+        self._unconfirmed.pop(request_id, None)
         if req is None:
             return None
         _drop_placeholders(req)
@@ -326,38 +329,57 @@ class Scheduler:
     def settle(self, plan: StepPlan, tokens: Mapping[str, Sequence[int]], next_plan: StepPlan,
                keep: Collection[str]) -> list[str]:
         """Scheduling ahead with drafts, before `next_plan` is launched: the outcome of `plan` (accepted drafts and
-        one sampled token per request; none for a request withdrawn or failed meanwhile) goes into the requests and
-        into `next_plan`'s rows. A request whose drafts were all accepted keeps its row, fed the sampled token, and
-        keeps that row's drafts if it is in `keep` (they assumed this outcome); any other has its row moved back to
-        where its accepted tokens end, without drafts, and the blocks that held only its rejected drafts released.
-        Returns the requests whose rows of `next_plan` lost their drafts or moved."""
-        # on the launch's critical path (~1 us a row at 256 rows): locals, no property calls
+        one sampled token per request; none for a request withdrawn or failed meanwhile) goes into `next_plan`'s
+        rows. A request whose drafts were all accepted keeps its row, fed the sampled token, and keeps that row's
+        drafts if it is in `keep` (they assumed this outcome); its own token list learns the token in `confirm`,
+        after the launch. Any other has its row moved back to where its accepted tokens end, without drafts, and
+        the blocks that held only its rejected drafts released (in the request now). Returns the requests whose rows
+        of `next_plan` lost their drafts or moved. Call `confirm()` before anything else reads the requests."""
+        # on the launch's critical path (~1 us a row at 256 rows): locals, no property calls; the common row (every
+        # draft accepted, its next row's drafts kept) only feeds its next row here
         rows = {sr.request_id: sr for sr in next_plan.requests}
-        requests, running, changed = self._requests, RequestStatus.RUNNING, []
+        requests, running, changed, unconfirmed = self._requests, RequestStatus.RUNNING, [], self._unconfirmed
         for sr in plan.requests:
             rid = sr.request_id
             toks = tokens.get(rid)
             if not toks or not sr.needs_logits:
                 continue
+            nxt = rows.get(rid)
+            if len(toks) == sr.num_draft_tokens + 1 and (nxt is None or not nxt.num_draft_tokens or rid in keep):
+                if nxt is not None:
+                    nxt.input_ids[0] = toks[-1]
+                unconfirmed[rid] = (sr, toks[-1])
+                continue
             req = requests.get(rid)
             if req is None or req.status is not running:
                 continue
-            nxt = rows.get(rid)
-            k = sr.num_draft_tokens
-            if len(toks) == k + 1:  # every draft accepted: the row of next_plan stands where it was scheduled
-                last = toks[-1]
-                req.token_ids[sr.start_pos + len(sr.input_ids)] = last
-                req.num_tentative -= k + 1
-                if nxt is not None:
-                    nxt.input_ids[0] = last
-                    if nxt.num_draft_tokens and rid not in keep:
-                        self._drop_drafts(req, nxt)
-                        changed.append(rid)
+            if len(toks) == sr.num_draft_tokens + 1:  # every draft accepted, the next row's drafts assumed otherwise
+                self._confirm(req, sr, toks[-1])
+                nxt.input_ids[0] = toks[-1]  # type: ignore[union-attr]
+                self._drop_drafts(req, nxt)  # type: ignore[arg-type]
+                changed.append(rid)
             else:
                 self._move_back(req, sr, toks, nxt)
                 if nxt is not None:
                     changed.append(rid)
         return changed
+
+    def confirm(self, request_ids: Collection[str] | None = None) -> None:
+        """The tokens `settle` fed forward go into their requests' token lists (`request_ids`, default all of them):
+        after the launch, or before a request's tokens are read (a redraft)."""
+        unconfirmed, requests, running = self._unconfirmed, self._requests, RequestStatus.RUNNING
+        pending = list(unconfirmed) if request_ids is None else [rid for rid in request_ids if rid in unconfirmed]
+        for rid in pending:
+            sr, last = unconfirmed.pop(rid)
+            req = requests.get(rid)
+            if req is not None and req.status is running:
+                self._confirm(req, sr, last)
+
+    @staticmethod
+    def _confirm(req: Request, sr: ScheduledRequest, last: int) -> None:
+        """`sr`'s drafts all accepted and `last` sampled after them: its tentative tail up to `last` is known."""
+        req.token_ids[sr.start_pos + len(sr.input_ids)] = last
+        req.num_tentative -= sr.num_draft_tokens + 1
 
     def _drop_drafts(self, req: Request, row: ScheduledRequest) -> None:
         """`row` (reserved, not launched) without its drafts: the request's tentative tail becomes its placeholder."""

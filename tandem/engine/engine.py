@@ -393,8 +393,7 @@ class LLMEngine:
             self._inflight = self._launch_ahead(nxt, fill_now=False)
             timer.mark("launched")
         self._idle_since(cur.handle.finished_at, timer.at("launched"))
-        if not speculative:
-            self.scheduler.resolve(cur.plan, tokens, None, commit=False)  # the requests' own token lists
+        self._learn_fed(cur.plan, tokens, speculative)
         self._check_late(cur, logits, tokens, nxt, late)
         drafts = cur.drafts()
         accepted = self._accept_ahead(tokens, drafts)  # the matchers are where the next step starts: its fill may begin
@@ -415,6 +414,14 @@ class LLMEngine:
         if self._inflight is not None and not any(sr.request_id in self._seqs for sr in nxt.requests):
             self._drop_inflight()  # every request of it has ended: nothing to collect
         return outputs + self._drain_errors()
+
+    def _learn_fed(self, plan: StepPlan, tokens: Mapping[str, list[int]], speculative: bool) -> None:
+        """After the next launch: the requests' own token lists learn `plan`'s tokens, which `settle` (with drafts)
+        or `feed` put only into the next plan's rows before it."""
+        if speculative:
+            self.scheduler.confirm()
+        else:
+            self.scheduler.resolve(plan, tokens, None, commit=False)
 
     def _sample_ahead(self, cur: _InFlight, logits: torch.Tensor, timer: StepTimer,
                       nxt: StepPlan) -> dict[str, list[int]]:
@@ -480,8 +487,10 @@ class LLMEngine:
             n = min(REDRAFT_CHUNK, int((budget - (t - t0)) / max(self._redraft_s, 1e-6)))  # those that still fit
             if n <= 0:
                 break
-            reqs = [self._seqs[rid].req for rid in request_ids[i : i + n] if rid in self._seqs]
+            chunk = request_ids[i : i + n]
             i += n
+            self.scheduler.confirm(chunk)  # a proposer reads their tokens
+            reqs = [self._seqs[rid].req for rid in chunk if rid in self._seqs]
             drafts.update(self.speculation.redraft(reqs, self._max_drafts))
             if reqs:  # the cost of one request's redraft, smoothed (its tree's size and the proposer's state move it)
                 self._redraft_s += 0.25 * ((time.perf_counter() - t) / len(reqs) - self._redraft_s)

@@ -722,6 +722,7 @@ def _ahead_pair(drafts_cur: list[int], drafts_nxt: list[int], block_size: int = 
     sched.add(req)
     sched.reserve(pre := sched.schedule())  # the prefill, sampled 9
     sched.settle(pre, {"a": [9]}, StepPlan(99), [])
+    sched.confirm()  # after the launch: the requests learn the fed tokens
     req.draft_token_ids = list(drafts_cur)
     cur = sched.schedule()
     sched.reserve(cur)
@@ -747,9 +748,28 @@ def test_settle_keeps_the_next_row_when_every_draft_was_accepted_as_assumed() ->
 
     sched, _, req, cur, nxt = _ahead_pair([20, 21], [30, 31])
     assert sched.settle(cur, {"a": [20, 21, 22]}, nxt, ["a"]) == []
+    sched.confirm()  # after the launch: the requests learn the fed tokens
     assert nxt.requests[0].input_ids == [22, 30, 31] and nxt.requests[0].start_pos == 10
     assert req.token_ids[-4:] == [22, 30, 31, PLACEHOLDER] and req.num_tentative == 3
     assert req.confirmed_output_ids == [9, 20, 21, 22]
+
+
+def test_settle_feeds_the_next_row_and_confirm_tells_the_request() -> None:
+    """Before the launch `settle` writes a kept row's token into the next plan only; the request learns it in
+    `confirm` (for some requests, e.g. before a redraft, or all), once."""
+    from tandem.core.scheduler import PLACEHOLDER
+
+    sched, _, req, cur, nxt = _ahead_pair([20, 21], [30, 31])
+    before = list(req.token_ids)
+    assert sched.settle(cur, {"a": [20, 21, 22]}, nxt, ["a"]) == []
+    assert nxt.requests[0].input_ids == [22, 30, 31]
+    assert req.token_ids == before and req.token_ids[10] == PLACEHOLDER and req.num_tentative == 6
+    sched.confirm(["b"])  # another request: nothing
+    assert req.token_ids == before
+    sched.confirm(["a"])
+    assert req.token_ids[10] == 22 and req.num_tentative == 3 and req.confirmed_output_ids == [9, 20, 21, 22]
+    sched.confirm()  # learned once
+    assert req.num_tentative == 3
 
 
 def test_settle_drops_drafts_that_assumed_another_bonus_token() -> None:
@@ -758,6 +778,7 @@ def test_settle_drops_drafts_that_assumed_another_bonus_token() -> None:
     sched, bm, req, cur, nxt = _ahead_pair([20, 21], [30, 31, 32, 33, 34, 35])
     free = bm.num_free_blocks
     assert sched.settle(cur, {"a": [20, 21, 23]}, nxt, []) == ["a"]
+    sched.confirm()  # after the launch: the requests learn the fed tokens
     row = nxt.requests[0]
     assert (row.input_ids, row.start_pos, row.num_draft_tokens) == ([23], 10, 0)
     assert req.token_ids[7:] == [9, 20, 21, 23, PLACEHOLDER] and req.num_tentative == 1
@@ -770,11 +791,13 @@ def test_settle_moves_the_next_row_back_after_a_rejected_draft() -> None:
 
     sched, _, req, cur, nxt = _ahead_pair([20, 21, 22], [30, 31])
     assert sched.settle(cur, {"a": [20, 25]}, nxt, ["a"]) == ["a"]  # draft 21 rejected, 25 sampled instead
+    sched.confirm()  # after the launch: the requests learn the fed tokens
     row = nxt.requests[0]
     assert (row.input_ids, row.start_pos, row.num_draft_tokens) == ([25], 9, 0)
     assert req.token_ids[7:] == [9, 20, 25, PLACEHOLDER] and req.num_tentative == 1 and req.num_computed_tokens == 10
     # the next plan's outcome resolves as a plain row; nothing tentative is left
     sched.settle(nxt, {"a": [26]}, StepPlan(7), [])
+    sched.confirm()  # after the launch: the requests learn the fed tokens
     assert req.token_ids[7:] == [9, 20, 25, 26] and req.num_tentative == 0 and req.num_computed_tokens == 10
 
 
@@ -788,6 +811,7 @@ def test_rewrite_after_a_settled_step_throws_the_row_in_flight_away_and_feeds_th
 
     sched, bm, req, cur, nxt = _ahead_pair([20, 21], [30, 31, 32, 33, 34, 35])
     sched.settle(cur, {"a": [20, 21, 22]}, nxt, ["a"])  # emitted 20, 21, 22 at positions 8, 9, 10
+    sched.confirm()  # after the launch: the requests learn the fed tokens
     assert req.token_ids[7:] == [9, 20, 21, 22, 30, 31, 32, 33, 34, 35, PLACEHOLDER]
     free = bm.num_free_blocks
     assert sched.rewrite(nxt, "a", 9, [25])  # 21 rejected: the masked verification emitted 20, 25
@@ -798,7 +822,9 @@ def test_rewrite_after_a_settled_step_throws_the_row_in_flight_away_and_feeds_th
     assert [(sr.input_ids, sr.start_pos) for sr in after.requests] == [([25], 9)]
     sched.reserve(after)
     sched.settle(nxt, {}, after, [])  # the garbage row of nxt gives no tokens
+    sched.confirm()  # after the launch: the requests learn the fed tokens
     sched.settle(after, {"a": [26]}, StepPlan(9), [])
+    sched.confirm()  # after the launch: the requests learn the fed tokens
     sched.commit(after)
     assert req.token_ids[7:] == [9, 20, 25, 26] and req.num_computed_tokens == 10
     first = hash_block(ROOT_HASH, [1, 2, 3, 4])
@@ -811,6 +837,7 @@ def test_add_drafts_after_a_miss_and_withdraw_undo_the_reservation() -> None:
 
     sched, _, req, cur, nxt = _ahead_pair([20], [30])
     sched.settle(cur, {"a": [21]}, nxt, [])  # rejected at once: the row moved back to 21 alone
+    sched.confirm()  # after the launch: the requests learn the fed tokens
     assert sched.add_drafts(nxt, {"a": [40, 41, 42]}) == 3
     row = nxt.requests[0]
     assert (row.input_ids, row.num_draft_tokens) == ([21, 40, 41, 42], 3)
@@ -827,5 +854,6 @@ def test_commit_never_hashes_a_tentative_draft() -> None:
     sched.commit(cur)
     assert len(req.block_hashes) == 2  # positions 0..7 (prompt + 9): two full blocks; the drafts' ones wait
     sched.settle(cur, {"a": [20, 21, 22, 23, 24, 25, 26]}, nxt, [])
+    sched.confirm()  # after the launch: the requests learn the fed tokens
     sched.commit(cur)
     assert len(req.block_hashes) == 3  # now positions 8..11 hold known tokens

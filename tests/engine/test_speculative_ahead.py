@@ -252,3 +252,20 @@ def test_misses_are_redrafted_while_a_redraft_pays(stories_engine_factory) -> No
     assert ahead._redraft_budget(1) == pytest.approx(REDRAFT_SHARE * 0.02)
     rows = REDRAFT_YIELD * 0.02 / 40e-6  # a redraft costs this many rows REDRAFT_YIELD tokens of a step
     assert ahead._redraft_budget(int(0.9 * rows)) > 0.0 and ahead._redraft_budget(int(1.1 * rows)) == 0.0
+
+
+def test_a_redraft_reads_the_real_outcome(stories_engine_factory) -> None:  # type: ignore[no-untyped-def]
+    """`settle` feeds only the next plan's rows before the launch; a request redrafted before it has learned its
+    outcome first: nothing of it is tentative but its next row's placeholder (negative control: without
+    `Scheduler.confirm` in `_redraft` the tail of the plan that just ran is still tentative there)."""
+    ahead = stories_engine_factory(async_scheduling=True, speculative_config=SUFFIX)
+    seen: list[int] = []
+    redraft = ahead.speculation.redraft
+
+    def spy(requests, allowed):  # type: ignore[no-untyped-def]
+        seen.extend(req.num_tentative for req in requests)
+        return redraft(requests, allowed)
+
+    ahead.speculation.redraft = spy
+    run_all(ahead, _story_prompts(ahead, 2), GREEDY)
+    assert seen and set(seen) == {1}
