@@ -26,10 +26,12 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from tandem.core.plan import StepPlan
+from tandem.core.plan_arrays import PlanRows, padded_tables, plan_rows, query_positions, slot_mapping
 from tandem.layers.paged_decode import PagedDecode, build_paged_decode, paged_decode_attention
 
 DECODE_MAX_QUERY = 16  # requests with at most this many new tokens join the padded decode group
@@ -78,82 +80,83 @@ def build_metadata(
     `gathered_decode=False` (tandem's CPU kernels, which read `seq_info` / `block_tables` only) skips the padded
     gather indices and the [B, q_max, L] mask of the torch decode path, ~0.5 ms per step at 32 requests.
     `paged_decode=True` (FlexAttention over the paged cache, `paged_decode.py`) keeps the query indices but builds
-    block tables and query positions instead of the key gather and the mask."""
-    positions: list[int] = []
-    slots: list[int] = []
-    prefills: list[tuple[int, int, int, list[int]]] = []  # (row0, n, start, blocks)
-    decodes: list[tuple[int, int, int, list[int]]] = []
-    row = 0
-    for r in plan.requests:
-        n, start, bt = r.num_tokens, r.start_pos, r.block_table
-        pos = range(start, start + n)
-        positions.extend(pos)
-        slots.extend(bt[p // block_size] * block_size + p % block_size for p in pos)
-        entry = (row, n, start, bt[: (start + n + block_size - 1) // block_size])
-        (decodes if n <= DECODE_MAX_QUERY and start > 0 else prefills).append(entry)
-        row += n
+    block tables and query positions instead of the key gather and the mask. Vectorised over the rows
+    (core/plan_arrays.py): the launch waits for this."""
+    rows = plan_rows(plan.requests)
+    used = rows.blocks_used(block_size)  # [B]
+    tables = padded_tables([r.block_table for r in plan.requests], used, int(used.max(initial=1)))  # [B, W]
+    positions = rows.positions()  # [T]
+    slots = slot_mapping(tables, rows.row_of_tokens(), positions, block_size)  # [T]
 
     def to_dev(t: torch.Tensor) -> torch.Tensor:
         if pin and device.type == "cuda":
             t = t.pin_memory()
         return t.to(device, non_blocking=True)
 
-    meta = AttentionMetadata(row, to_dev(torch.tensor(positions)), to_dev(torch.tensor(slots)))
-    for row0, n, start, blocks in prefills:
-        key_blocks = to_dev(torch.tensor(blocks)) if start > 0 else None
+    meta = AttentionMetadata(rows.num_tokens, to_dev(_long(positions)), to_dev(_long(slots)))
+    decode = (rows.counts <= DECODE_MAX_QUERY) & (rows.starts > 0)  # [B]
+    for i in np.flatnonzero(~decode).tolist():
+        row0, n, start = int(rows.offsets[i]), int(rows.counts[i]), int(rows.starts[i])
+        key_blocks = to_dev(_long(tables[i, : used[i]])) if start > 0 else None
         meta.prefills.append(PrefillSeq(slice(row0, row0 + n), start, key_blocks))
-    if decodes:
-        meta.decode = _decode_group(decodes, block_size, to_dev, gathered_decode, paged_decode)
-        meta.decode.dense = not prefills and all(n == meta.decode.q_max for _, n, _, _ in decodes)
+    picked = np.flatnonzero(decode)
+    if len(picked):
+        group = PlanRows(rows.starts[picked], rows.counts[picked], rows.offsets[picked])
+        meta.decode = _decode_group(group, tables[picked], used[picked], block_size, to_dev, gathered_decode,
+                                    paged_decode)
+        meta.decode.dense = not meta.prefills and bool((group.counts == meta.decode.q_max).all())
     return meta
+
+
+def _long(a: np.ndarray) -> torch.Tensor:
+    """An int64 CPU tensor of `a` (its own memory)."""
+    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
 
 
 _UNUSED = torch.empty(0, dtype=torch.long)  # stands for the torch-path fields when the CPU kernels do not read them
 
 
 def _decode_group(
-    decodes: list[tuple[int, int, int, list[int]]], block_size: int, to_dev: Callable[[torch.Tensor], torch.Tensor],
+    rows: PlanRows, tables: np.ndarray, used: np.ndarray, block_size: int, to_dev: Callable[[torch.Tensor], torch.Tensor],
     gathered: bool = True, paged: bool = False,
 ) -> DecodeGroup:
-    q_max = max(n for _, n, _, _ in decodes)
-    b_max = max(len(b) for _, _, _, b in decodes)
+    """The decode group of `rows` (their first flat rows in `offsets`), `tables` [B, >= max(used)] their blocks
+    padded with each one's last used block, `used` [B] the blocks each reaches."""
+    q_max = int(rows.counts.max())
+    b_max = int(used.max())
     L = b_max * block_size
-    B = len(decodes)
-    block_tables = torch.tensor([blocks + [blocks[-1]] * (b_max - len(blocks)) for _, _, _, blocks in decodes])
-    seq_info = torch.tensor([(row0, n, start) for row0, n, start, _ in decodes])
+    B = len(used)
+    block_tables = _long(tables[:, :b_max])  # [B, b_max]
+    seq_info = _long(np.stack([rows.offsets, rows.counts, rows.starts], axis=1))  # [B, 3]
     if not gathered and not paged:
         return DecodeGroup(
             token_index=_UNUSED, key_blocks=_UNUSED, bias=_UNUSED, batch=B, q_max=q_max, key_len=L,
             flat_index=_UNUSED, out_rows=_UNUSED, seq_info=seq_info, block_tables=block_tables,
         )
-    token_index: list[int] = []
-    limits: list[list[int]] = []
-    flat: list[int] = []
-    out_rows: list[int] = []
-    for i, (row0, n, start, _) in enumerate(decodes):
-        token_index.extend(row0 + min(j, n - 1) for j in range(q_max))
-        limits.append([start + min(j, n - 1) for j in range(q_max)])  # query j sees keys [0, start + j]
-        flat.extend(i * q_max + j for j in range(n))
-        out_rows.extend(range(row0, row0 + n))
-    query_pos = torch.tensor(limits)  # [B, q_max]
+    limits = query_positions(rows.starts, rows.counts, q_max)  # [B, q_max]: query j sees keys [0, start + j]
+    token_index = query_positions(rows.offsets, rows.counts, q_max).reshape(-1)  # padding repeats the last row
+    real = np.arange(q_max, dtype=np.int64)[None, :] < rows.counts[:, None]  # [B, q_max]
+    flat = np.flatnonzero(real.reshape(-1))
+    out_rows = (rows.offsets[:, None] + np.arange(q_max, dtype=np.int64)[None, :])[real]
+    query_pos = _long(limits)  # [B, q_max]
     if paged:
         return DecodeGroup(
-            token_index=to_dev(torch.tensor(token_index)), key_blocks=_UNUSED, bias=_UNUSED, batch=B, q_max=q_max,
-            key_len=L, flat_index=to_dev(torch.tensor(flat)), out_rows=to_dev(torch.tensor(out_rows)),
+            token_index=to_dev(_long(token_index)), key_blocks=_UNUSED, bias=_UNUSED, batch=B, q_max=q_max,
+            key_len=L, flat_index=to_dev(_long(flat)), out_rows=to_dev(_long(out_rows)),
             seq_info=seq_info, block_tables=block_tables, query_pos=to_dev(query_pos),
-            paged=build_paged_decode(decodes, q_max, block_size, to_dev),
+            paged=build_paged_decode(tables[:, :b_max], used, limits, block_size, to_dev),
         )
     allowed = torch.arange(L)[None, None, :] <= query_pos[:, :, None]  # [B, q_max, L]
     bias = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
     return DecodeGroup(
-        token_index=to_dev(torch.tensor(token_index)),
+        token_index=to_dev(_long(token_index)),
         key_blocks=to_dev(block_tables.view(-1)),
         bias=to_dev(bias.view(B, 1, q_max, 1, L)),
         batch=B,
         q_max=q_max,
         key_len=L,
-        flat_index=to_dev(torch.tensor(flat)),
-        out_rows=to_dev(torch.tensor(out_rows)),
+        flat_index=to_dev(_long(flat)),
+        out_rows=to_dev(_long(out_rows)),
         seq_info=seq_info,
         block_tables=block_tables,
         query_pos=to_dev(query_pos),

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 # one query block holds every query of a request (q_max <= 16); the compiled decoding kernel needs the sparse query
@@ -96,15 +97,14 @@ def paged_mask_mod(
 
 
 def build_paged_decode(
-    decodes: list[tuple[int, int, int, list[int]]], q_max: int, block_size: int,
+    tables: np.ndarray, counts: np.ndarray, query_pos: np.ndarray, block_size: int,
     to_dev: Callable[[torch.Tensor], torch.Tensor],
 ) -> PagedDecode:
-    """The paged view of a decode group: (row0, new tokens n, cached before them, blocks) per request."""
-    b_max = max(len(b) for _, _, _, b in decodes)
-    tables = torch.tensor([b + [b[-1]] * (b_max - len(b)) for _, _, _, b in decodes], dtype=torch.int32)
-    counts = torch.tensor([len(b) for _, _, _, b in decodes], dtype=torch.int32)
-    query_pos = torch.tensor([[start + min(j, n - 1) for j in range(q_max)] for _, n, start, _ in decodes])
-    return PagedDecode(to_dev(counts), to_dev(tables), to_dev(query_pos), block_size)
+    """The paged view of a decode group: `tables` [B, b_max] each request's blocks padded with its last one,
+    `counts` [B] the blocks it holds, `query_pos` [B, q_max] its queries' positions."""
+    return PagedDecode(to_dev(torch.from_numpy(counts.astype(np.int32))),
+                       to_dev(torch.from_numpy(np.ascontiguousarray(tables, dtype=np.int32))),
+                       to_dev(torch.from_numpy(np.ascontiguousarray(query_pos, dtype=np.int64))), block_size)
 
 
 def compile_mode() -> bool | None:

@@ -20,9 +20,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from tandem.core.plan import StepPlan
+from tandem.core.plan_arrays import flat_input_ids, padded_tables, plan_rows, query_positions, slot_mapping
 from tandem.layers.attention import DECODE_MAX_QUERY, AttentionMetadata, DecodeGroup
 from tandem.layers.paged_decode import PagedDecode
 
@@ -113,35 +115,29 @@ class GraphedSteps:
         return self._pad(plan, bucket, q)
 
     def _pad(self, plan: StepPlan, bucket: int, q: int) -> GraphInputs:
-        bs, scratch, n = self.block_size, self.scratch_block, len(plan.requests)
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        counts: list[int] = []
-        qpos: list[list[int]] = []
-        tables: list[list[int]] = []
-        for r in plan.requests:
-            held = (r.start_pos + q + bs - 1) // bs
-            p = range(r.start_pos, r.start_pos + q)
-            ids += r.input_ids
-            pos += p
-            slots += [r.block_table[i // bs] * bs + i % bs for i in p]
-            counts.append(held)
-            qpos.append(list(p))
-            tables.append(r.block_table[:held] + [r.block_table[held - 1]] * (self.max_blocks - held))
-        pad = bucket - n  # padding requests: one block (the scratch), keys at position 0, queries at 0
-        ids += [0] * (pad * q)
-        pos += [0] * (pad * q)
-        slots += [scratch * bs + min(j, bs - 1) for _ in range(pad) for j in range(q)]
-        counts += [1] * pad
-        qpos += [[0] * q] * pad
-        tables += [[scratch] * self.max_blocks] * pad
+        """The step's inputs padded to `bucket` requests of `q` tokens each, vectorised over the rows (the launch
+        waits for this: core/plan_arrays.py). Padding requests hold one block (the scratch), their keys at position
+        0, queries at 0."""
+        bs, scratch, n, width = self.block_size, self.scratch_block, len(plan.requests), self.max_blocks
+        rows = plan_rows(plan.requests)
+        held = rows.blocks_used(bs)  # [n]
+        ids = np.zeros(bucket * q, dtype=np.int64)
+        ids[: n * q] = flat_input_ids(plan.requests, n * q)
+        qpos = np.zeros((bucket, q), dtype=np.int64)
+        qpos[:n] = query_positions(rows.starts, rows.counts, q)  # every row feeds q tokens
+        tables = np.full((bucket, width), scratch, dtype=np.int64)
+        tables[:n] = padded_tables([r.block_table for r in plan.requests], held, width)
+        counts = np.ones(bucket, dtype=np.int64)
+        counts[:n] = held
+        slots = np.empty((bucket, q), dtype=np.int64)
+        slots[:n] = slot_mapping(tables, np.repeat(np.arange(n), q), qpos[:n].reshape(-1), bs).reshape(n, q)
+        slots[n:] = scratch * bs + np.minimum(np.arange(q), bs - 1)
         t = self._host_tensor
-        return GraphInputs((bucket, q), n * q, t(ids), t(pos), t(slots), t(counts, torch.int32),
-                           t(tables, torch.int32), t(qpos))
+        return GraphInputs((bucket, q), n * q, t(ids), t(qpos.reshape(-1).copy()), t(slots.reshape(-1)),
+                           t(counts, torch.int32), t(tables, torch.int32), t(qpos))
 
-    def _host_tensor(self, values: list[Any], dtype: torch.dtype = torch.int64) -> torch.Tensor:
-        x = torch.tensor(values, dtype=dtype)
+    def _host_tensor(self, values: np.ndarray, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        x = torch.from_numpy(np.ascontiguousarray(values)).to(dtype)
         return x.pin_memory() if self.device.type == "cuda" else x
 
     def run(self, inputs: GraphInputs) -> torch.Tensor:

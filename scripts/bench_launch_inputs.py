@@ -1,0 +1,85 @@
+"""Host time of a runner's launch inputs for one step: what the device waits for between sampling and the launch.
+
+    python scripts/bench_launch_inputs.py [--rows 256] [--repeats 30] [--seed 0]
+
+Random decode plans (one token a row) and verify plans (0-4 drafts a row), positions 100-1500, 16-token blocks:
+`ModelRunner._inputs` (input ids, `build_metadata` for tandem's CPU kernels, the torch gathered path and
+FlexAttention's paged path, logits rows) and the CUDA-graph step's padded inputs (`GraphedSteps._pad`, tables 129
+and 513 blocks wide: max_model_len 2,048 and 8,192). All on the host (CPU tensors; on CUDA a page-locked copy and
+the transfers come on top). Median milliseconds of `--repeats` builds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from collections.abc import Callable
+from types import SimpleNamespace
+
+import torch
+
+from tandem.core.plan import ScheduledRequest, StepPlan
+from tandem.runner.cuda_graphs import GraphedSteps, bucket_for
+from tandem.runner.runner import ModelRunner
+
+BLOCK = 16
+
+
+def random_plan(rng: random.Random, rows: int, drafts: int, q: int | None = None) -> StepPlan:
+    """`rows` requests past their prompts, each feeding its token and up to `drafts` drafts (exactly `q` tokens)."""
+    plan = StepPlan(0)
+    for i in range(rows):
+        n = q if q is not None else 1 + rng.randint(0, drafts)
+        start = rng.randint(100, 1500)
+        blocks = list(range(i * 100, i * 100 + -(-(start + n) // BLOCK)))
+        plan.requests.append(ScheduledRequest(f"r{i}", [rng.randrange(50_000) for _ in range(n)], start, blocks, n - 1))
+    return plan
+
+
+def median_ms(fn: Callable[[], object], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def eager_inputs(plan: StepPlan, gathered: bool, paged: bool) -> object:
+    """`ModelRunner._inputs(plan)` on the CPU for a model whose decode attention takes the given path (the runner
+    stood in for by the fields that method reads)."""
+    ops = SimpleNamespace(gathered_decode=gathered, paged_decode=paged)
+    runner = SimpleNamespace(block_size=BLOCK, device=torch.device("cpu"), _pin=False, model=SimpleNamespace(ops=ops),
+                             _logits_rows=getattr(ModelRunner, "_logits_rows", None))
+    runner._to_device = lambda values: ModelRunner._to_device(runner, values)  # type: ignore[arg-type]
+    return ModelRunner._inputs(runner, plan)  # type: ignore[arg-type]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    rng = random.Random(args.seed)
+    print(f"launch inputs of a {args.rows}-row step, host ms (median of {args.repeats})")
+    print("| plan | tokens | eager: CPU kernels | eager: torch gathered | eager: paged (CUDA) | graph, 129 blocks | graph, 513 blocks |")
+    print("|---|---|---|---|---|---|---|")
+    for name, drafts, q in (("decode", 0, 1), ("verify, 0-4 drafts", 4, None), ("verify, 4 drafts each", 4, 5)):
+        plan = random_plan(rng, args.rows, drafts, q)
+        cells = [median_ms(lambda g=g, p=p, pl=plan: eager_inputs(pl, g, p), args.repeats)
+                 for g, p in ((False, False), (True, False), (False, True))]
+        for width in (129, 513):
+            if q is None or bucket_for(args.rows, q) is None:
+                cells.append(float("nan"))  # uneven rows, or more tokens than a graph takes: eager
+                continue
+            graphs = GraphedSteps(forward=lambda *_: torch.empty(0), capture=lambda fn: (None, fn()),
+                                  device=torch.device("cpu"), block_size=BLOCK, scratch_block=1 << 20, max_blocks=width)
+            cells.append(median_ms(lambda gs=graphs, pl=plan: gs._pad(pl, args.rows, pl.requests[0].num_tokens), args.repeats))
+        print(f"| {name} | {plan.num_tokens} | " + " | ".join("-" if c != c else f"{c:.2f}" for c in cells) + " |")
+
+
+if __name__ == "__main__":
+    main()

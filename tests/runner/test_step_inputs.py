@@ -1,0 +1,159 @@
+"""The launch's vectorised input builders (core/plan_arrays.py) give the tensors the per-row, per-token builders they
+replaced gave (kept below as the references), on random plans: decode and verify rows, prefills, chunks with and
+without cached keys, every attention path and the CUDA-graph padding."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from tandem.core.plan import ScheduledRequest, StepPlan
+from tandem.core.plan_arrays import flat_input_ids, logits_rows, padded_tables, plan_rows
+from tandem.layers.attention import DECODE_MAX_QUERY, build_metadata
+from tandem.runner.cuda_graphs import GraphedSteps
+
+
+def _random_plan(rng: random.Random, rows: int, block_size: int, decode_only: bool = False, q: int | None = None) -> StepPlan:
+    plan = StepPlan(rng.randint(0, 9))
+    for i in range(rows):
+        if q is not None:
+            n, start = q, rng.randint(1, 300)
+        elif decode_only or rng.random() < 0.7:
+            n, start = rng.randint(1, 5), rng.randint(1, 300)
+        else:
+            n, start = rng.choice([rng.randint(1, 40), DECODE_MAX_QUERY + 1]), rng.choice([0, rng.randint(1, 200)])
+        need = -(-(start + n) // block_size)
+        blocks = rng.sample(range(2000), need + rng.randint(0, 3))  # a row may hold more blocks than it reaches
+        drafts = min(n - 1, rng.randint(0, 4)) if start > 0 else 0
+        plan.requests.append(ScheduledRequest(f"r{i}", [rng.randrange(1000) for _ in range(n)], start, blocks, drafts,
+                                              needs_logits=rng.random() < 0.9, all_logits=rng.random() < 0.05))
+    return plan
+
+
+# ------------------------------------------------------------------ the references: the builders before vectorising
+def _reference_metadata(plan: StepPlan, bs: int, gathered: bool, paged: bool) -> dict[str, Any]:
+    positions: list[int] = []
+    slots: list[int] = []
+    prefills, decodes = [], []
+    row = 0
+    for r in plan.requests:
+        n, start, bt = r.num_tokens, r.start_pos, r.block_table
+        pos = range(start, start + n)
+        positions.extend(pos)
+        slots.extend(bt[p // bs] * bs + p % bs for p in pos)
+        entry = (row, n, start, bt[: (start + n + bs - 1) // bs])
+        (decodes if n <= DECODE_MAX_QUERY and start > 0 else prefills).append(entry)
+        row += n
+    out: dict[str, Any] = {"positions": torch.tensor(positions), "slots": torch.tensor(slots),
+                           "prefills": [(slice(r0, r0 + n), s, torch.tensor(b) if s > 0 else None)
+                                        for r0, n, s, b in prefills]}
+    if decodes:
+        q_max = max(n for _, n, _, _ in decodes)
+        b_max = max(len(b) for _, _, _, b in decodes)
+        out["block_tables"] = torch.tensor([b + [b[-1]] * (b_max - len(b)) for _, _, _, b in decodes])
+        out["seq_info"] = torch.tensor([(r0, n, s) for r0, n, s, _ in decodes])
+        out["q_max"], out["key_len"], out["dense"] = q_max, b_max * bs, not prefills and all(n == q_max for _, n, _, _ in decodes)
+        if gathered or paged:
+            out["token_index"] = torch.tensor([r0 + min(j, n - 1) for r0, n, _, _ in decodes for j in range(q_max)])
+            out["query_pos"] = torch.tensor([[s + min(j, n - 1) for j in range(q_max)] for _, n, s, _ in decodes])
+            out["flat_index"] = torch.tensor([i * q_max + j for i, (_, n, _, _) in enumerate(decodes) for j in range(n)])
+            out["out_rows"] = torch.tensor([x for r0, n, _, _ in decodes for x in range(r0, r0 + n)])
+        if paged:
+            out["paged_counts"] = torch.tensor([len(b) for _, _, _, b in decodes], dtype=torch.int32)
+            out["paged_tables"] = out["block_tables"].to(torch.int32)
+    return out
+
+
+def _reference_pad(plan: StepPlan, bucket: int, q: int, bs: int, scratch: int, width: int) -> list[torch.Tensor]:
+    ids, pos, slots, counts, qpos, tables = [], [], [], [], [], []
+    for r in plan.requests:
+        held = (r.start_pos + q + bs - 1) // bs
+        p = range(r.start_pos, r.start_pos + q)
+        ids += r.input_ids
+        pos += p
+        slots += [r.block_table[i // bs] * bs + i % bs for i in p]
+        counts.append(held)
+        qpos.append(list(p))
+        tables.append(r.block_table[:held] + [r.block_table[held - 1]] * (width - held))
+    pad = bucket - len(plan.requests)
+    ids += [0] * (pad * q)
+    pos += [0] * (pad * q)
+    slots += [scratch * bs + min(j, bs - 1) for _ in range(pad) for j in range(q)]
+    counts += [1] * pad
+    qpos += [[0] * q] * pad
+    tables += [[scratch] * width] * pad
+    return [torch.tensor(ids), torch.tensor(pos), torch.tensor(slots), torch.tensor(counts, dtype=torch.int32),
+            torch.tensor(tables, dtype=torch.int32), torch.tensor(qpos)]
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("gathered,paged", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("seed", range(6))
+def test_metadata_equals_the_per_token_builder(seed: int, gathered: bool, paged: bool) -> None:
+    rng = random.Random(seed)
+    bs = rng.choice([1, 4, 16])
+    plan = _random_plan(rng, rng.choice([1, 3, 40, 256]), bs, decode_only=seed % 2 == 0)
+    ref = _reference_metadata(plan, bs, gathered, paged)
+    meta = build_metadata(plan, bs, torch.device("cpu"), gathered_decode=gathered, paged_decode=paged)
+    assert meta.num_tokens == plan.num_tokens
+    assert _same(meta.positions, ref["positions"]) and _same(meta.slot_mapping, ref["slots"])
+    assert len(meta.prefills) == len(ref["prefills"])
+    for got, (rows, start, blocks) in zip(meta.prefills, ref["prefills"], strict=True):
+        assert got.token_slice == rows and got.start_pos == start and type(got.start_pos) is int
+        assert (got.key_blocks is None and blocks is None) or _same(got.key_blocks, blocks)
+    g = meta.decode
+    assert (g is None) == ("q_max" not in ref)
+    if g is None:
+        return
+    assert (g.q_max, g.key_len, g.batch, g.dense) == (ref["q_max"], ref["key_len"], len(ref["seq_info"]), ref["dense"])
+    assert _same(g.block_tables, ref["block_tables"]) and _same(g.seq_info, ref["seq_info"])
+    for name in ("token_index", "query_pos", "flat_index", "out_rows"):
+        if name in ref:
+            assert _same(getattr(g, name), ref[name]), name
+    if paged:
+        assert g.paged is not None
+        assert _same(g.paged.num_blocks, ref["paged_counts"]) and _same(g.paged.block_tables, ref["paged_tables"])
+        assert _same(g.paged.query_pos, ref["query_pos"])
+    if gathered:
+        assert _same(g.key_blocks, ref["block_tables"].view(-1))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_graph_inputs_equal_the_per_token_padding(seed: int) -> None:
+    rng = random.Random(seed)
+    bs, q = rng.choice([4, 16]), rng.choice([1, 2, 5])
+    plan = _random_plan(rng, rng.choice([1, 5, 200]), bs, q=q)
+    width = max(len(r.block_table) for r in plan.requests) + rng.randint(0, 40)
+    bucket = len(plan.requests) + rng.randint(0, 7)
+    graphs = GraphedSteps(forward=lambda *_: torch.empty(0), capture=lambda fn: (None, fn()), device=torch.device("cpu"),
+                          block_size=bs, scratch_block=4321, max_blocks=width)
+    got = graphs._pad(plan, bucket, q)
+    want = _reference_pad(plan, bucket, q, bs, 4321, width)
+    names = ("input_ids", "positions", "slots", "num_blocks", "block_tables", "query_pos")
+    for name, ref in zip(names, want, strict=True):
+        assert _same(getattr(got, name), ref), name
+    assert got.key == (bucket, q) and got.num_rows == len(plan.requests) * q
+
+
+def test_input_ids_and_logits_rows() -> None:
+    plan = _random_plan(random.Random(7), 60, 16)
+    rows = plan_rows(plan.requests)
+    assert flat_input_ids(plan.requests, rows.num_tokens).tolist() == [t for r in plan.requests for t in r.input_ids]
+    want, row0 = [], 0
+    for r in plan.requests:
+        end = row0 + r.num_tokens
+        want.extend(range(end - r.num_logits_rows, end))
+        row0 = end
+    assert logits_rows(plan.requests, rows).tolist() == want and want
+
+
+def test_padded_tables_repeat_each_rows_last_used_block() -> None:
+    got = padded_tables([[5, 6, 7], [8], [9, 10]], np.array([2, 1, 2]), 4)
+    assert got.tolist() == [[5, 6, 6, 6], [8, 8, 8, 8], [9, 10, 10, 10]]
