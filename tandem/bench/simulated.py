@@ -41,7 +41,7 @@ from tandem.layers.kernels import load_cpu_kernels
 from tandem.params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from tandem.paths import tandem_home
 from tandem.runner.device_model import DEVICE_MODELS, DeviceModel, device_model
-from tandem.runner.simulated import LogitsSource, ReplayLogits, SimulatedRunner
+from tandem.runner.simulated import CudaLaunchInputs, LogitsSource, ReplayLogits, SimulatedRunner
 from tandem.spec_decode.config import SpeculativeConfig, build_proposer
 from tandem.structured.backend import TIKTOKEN_PATTERNS, TIKTOKEN_SPECIALS
 from tandem.structured.manager import StructuredOutputConfig
@@ -80,6 +80,10 @@ def add_parser(bsub: Any) -> None:
                         "(as LLM.generate's do): the comparison")
     p.add_argument("--no-gc-freeze", action="store_true",
                    help="leave the start-up heap to the cyclic GC (the engine core freezes it): the comparison")
+    p.add_argument("--launch-inputs", default="cuda", choices=["cuda", "none"],
+                   help="cuda: each launch first builds on the host what a CUDA runner's launch builds (token ids, "
+                   "positions, slots, block tables, CUDA graph padding), so the device waits for it as a real one "
+                   "does; none: the launch is free (figures before 2026-12-06)")
     p.add_argument("--json", type=Path, default=None)
     p.set_defaults(func=run)
 
@@ -125,17 +129,20 @@ def simulated_engine(tok: Tokenizer, step_s: float, max_num_seqs: int, backend: 
                      speculative: SpeculativeConfig | None, unmasked_greedy: bool = True,
                      rows_by_token: bool = False, unmasked_min_fill_ms: float = 0.1, *,
                      timing: DeviceModel | None = None, logits: LogitsSource | None = None,
-                     async_scheduling: bool | None = None) -> LLMEngine:
-    """An engine over a `SimulatedRunner` of `tok`'s vocabulary (padded to 64, as real lm_heads are)."""
+                     async_scheduling: bool | None = None, launch_inputs: bool = True) -> LLMEngine:
+    """An engine over a `SimulatedRunner` of `tok`'s vocabulary (padded to 64, as real lm_heads are); with
+    `launch_inputs` each launch first builds what a CUDA runner's launch builds on the host (`CudaLaunchInputs`)."""
     vocab = -(-len(tok.hf) // 64) * 64
     model = ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "vocab_size": vocab, "hidden_size": 4096,
                                  "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
                                  "num_key_value_heads": 8, "max_position_embeddings": 4096,
                                  "eos_token_id": tok.eos_token_ids[0]})
     sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=8192, max_model_len=4096)
-    config = EngineConfig(model="simulated", model_config=model, cache=CacheConfig(), scheduler=sched)
-    runner = SimulatedRunner(vocab, num_blocks=max_num_seqs * 80, step_s=step_s, rows_by_token=rows_by_token,
-                             device_model=timing, logits=logits)
+    cache, num_blocks = CacheConfig(), max_num_seqs * 80
+    inputs = CudaLaunchInputs(cache.block_size, sched.max_model_len, num_blocks) if launch_inputs else None
+    config = EngineConfig(model="simulated", model_config=model, cache=cache, scheduler=sched)
+    runner = SimulatedRunner(vocab, num_blocks=num_blocks, step_s=step_s, rows_by_token=rows_by_token,
+                             device_model=timing, logits=logits, launch_inputs=inputs)
     draft = speculative is not None and speculative.method == "draft_model"
     budget = plan_cpu_budget(device="cuda", draft_on_cpu=draft)  # beside an accelerator: the forward needs no cores
     structured = StructuredOutputConfig(backend=backend, num_threads=max(2, budget.grammar_threads),
@@ -270,7 +277,7 @@ def _run_mode(tok: Tokenizer, mode: Mode, level: int, n: int, args: argparse.Nam
     timing = device_model(args.device_model) if args.device_model else None
     engine = simulated_engine(tok, args.step_ms / 1e3, level, args.backend, mode.speculative,
                               unmasked_greedy=not args.always_mask, timing=timing, logits=logits,
-                              async_scheduling=mode.async_scheduling)
+                              async_scheduling=mode.async_scheduling, launch_inputs=args.launch_inputs == "cuda")
     if isinstance(logits, ReplayLogits) and rec is not None:
         for i in range(len(rec)):
             logits.expect(f"{mode.name}-{i}", rec.sequence(i))

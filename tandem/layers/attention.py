@@ -31,7 +31,15 @@ import torch
 import torch.nn.functional as F
 
 from tandem.core.plan import StepPlan
-from tandem.core.plan_arrays import PlanRows, padded_tables, plan_rows, query_positions, slot_mapping
+from tandem.core.plan_arrays import (
+    PlanRows,
+    flat_input_ids,
+    logits_rows,
+    padded_tables,
+    plan_rows,
+    query_positions,
+    slot_mapping,
+)
 from tandem.layers.paged_decode import PagedDecode, build_paged_decode, paged_decode_attention
 
 DECODE_MAX_QUERY = 16  # requests with at most this many new tokens join the padded decode group
@@ -106,6 +114,20 @@ def build_metadata(
                                     paged_decode)
         meta.decode.dense = not meta.prefills and bool((group.counts == meta.decode.q_max).all())
     return meta
+
+
+def step_inputs(
+    plan: StepPlan, block_size: int, device: torch.device, pin: bool = False, gathered_decode: bool = True,
+    paged_decode: bool = False,
+) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
+    """A forward's inputs on `device`: token ids [T], the attention metadata (`build_metadata`) and the rows of
+    the flattened batch whose logits are wanted [R]."""
+    rows = plan_rows(plan.requests)
+    ids, wanted = _long(flat_input_ids(plan.requests, rows.num_tokens)), _long(logits_rows(plan.requests, rows))
+    if pin and device.type == "cuda":
+        ids, wanted = ids.pin_memory(), wanted.pin_memory()
+    meta = build_metadata(plan, block_size, device, pin, gathered_decode, paged_decode)
+    return ids.to(device, non_blocking=True), meta, wanted.to(device, non_blocking=True)
 
 
 def _long(a: np.ndarray) -> torch.Tensor:

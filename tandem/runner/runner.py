@@ -15,13 +15,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import numpy as np
 import torch
 
 from tandem.config import CacheConfig, ConfigError, ModelConfig, SchedulerConfig
 from tandem.core.plan import StepPlan
-from tandem.core.plan_arrays import flat_input_ids, logits_rows, plan_rows
-from tandem.layers.attention import AttentionMetadata, build_metadata
+from tandem.layers.attention import AttentionMetadata, step_inputs
 from tandem.layers.moe_offload import OffloadSetting, host_expert_layers, warn_if_no_op
 from tandem.layers.parallel import TensorParallel
 from tandem.models.llama import LlamaModel
@@ -288,12 +286,9 @@ class ModelRunner(Runner):
 
     def _inputs(self, plan: StepPlan) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
         """The forward's inputs on the device: token ids [T], attention metadata, logits rows [R]."""
-        rows = plan_rows(plan.requests)
-        input_ids = self._to_device(flat_input_ids(plan.requests, rows.num_tokens))
         ops = self.model.ops
-        meta = build_metadata(plan, self.block_size, self.device, pin=self._pin, gathered_decode=ops.gathered_decode,
-                              paged_decode=ops.paged_decode)
-        return input_ids, meta, self._to_device(logits_rows(plan.requests, rows))
+        return step_inputs(plan, self.block_size, self.device, pin=self._pin, gathered_decode=ops.gathered_decode,
+                           paged_decode=ops.paged_decode)
 
     def on_tensor_thread(self, fn: Callable[..., T], *args: Any) -> T:
         """Run `fn(*args)` where the forward runs (the process's tensor thread) and wait for it: host-side tensor work
@@ -357,12 +352,6 @@ class ModelRunner(Runner):
             capture=capture, device=self.device, block_size=self.block_size, scratch_block=self.num_blocks,
             max_blocks=min(-(-max_model_len // self.block_size) + 1, self.num_blocks),  # no request holds more
         )
-
-    def _to_device(self, values: np.ndarray) -> torch.Tensor:
-        t = torch.from_numpy(values)  # int64
-        if self._pin:
-            t = t.pin_memory()
-        return t.to(self.device, non_blocking=True)
 
     def shutdown(self) -> None:
         """Nothing to stop: the tensor thread is the process's and outlives the runner."""

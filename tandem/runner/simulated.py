@@ -16,6 +16,10 @@ accelerator, as a function of the tokens and KV positions in the step). The logi
     recorded model emitted and every draft is accepted or rejected as that model would. Its rows are written on a
     thread of their own during the forward (the GIL released), as a device would compute them.
 Sampling still runs on the host (on a real accelerator it runs on the device): benchmarks count it as device time.
+With `launch_inputs` (`CudaLaunchInputs`), `launch` first builds on the host what `ModelRunner.launch` builds for a
+CUDA model before its forward can start (token ids, positions, slots, block tables; a CUDA graph's padded inputs
+where the step fits one), so the time a real device waits for it counts: 0.5-0.6 ms at 256 rows (AMD EPYC, 2026-12-06;
+2.2-7.9 ms before core/plan_arrays.py, `python scripts/bench_launch_inputs.py`).
 Not for serving: nothing it produces means anything.
 """
 
@@ -31,7 +35,9 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.core.plan import StepPlan
+from tandem.layers.attention import step_inputs
 from tandem.runner.base import ForwardHandle, Runner
+from tandem.runner.cuda_graphs import GraphedSteps, capture_eagerly
 from tandem.runner.device_model import DeviceModel
 
 _SPIN_S = 0.0005  # the end of a wait for the forward is spun, as CUDA's default synchronisation does
@@ -149,7 +155,7 @@ class SimulatedRunner(Runner):
 
     def __init__(self, vocab_size: int, num_blocks: int, step_s: float = 0.0, table_rows: int = 512, seed: int = 0,
                  rows_by_token: bool = False, device_model: DeviceModel | None = None,
-                 logits: LogitsSource | None = None) -> None:
+                 logits: LogitsSource | None = None, launch_inputs: Callable[[StepPlan], object] | None = None) -> None:
         self.device = torch.device("cpu")
         self.num_blocks = num_blocks
         self.kv_cache_bytes = 0
@@ -162,6 +168,7 @@ class SimulatedRunner(Runner):
         self.num_forwards = 0
         self.device_s = 0.0  # the forwards' modelled time, summed
         self.late_s = 0.0  # how much later than modelled the logits were built, summed
+        self.launch_inputs = launch_inputs  # the host's part of a real launch, built and dropped (see the module doc)
 
     @property
     def forward_uses_host_cores(self) -> bool:
@@ -172,7 +179,10 @@ class SimulatedRunner(Runner):
         return self.device_model.plan_s(plan) if self.device_model is not None else self.step_s
 
     def launch(self, plan: StepPlan) -> ForwardHandle:
-        """The forward 'runs' from now for its step time; its logits rows are built meanwhile (or at collect)."""
+        """The forward 'runs' from now for its step time (once its inputs are built, with `launch_inputs`); its
+        logits rows are built meanwhile (or at collect)."""
+        if self.launch_inputs is not None:
+            self.launch_inputs(plan)
         keys = _row_keys(plan)
         seconds = self.forward_s(plan)
         with self._lock:
@@ -201,6 +211,25 @@ class SimulatedRunner(Runner):
     def shutdown(self) -> None:
         if self._builder is not None:
             self._builder.shutdown(wait=True)
+
+
+class CudaLaunchInputs:
+    """What `ModelRunner.launch` builds on the host before a CUDA model's forward starts (FlexAttention's paged
+    decode; a CUDA graph's padded inputs when the step fits one), on the CPU: a call costs the host what a real
+    launch does, less the page-locked copies."""
+
+    def __init__(self, block_size: int, max_model_len: int, num_blocks: int) -> None:
+        self.block_size = block_size
+        cpu = torch.device("cpu")
+        self.graphs = GraphedSteps(forward=lambda ids, meta: ids, capture=capture_eagerly, device=cpu,
+                                   block_size=block_size, scratch_block=num_blocks,
+                                   max_blocks=min(-(-max_model_len // block_size) + 1, num_blocks))
+
+    def __call__(self, plan: StepPlan) -> object:
+        padded = self.graphs.prepare(plan)
+        if padded is not None:
+            return padded
+        return step_inputs(plan, self.block_size, torch.device("cpu"), gathered_decode=False, paged_decode=True)
 
 
 def _row_keys(plan: StepPlan) -> list[RowKey]:
