@@ -31,15 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.core.plan import StepPlan
-from tandem.core.plan_arrays import (
-    PlanRows,
-    flat_input_ids,
-    logits_rows,
-    padded_tables,
-    plan_rows,
-    query_positions,
-    slot_mapping,
-)
+from tandem.core.plan_arrays import PlanRows, plan_rows, query_positions, slot_mapping
 from tandem.layers.paged_decode import PagedDecode, build_paged_decode, paged_decode_attention
 
 DECODE_MAX_QUERY = 16  # requests with at most this many new tokens join the padded decode group
@@ -81,7 +73,7 @@ class AttentionMetadata:
 
 def build_metadata(
     plan: StepPlan, block_size: int, device: torch.device, pin: bool = False, gathered_decode: bool = True,
-    paged_decode: bool = False,
+    paged_decode: bool = False, rows: PlanRows | None = None,
 ) -> AttentionMetadata:
     """Index tensors for one step, built on the CPU from the plan and copied to `device` in one go each.
 
@@ -89,10 +81,10 @@ def build_metadata(
     gather indices and the [B, q_max, L] mask of the torch decode path, ~0.5 ms per step at 32 requests.
     `paged_decode=True` (FlexAttention over the paged cache, `paged_decode.py`) keeps the query indices but builds
     block tables and query positions instead of the key gather and the mask. Vectorised over the rows
-    (core/plan_arrays.py): the launch waits for this."""
-    rows = plan_rows(plan.requests)
-    used = rows.blocks_used(block_size)  # [B]
-    tables = padded_tables([r.block_table for r in plan.requests], used, int(used.max(initial=1)))  # [B, W]
+    (core/plan_arrays.py; `rows`: the plan's, when already read): the launch waits for this."""
+    rows = rows if rows is not None else plan_rows(plan.requests, block_size)
+    used = rows.used  # [B]
+    tables = rows.tables(int(used.max(initial=1)))  # [B, W]
     positions = rows.positions()  # [T]
     slots = slot_mapping(tables, rows.row_of_tokens(), positions, block_size)  # [T]
 
@@ -102,18 +94,30 @@ def build_metadata(
         return t.to(device, non_blocking=True)
 
     meta = AttentionMetadata(rows.num_tokens, to_dev(_long(positions)), to_dev(_long(slots)))
+    offsets = rows.offsets
     decode = (rows.counts <= DECODE_MAX_QUERY) & (rows.starts > 0)  # [B]
     for i in np.flatnonzero(~decode).tolist():
-        row0, n, start = int(rows.offsets[i]), int(rows.counts[i]), int(rows.starts[i])
+        row0, n, start = int(offsets[i]), int(rows.counts[i]), int(rows.starts[i])
         key_blocks = to_dev(_long(tables[i, : used[i]])) if start > 0 else None
         meta.prefills.append(PrefillSeq(slice(row0, row0 + n), start, key_blocks))
     picked = np.flatnonzero(decode)
     if len(picked):
-        group = PlanRows(rows.starts[picked], rows.counts[picked], rows.offsets[picked])
-        meta.decode = _decode_group(group, tables[picked], used[picked], block_size, to_dev, gathered_decode,
-                                    paged_decode)
+        group = _DecodeRows(rows.starts[picked], rows.counts[picked], offsets[picked], tables[picked], used[picked])
+        meta.decode = _decode_group(group, block_size, to_dev, gathered_decode, paged_decode)
         meta.decode.dense = not meta.prefills and bool((group.counts == meta.decode.q_max).all())
     return meta
+
+
+@dataclass(frozen=True)
+class _DecodeRows:
+    """The decode group's rows: first positions, new tokens, first flat rows [B]; blocks [B, >= max(used)] padded
+    with each one's last used block; the blocks each reaches [B]."""
+
+    starts: np.ndarray
+    counts: np.ndarray
+    offsets: np.ndarray
+    tables: np.ndarray
+    used: np.ndarray
 
 
 def step_inputs(
@@ -122,11 +126,11 @@ def step_inputs(
 ) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
     """A forward's inputs on `device`: token ids [T], the attention metadata (`build_metadata`) and the rows of
     the flattened batch whose logits are wanted [R]."""
-    rows = plan_rows(plan.requests)
-    ids, wanted = _long(flat_input_ids(plan.requests, rows.num_tokens)), _long(logits_rows(plan.requests, rows))
+    rows = plan_rows(plan.requests, block_size)
+    ids, wanted = _long(rows.input_ids), _long(rows.logits_rows())
     if pin and device.type == "cuda":
         ids, wanted = ids.pin_memory(), wanted.pin_memory()
-    meta = build_metadata(plan, block_size, device, pin, gathered_decode, paged_decode)
+    meta = build_metadata(plan, block_size, device, pin, gathered_decode, paged_decode, rows)
     return ids.to(device, non_blocking=True), meta, wanted.to(device, non_blocking=True)
 
 
@@ -139,11 +143,11 @@ _UNUSED = torch.empty(0, dtype=torch.long)  # stands for the torch-path fields w
 
 
 def _decode_group(
-    rows: PlanRows, tables: np.ndarray, used: np.ndarray, block_size: int, to_dev: Callable[[torch.Tensor], torch.Tensor],
-    gathered: bool = True, paged: bool = False,
+    rows: _DecodeRows, block_size: int, to_dev: Callable[[torch.Tensor], torch.Tensor], gathered: bool = True,
+    paged: bool = False,
 ) -> DecodeGroup:
-    """The decode group of `rows` (their first flat rows in `offsets`), `tables` [B, >= max(used)] their blocks
-    padded with each one's last used block, `used` [B] the blocks each reaches."""
+    """The decode group's index tensors: CPU kernels' view only, plus the gathered or the paged path's."""
+    tables, used = rows.tables, rows.used
     q_max = int(rows.counts.max())
     b_max = int(used.max())
     L = b_max * block_size

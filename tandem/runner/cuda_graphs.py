@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from tandem.core.plan import StepPlan
-from tandem.core.plan_arrays import flat_input_ids, padded_tables, plan_rows, query_positions, slot_mapping
+from tandem.core.plan_arrays import plan_rows, query_positions, slot_mapping
 from tandem.layers.attention import DECODE_MAX_QUERY, AttentionMetadata, DecodeGroup
 from tandem.layers.paged_decode import PagedDecode
 
@@ -119,14 +119,14 @@ class GraphedSteps:
         waits for this: core/plan_arrays.py). Padding requests hold one block (the scratch), their keys at position
         0, queries at 0."""
         bs, scratch, n, width = self.block_size, self.scratch_block, len(plan.requests), self.max_blocks
-        rows = plan_rows(plan.requests)
-        held = rows.blocks_used(bs)  # [n]
+        rows = plan_rows(plan.requests, bs)
+        held = rows.used  # [n]
         ids = np.zeros(bucket * q, dtype=np.int64)
-        ids[: n * q] = flat_input_ids(plan.requests, n * q)
+        ids[: n * q] = rows.input_ids
         qpos = np.zeros((bucket, q), dtype=np.int64)
         qpos[:n] = query_positions(rows.starts, rows.counts, q)  # every row feeds q tokens
         tables = np.full((bucket, width), scratch, dtype=np.int64)
-        tables[:n] = padded_tables([r.block_table for r in plan.requests], held, width)
+        tables[:n] = rows.tables(width)
         counts = np.ones(bucket, dtype=np.int64)
         counts[:n] = held
         slots = np.empty((bucket, q), dtype=np.int64)

@@ -7,12 +7,11 @@ from __future__ import annotations
 import random
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 
 from tandem.core.plan import ScheduledRequest, StepPlan
-from tandem.core.plan_arrays import flat_input_ids, logits_rows, padded_tables, plan_rows
+from tandem.core.plan_arrays import plan_rows
 from tandem.layers.attention import DECODE_MAX_QUERY, build_metadata
 from tandem.runner.cuda_graphs import GraphedSteps
 
@@ -144,16 +143,19 @@ def test_graph_inputs_equal_the_per_token_padding(seed: int) -> None:
 
 def test_input_ids_and_logits_rows() -> None:
     plan = _random_plan(random.Random(7), 60, 16)
-    rows = plan_rows(plan.requests)
-    assert flat_input_ids(plan.requests, rows.num_tokens).tolist() == [t for r in plan.requests for t in r.input_ids]
+    rows = plan_rows(plan.requests, 16)
+    assert rows.input_ids.tolist() == [t for r in plan.requests for t in r.input_ids]
     want, row0 = [], 0
     for r in plan.requests:
         end = row0 + r.num_tokens
         want.extend(range(end - r.num_logits_rows, end))
         row0 = end
-    assert logits_rows(plan.requests, rows).tolist() == want and want
+    assert rows.logits_rows().tolist() == want and want
 
 
-def test_padded_tables_repeat_each_rows_last_used_block() -> None:
-    got = padded_tables([[5, 6, 7], [8], [9, 10]], np.array([2, 1, 2]), 4)
-    assert got.tolist() == [[5, 6, 6, 6], [8, 8, 8, 8], [9, 10, 10, 10]]
+def test_tables_repeat_each_rows_last_used_block() -> None:
+    plan = StepPlan(0, [ScheduledRequest("a", [1, 2], 4, [5, 6, 7]), ScheduledRequest("b", [1], 2, [8]),
+                        ScheduledRequest("c", [1], 5, [9, 10, 11])])
+    rows = plan_rows(plan.requests, 4)
+    assert rows.used.tolist() == [2, 1, 2]
+    assert rows.tables(4).tolist() == [[5, 6, 6, 6], [8, 8, 8, 8], [9, 10, 10, 10]]
