@@ -5,7 +5,9 @@
 Random decode plans (one token a row) and verify plans (0-4 drafts a row), positions 100-1500, 16-token blocks:
 `ModelRunner._inputs` (input ids, `build_metadata` for tandem's CPU kernels, the torch gathered path and
 FlexAttention's paged path, logits rows) and the CUDA-graph step's padded inputs (`GraphedSteps._pad`, tables 129
-and 513 blocks wide: max_model_len 2,048 and 8,192). All on the host (CPU tensors; on CUDA a page-locked copy and
+and 513 blocks wide: max_model_len 2,048 and 8,192), and what a CUDA runner's launch builds (`CudaLaunchInputs`,
+max_model_len 4,096: a graph where the step fits one, else the paged path) with the block tables read ahead
+(`prepare`, untimed: it runs while the forward before runs). All on the host (CPU tensors; on CUDA a page-locked copy and
 the transfers come on top). Median milliseconds of `--repeats` builds.
 """
 
@@ -21,8 +23,10 @@ from types import SimpleNamespace
 import torch
 
 from tandem.core.plan import ScheduledRequest, StepPlan
+from tandem.core.plan_arrays import plan_rows
 from tandem.runner.cuda_graphs import GraphedSteps, bucket_for
 from tandem.runner.runner import ModelRunner
+from tandem.runner.simulated import CudaLaunchInputs
 
 BLOCK = 16
 
@@ -38,9 +42,12 @@ def random_plan(rng: random.Random, rows: int, drafts: int, q: int | None = None
     return plan
 
 
-def median_ms(fn: Callable[[], object], repeats: int) -> float:
+def median_ms(fn: Callable[[], object], repeats: int, before: Callable[[], object] | None = None) -> float:
+    """Median ms of `fn()`, `before()` (untimed) ahead of each."""
     times = []
     for _ in range(repeats):
+        if before is not None:
+            before()
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
@@ -65,8 +72,9 @@ def main() -> None:
     args = ap.parse_args()
     rng = random.Random(args.seed)
     print(f"launch inputs of a {args.rows}-row step, host ms (median of {args.repeats})")
-    print("| plan | tokens | eager: CPU kernels | eager: torch gathered | eager: paged (CUDA) | graph, 129 blocks | graph, 513 blocks |")
-    print("|---|---|---|---|---|---|---|")
+    print("| plan | tokens | eager: CPU kernels | eager: torch gathered | eager: paged (CUDA) | graph, 129 blocks | graph, 513 blocks "
+          "| CUDA launch, tables read ahead |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, drafts, q in (("decode", 0, 1), ("verify, 0-4 drafts", 4, None), ("verify, 4 drafts each", 4, 5)):
         plan = random_plan(rng, args.rows, drafts, q)
         cells = [median_ms(lambda g=g, p=p, pl=plan: eager_inputs(pl, g, p), args.repeats)
@@ -77,7 +85,9 @@ def main() -> None:
                 continue
             graphs = GraphedSteps(forward=lambda *_: torch.empty(0), capture=lambda fn: (None, fn()),
                                   device=torch.device("cpu"), block_size=BLOCK, scratch_block=1 << 20, max_blocks=width)
-            cells.append(median_ms(lambda gs=graphs, pl=plan: gs._pad(pl, args.rows, pl.requests[0].num_tokens), args.repeats))
+            cells.append(median_ms(lambda gs=graphs, pl=plan: gs.prepare(pl, plan_rows(pl.requests, BLOCK)), args.repeats))
+        cuda = CudaLaunchInputs(BLOCK, 4096, 1 << 20)
+        cells.append(median_ms(lambda c=cuda, pl=plan: c(pl), args.repeats, before=lambda c=cuda, pl=plan: c.prepare(pl)))
         print(f"| {name} | {plan.num_tokens} | " + " | ".join("-" if c != c else f"{c:.2f}" for c in cells) + " |")
 
 

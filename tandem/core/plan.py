@@ -22,7 +22,7 @@ class ScheduledRequest:
     request_id: str
     input_ids: list[int]
     start_pos: int
-    block_table: list[int]
+    block_table: list[int]  # once scheduled, replaced and never changed in place (core/plan_arrays.PreparedBlocks)
     num_draft_tokens: int = 0
     needs_logits: bool = True
     all_logits: bool = False  # prompt logprobs: one row per input position

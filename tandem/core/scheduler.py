@@ -410,7 +410,7 @@ class Scheduler:
         """Free the blocks past the request's tokens, and keep `row`'s block table to the blocks it still holds."""
         self.block_manager.truncate(req, len(req.token_ids))
         if row is not None and len(row.block_table) > len(req.block_ids):
-            del row.block_table[len(req.block_ids) :]
+            row.block_table = row.block_table[: len(req.block_ids)]  # replaced, not cut in place (see ScheduledRequest)
 
     def add_drafts(self, next_plan: StepPlan, drafts: Mapping[str, Sequence[int]]) -> int:
         """Drafts for rows of `next_plan` (reserved, not launched, without drafts): as many of each as fit the
@@ -429,7 +429,7 @@ class Scheduler:
                 n = min(n, len(req.block_ids) * bm.block_size - first)  # the free blocks ran short: what fits
             if n <= 0:
                 continue
-            sr.block_table[len(sr.block_table) :] = req.block_ids[len(sr.block_table) :]
+            sr.block_table = sr.block_table + req.block_ids[len(sr.block_table) :]  # replaced (see ScheduledRequest)
             new = [int(t) for t in want[:n]]
             req.token_ids[len(req.token_ids) - 1 : len(req.token_ids) - 1] = new  # before the placeholder
             req.num_tentative += n

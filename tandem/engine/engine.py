@@ -510,6 +510,7 @@ class LLMEngine:
         `parked` requests sit it out."""
         plan = self.scheduler.schedule(running, parked)
         self.scheduler.reserve(plan)
+        self.runner.prepare(plan)  # its block tables read while the forward in flight runs
         return plan
 
     def _slack_deadline(self, flight: _InFlight | None = None, share: float = SLACK_SHARE) -> float | None:

@@ -122,11 +122,11 @@ class _DecodeRows:
 
 def step_inputs(
     plan: StepPlan, block_size: int, device: torch.device, pin: bool = False, gathered_decode: bool = True,
-    paged_decode: bool = False,
+    paged_decode: bool = False, rows: PlanRows | None = None,
 ) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
     """A forward's inputs on `device`: token ids [T], the attention metadata (`build_metadata`) and the rows of
-    the flattened batch whose logits are wanted [R]."""
-    rows = plan_rows(plan.requests, block_size)
+    the flattened batch whose logits are wanted [R] (`rows`: the plan's arrays, when already read)."""
+    rows = rows if rows is not None else plan_rows(plan.requests, block_size)
     ids, wanted = _long(rows.input_ids), _long(rows.logits_rows())
     if pin and device.type == "cuda":
         ids, wanted = ids.pin_memory(), wanted.pin_memory()

@@ -40,6 +40,10 @@ class Runner(ABC):
         """The forward runs on the host's CPU cores (a CPU device): host work beside it competes for them."""
         return self.device.type == "cpu"
 
+    def prepare(self, plan: StepPlan) -> None:  # noqa: B027 - a runner that reads nothing ahead ignores it
+        """Scheduling ahead: `plan` was just scheduled and will be launched next, after the plan in flight ends (its
+        rows may still be fed, moved back or drop out): read what of it can be read now (its block tables)."""
+
     @abstractmethod
     def launch(self, plan: StepPlan) -> ForwardHandle:
         """Start the forward of `plan` and return at once; the CPU is free until `collect`."""

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from tandem.core.plan import StepPlan
-from tandem.core.plan_arrays import plan_rows, query_positions, slot_mapping
+from tandem.core.plan_arrays import PlanRows, query_positions, slot_mapping
 from tandem.layers.attention import DECODE_MAX_QUERY, AttentionMetadata, DecodeGroup
 from tandem.layers.paged_decode import PagedDecode
 
@@ -46,6 +46,17 @@ def bucket_for(batch: int, q: int) -> int | None:
         if b >= batch:
             return b if b * q <= MAX_GRAPH_TOKENS else None
     return None
+
+
+def _query_len(rows: PlanRows) -> int | None:
+    """`graph_query_len` of a plan from its arrays."""
+    counts = rows.counts
+    if not len(counts):
+        return None
+    q = int(counts[0])
+    if q > DECODE_MAX_QUERY or (counts != q).any() or (rows.starts == 0).any() or (rows.wanted != q).any():
+        return None
+    return q
 
 
 def graph_query_len(plan: StepPlan) -> int | None:
@@ -104,22 +115,22 @@ class GraphedSteps:
     def captures(self) -> int:
         return len(self.steps)
 
-    def prepare(self, plan: StepPlan) -> GraphInputs | None:
-        """The step's padded inputs when it fits a graph; None when it runs eagerly."""
-        q = graph_query_len(plan)
+    def prepare(self, plan: StepPlan, rows: PlanRows) -> GraphInputs | None:
+        """The step's padded inputs when it fits a graph (`rows`: its arrays, `plan_rows`); None when it runs
+        eagerly."""
+        q = _query_len(rows)
         if q is None:
             return None
         bucket = bucket_for(len(plan.requests), q)
-        if bucket is None or any(len(r.block_table) > self.max_blocks for r in plan.requests):
+        if bucket is None or int(rows.used.max()) > self.max_blocks:  # the graph's tables hold the blocks it reads
             return None
-        return self._pad(plan, bucket, q)
+        return self._pad(plan, rows, bucket, q)
 
-    def _pad(self, plan: StepPlan, bucket: int, q: int) -> GraphInputs:
+    def _pad(self, plan: StepPlan, rows: PlanRows, bucket: int, q: int) -> GraphInputs:
         """The step's inputs padded to `bucket` requests of `q` tokens each, vectorised over the rows (the launch
         waits for this: core/plan_arrays.py). Padding requests hold one block (the scratch), their keys at position
         0, queries at 0."""
         bs, scratch, n, width = self.block_size, self.scratch_block, len(plan.requests), self.max_blocks
-        rows = plan_rows(plan.requests, bs)
         held = rows.used  # [n]
         ids = np.zeros(bucket * q, dtype=np.int64)
         ids[: n * q] = rows.input_ids

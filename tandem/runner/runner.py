@@ -19,6 +19,7 @@ import torch
 
 from tandem.config import CacheConfig, ConfigError, ModelConfig, SchedulerConfig
 from tandem.core.plan import StepPlan
+from tandem.core.plan_arrays import PlanRows, PreparedBlocks, plan_rows, prepare_blocks
 from tandem.layers.attention import AttentionMetadata, step_inputs
 from tandem.layers.moe_offload import OffloadSetting, host_expert_layers, warn_if_no_op
 from tandem.layers.parallel import TensorParallel
@@ -185,6 +186,7 @@ class ModelRunner(Runner):
         self._want_graphs = wanted and not self.tp.enabled and not self._experts_cross_bus
         self._host.run(self._build, weights, cache_config, scheduler_config, num_threads, use_kernels)
         self._graphs = self._graphed_steps(scheduler_config.max_model_len)
+        self._ahead: tuple[StepPlan, PreparedBlocks] | None = None  # the next plan and its block tables, read ahead
 
     def _build(
         self, weights: Mapping[str, torch.Tensor], cache_config: CacheConfig, scheduler_config: SchedulerConfig,
@@ -276,19 +278,24 @@ class ModelRunner(Runner):
     def vocab_size(self) -> int:
         return self.model_config.vocab_size
 
+    def prepare(self, plan: StepPlan) -> None:
+        self._ahead = (plan, prepare_blocks(plan.requests))
+
     def launch(self, plan: StepPlan) -> ForwardHandle:
         """Start the forward of `plan` and return at once; the CPU is free until `collect`."""
-        graph_inputs = self._graphs.prepare(plan) if self.cuda_graphs and self._graphs is not None else None
+        ahead, self._ahead = self._ahead, None
+        rows = plan_rows(plan.requests, self.block_size, ahead[1] if ahead is not None and ahead[0] is plan else None)
+        graph_inputs = self._graphs.prepare(plan, rows) if self.cuda_graphs and self._graphs is not None else None
         if graph_inputs is not None:
             return ForwardHandle(self._host.submit(self._replay, graph_inputs), plan.num_logits_rows)
-        fut = self._host.submit(self._forward, *self._inputs(plan))
+        fut = self._host.submit(self._forward, *self._inputs(plan, rows))
         return ForwardHandle(fut, plan.num_logits_rows)
 
-    def _inputs(self, plan: StepPlan) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
+    def _inputs(self, plan: StepPlan, rows: PlanRows | None = None) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
         """The forward's inputs on the device: token ids [T], attention metadata, logits rows [R]."""
         ops = self.model.ops
         return step_inputs(plan, self.block_size, self.device, pin=self._pin, gathered_decode=ops.gathered_decode,
-                           paged_decode=ops.paged_decode)
+                           paged_decode=ops.paged_decode, rows=rows)
 
     def on_tensor_thread(self, fn: Callable[..., T], *args: Any) -> T:
         """Run `fn(*args)` where the forward runs (the process's tensor thread) and wait for it: host-side tensor work

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.core.plan import StepPlan
+from tandem.core.plan_arrays import PreparedBlocks, plan_rows, prepare_blocks
 from tandem.layers.attention import step_inputs
 from tandem.runner.base import ForwardHandle, Runner
 from tandem.runner.cuda_graphs import GraphedSteps, capture_eagerly
@@ -178,6 +179,10 @@ class SimulatedRunner(Runner):
         """This plan's forward time: the device model's, else the fixed step."""
         return self.device_model.plan_s(plan) if self.device_model is not None else self.step_s
 
+    def prepare(self, plan: StepPlan) -> None:
+        if isinstance(self.launch_inputs, CudaLaunchInputs):
+            self.launch_inputs.prepare(plan)
+
     def launch(self, plan: StepPlan) -> ForwardHandle:
         """The forward 'runs' from now for its step time (once its inputs are built, with `launch_inputs`); its
         logits rows are built meanwhile (or at collect)."""
@@ -225,11 +230,20 @@ class CudaLaunchInputs:
                                    block_size=block_size, scratch_block=num_blocks,
                                    max_blocks=min(-(-max_model_len // block_size) + 1, num_blocks))
 
+        self._ahead: tuple[StepPlan, PreparedBlocks] | None = None
+
+    def prepare(self, plan: StepPlan) -> None:
+        """`ModelRunner.prepare`: the plan's block tables read ahead."""
+        self._ahead = (plan, prepare_blocks(plan.requests))
+
     def __call__(self, plan: StepPlan) -> object:
-        padded = self.graphs.prepare(plan)
+        ahead, self._ahead = self._ahead, None
+        rows = plan_rows(plan.requests, self.block_size, ahead[1] if ahead is not None and ahead[0] is plan else None)
+        padded = self.graphs.prepare(plan, rows)
         if padded is not None:
             return padded
-        return step_inputs(plan, self.block_size, torch.device("cpu"), gathered_decode=False, paged_decode=True)
+        return step_inputs(plan, self.block_size, torch.device("cpu"), gathered_decode=False, paged_decode=True,
+                           rows=rows)
 
 
 def _row_keys(plan: StepPlan) -> list[RowKey]:

@@ -269,3 +269,26 @@ def test_a_redraft_reads_the_real_outcome(stories_engine_factory) -> None:  # ty
     ahead.speculation.redraft = spy
     run_all(ahead, _story_prompts(ahead, 2), GREEDY)
     assert seen and set(seen) == {1}
+
+
+def test_block_tables_read_ahead_equal_the_tables_at_each_launch(stories_engine_factory, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Scheduling ahead with drafts (rows moved back, redrafted, fed between the read and the launch), the runner's
+    block tables read ahead (`Runner.prepare`) equal what reading the rows at each launch gives."""
+    import numpy as np
+
+    from tandem.core import plan_arrays
+
+    used_blocks, checked = plan_arrays._used_blocks, []
+
+    def both(requests, used, prepared):  # type: ignore[no-untyped-def]
+        got = used_blocks(requests, used, prepared)
+        assert np.array_equal(got, plan_arrays._read_blocks(requests, used))
+        checked.append(len(requests))
+        return got
+
+    monkeypatch.setattr(plan_arrays, "_used_blocks", both)
+    base = stories_engine_factory(async_scheduling=False)
+    ahead = stories_engine_factory(async_scheduling=True, speculative_config=SUFFIX)
+    prompts = _story_prompts(base, 6)
+    assert _tokens(run_all(ahead, prompts, GREEDY)) == _tokens(run_all(base, prompts, GREEDY))
+    assert len(checked) > 10 and ahead.get_stats()["spec_optimistic_misses"] > 0

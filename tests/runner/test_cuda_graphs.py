@@ -13,6 +13,7 @@ import torch
 from tandem.bench.device_check import TINY, random_weights
 from tandem.config import CacheConfig, ModelConfig, SchedulerConfig
 from tandem.core.plan import ScheduledRequest, StepPlan
+from tandem.core.plan_arrays import plan_rows
 from tandem.layers.paged_decode import flex_available
 from tandem.runner.cuda_graphs import EagerGraph, bucket_for, graph_query_len
 from tandem.runner.runner import ModelRunner
@@ -92,7 +93,7 @@ def test_padding_rows_use_only_the_scratch_block(monkeypatch: pytest.MonkeyPatch
     runner = _runner("cpu", torch.float32, graphs=True, monkeypatch=monkeypatch)
     assert runner._graphs is not None
     plan = _steps()[1]  # 3 decodes -> bucket 4
-    inputs = runner._graphs.prepare(plan)
+    inputs = runner._graphs.prepare(plan, plan_rows(plan.requests, BS))
     assert inputs is not None and inputs.key == (4, 1) and inputs.num_rows == 3
     assert inputs.num_blocks.tolist() == [2, 3, 4, 1]
     assert inputs.block_tables.shape == (4, 32 // BS + 1) and set(inputs.block_tables[3].tolist()) == {40}

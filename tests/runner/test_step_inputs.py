@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -133,7 +134,7 @@ def test_graph_inputs_equal_the_per_token_padding(seed: int) -> None:
     bucket = len(plan.requests) + rng.randint(0, 7)
     graphs = GraphedSteps(forward=lambda *_: torch.empty(0), capture=lambda fn: (None, fn()), device=torch.device("cpu"),
                           block_size=bs, scratch_block=4321, max_blocks=width)
-    got = graphs._pad(plan, bucket, q)
+    got = graphs._pad(plan, plan_rows(plan.requests, bs), bucket, q)
     want = _reference_pad(plan, bucket, q, bs, 4321, width)
     names = ("input_ids", "positions", "slots", "num_blocks", "block_tables", "query_pos")
     for name, ref in zip(names, want, strict=True):
@@ -159,3 +160,28 @@ def test_tables_repeat_each_rows_last_used_block() -> None:
     rows = plan_rows(plan.requests, 4)
     assert rows.used.tolist() == [2, 1, 2]
     assert rows.tables(4).tolist() == [[5, 6, 6, 6], [8, 8, 8, 8], [9, 10, 10, 10]]
+
+
+def test_block_tables_read_ahead_give_the_tables_at_the_launch() -> None:
+    """`prepare_blocks` while the plan waits, `plan_rows(..., prepared)` at its launch: the same arrays as reading
+    the rows then, after rows were moved back (their tables replaced by shorter ones), regrown with other blocks,
+    withdrawn, added or fed."""
+    from tandem.core.plan_arrays import prepare_blocks
+
+    rng = random.Random(3)
+    plan = _random_plan(rng, 50, 4, decode_only=True)
+    prepared = prepare_blocks(plan.requests)
+    r0, r1, r2 = plan.requests[0], plan.requests[1], plan.requests[2]
+    r0.input_ids, r0.num_draft_tokens = r0.input_ids[:1], 0  # moved back: fewer tokens, its table cut
+    r0.block_table = r0.block_table[: -(-(r0.start_pos + 1) // 4)]
+    r1.input_ids += [1, 2, 3, 4]
+    need = -(-(r1.start_pos + len(r1.input_ids)) // 4)
+    r1.block_table = r1.block_table[: need - 2] + [9999, 9998]  # cut, then grown with other blocks (a redraft's)
+    del plan.requests[2]  # withdrawn
+    plan.requests.append(ScheduledRequest("new", [5, 6], 40, [7000 + i for i in range(11)]))
+    for r in plan.requests[3:10]:
+        r.input_ids[0] = 77  # fed
+    got, want = plan_rows(plan.requests, 4, prepared), plan_rows(plan.requests, 4)
+    for name in ("starts", "counts", "wanted", "used", "input_ids", "blocks"):
+        assert np.array_equal(getattr(got, name), getattr(want, name)), name
+    assert {9999, 9998} <= set(got.blocks.tolist()) and r2 not in plan.requests
