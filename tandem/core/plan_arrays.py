@@ -2,10 +2,11 @@
 
 A runner builds its forward's inputs (positions, KV slots, block tables, query positions) between sampling and the
 launch: host time the device waits for. Built token by token in Python lists and converted with `torch.tensor`, a
-256-row decode step took 2-5 ms (eager metadata) and 2.4-8.5 ms (CUDA-graph inputs, tables padded to 129-513 blocks)
-on an AMD EPYC core (`python scripts/bench_launch_inputs.py`, docs/benchmarks.md): 12-42 % of a 20 ms accelerator
-step. Here the rows are read in one Python pass (`plan_rows`) and each per-token or per-block list is
-one vectorised NumPy expression over the per-row arrays.
+256-row step took 3.5-7.8 ms (eager inputs, each attention path) and 2.2-7.9 ms (CUDA-graph inputs, tables padded to
+129-513 blocks) on an AMD EPYC core (`python scripts/bench_launch_inputs.py`, docs/benchmarks.md): 11-39 % of a
+20 ms accelerator step. Here the rows are read in one Python pass (`plan_rows`) and each per-token or per-block list
+is one vectorised NumPy expression over the per-row arrays: 0.5-0.6 ms, 0.37-0.41 with the block tables read ahead
+(`prepare_blocks`).
 """
 
 from __future__ import annotations

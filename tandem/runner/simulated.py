@@ -18,8 +18,9 @@ accelerator, as a function of the tokens and KV positions in the step). The logi
 Sampling still runs on the host (on a real accelerator it runs on the device): benchmarks count it as device time.
 With `launch_inputs` (`CudaLaunchInputs`), `launch` first builds on the host what `ModelRunner.launch` builds for a
 CUDA model before its forward can start (token ids, positions, slots, block tables; a CUDA graph's padded inputs
-where the step fits one), so the time a real device waits for it counts: 0.5-0.6 ms at 256 rows (AMD EPYC, 2026-12-06;
-2.2-7.9 ms before core/plan_arrays.py, `python scripts/bench_launch_inputs.py`).
+where the step fits one; its block tables read ahead by `prepare`), so the time a real device waits for it counts:
+0.37-0.41 ms at 256 rows (AMD EPYC, 2026-12-06; 2.2-7.9 ms before core/plan_arrays.py, `python
+scripts/bench_launch_inputs.py`).
 Not for serving: nothing it produces means anything.
 """
 

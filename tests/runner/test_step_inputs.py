@@ -185,3 +185,18 @@ def test_block_tables_read_ahead_give_the_tables_at_the_launch() -> None:
     for name in ("starts", "counts", "wanted", "used", "input_ids", "blocks"):
         assert np.array_equal(getattr(got, name), getattr(want, name)), name
     assert {9999, 9998} <= set(got.blocks.tolist()) and r2 not in plan.requests
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_graphs_fit_from_the_arrays_is_graph_query_len(seed: int) -> None:
+    from tandem.runner.cuda_graphs import _query_len, graph_query_len
+
+    rng = random.Random(seed)
+    for _ in range(40):
+        q = rng.choice([None, 1, 3])
+        plan = _random_plan(rng, rng.randint(1, 6), 4, decode_only=rng.random() < 0.5, q=q)
+        for r in plan.requests:
+            if q is not None and rng.random() < 0.8:  # verify rows wanting every row: graph candidates
+                r.num_draft_tokens, r.needs_logits, r.all_logits = q - 1, True, False
+        assert _query_len(plan_rows(plan.requests, 4)) == graph_query_len(plan)
+    assert _query_len(plan_rows([], 4)) is None
