@@ -3,7 +3,7 @@
     python scripts/bench_launch_inputs.py [--rows 256] [--repeats 30] [--seed 0]
 
 Random decode plans (one token a row) and verify plans (0-4 drafts a row), positions 100-1500, 16-token blocks:
-`ModelRunner._inputs` (input ids, `build_metadata` for tandem's CPU kernels, the torch gathered path and
+`step_inputs`, what `ModelRunner._inputs` builds (input ids, `build_metadata` for tandem's CPU kernels, the torch gathered path and
 FlexAttention's paged path, logits rows) and the CUDA-graph step's padded inputs (`GraphedSteps._pad`, tables 129
 and 513 blocks wide: max_model_len 2,048 and 8,192), and what a CUDA runner's launch builds (`CudaLaunchInputs`,
 max_model_len 4,096: a graph where the step fits one, else the paged path) with the block tables read ahead
@@ -18,14 +18,13 @@ import random
 import statistics
 import time
 from collections.abc import Callable
-from types import SimpleNamespace
 
 import torch
 
 from tandem.core.plan import ScheduledRequest, StepPlan
 from tandem.core.plan_arrays import plan_rows
+from tandem.layers.attention import step_inputs
 from tandem.runner.cuda_graphs import GraphedSteps, bucket_for
-from tandem.runner.runner import ModelRunner
 from tandem.runner.simulated import CudaLaunchInputs
 
 BLOCK = 16
@@ -55,13 +54,8 @@ def median_ms(fn: Callable[[], object], repeats: int, before: Callable[[], objec
 
 
 def eager_inputs(plan: StepPlan, gathered: bool, paged: bool) -> object:
-    """`ModelRunner._inputs(plan)` on the CPU for a model whose decode attention takes the given path (the runner
-    stood in for by the fields that method reads)."""
-    ops = SimpleNamespace(gathered_decode=gathered, paged_decode=paged)
-    runner = SimpleNamespace(block_size=BLOCK, device=torch.device("cpu"), _pin=False, model=SimpleNamespace(ops=ops),
-                             _logits_rows=getattr(ModelRunner, "_logits_rows", None))
-    runner._to_device = lambda values: ModelRunner._to_device(runner, values)  # type: ignore[arg-type]
-    return ModelRunner._inputs(runner, plan)  # type: ignore[arg-type]
+    """What `ModelRunner._inputs(plan)` builds on the CPU for a model whose decode attention takes the given path."""
+    return step_inputs(plan, BLOCK, torch.device("cpu"), gathered_decode=gathered, paged_decode=paged)
 
 
 def main() -> None:
@@ -87,7 +81,7 @@ def main() -> None:
                                   device=torch.device("cpu"), block_size=BLOCK, scratch_block=1 << 20, max_blocks=width)
             cells.append(median_ms(lambda gs=graphs, pl=plan: gs.prepare(pl, plan_rows(pl.requests, BLOCK)), args.repeats))
         cuda = CudaLaunchInputs(BLOCK, 4096, 1 << 20)
-        cells.append(median_ms(lambda c=cuda, pl=plan: c(pl), args.repeats, before=lambda c=cuda, pl=plan: c.prepare(pl)))
+        cells.append(median_ms(lambda c=cuda, pl=plan: c(pl), args.repeats, before=lambda c=cuda, pl=plan: c.blocks_ahead.prepare(pl)))
         print(f"| {name} | {plan.num_tokens} | " + " | ".join("-" if c != c else f"{c:.2f}" for c in cells) + " |")
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tandem.core.plan import ScheduledRequest
+from tandem.core.plan import ScheduledRequest, StepPlan
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,23 @@ def prepare_blocks(requests: Sequence[ScheduledRequest]) -> PreparedBlocks:
     for t in tables:
         blocks += t
     return PreparedBlocks({id(r): i for i, r in enumerate(requests)}, tables, lens, np.array(blocks, dtype=np.int64))
+
+
+class BlocksAhead:
+    """A runner's read-ahead: the next plan's block tables read by `prepare` (while the forward before it runs),
+    used by `rows` at its launch."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self._ahead: tuple[StepPlan, PreparedBlocks] | None = None
+
+    def prepare(self, plan: StepPlan) -> None:
+        self._ahead = (plan, prepare_blocks(plan.requests))
+
+    def rows(self, plan: StepPlan) -> PlanRows:
+        """`plan_rows` of `plan`, with its tables read ahead when `prepare` read them for it (then forgotten)."""
+        ahead, self._ahead = self._ahead, None
+        return plan_rows(plan.requests, self.block_size, ahead[1] if ahead is not None and ahead[0] is plan else None)
 
 
 def plan_rows(requests: Sequence[ScheduledRequest], block_size: int, prepared: PreparedBlocks | None = None) -> PlanRows:

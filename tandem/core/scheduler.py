@@ -15,8 +15,9 @@ before it runs, appending to each request that will sample its drafts (taken as 
 placeholders; `resolve(plan, tokens, next_plan)` writes the sampled tokens over them (in the requests and in the next
 plan's inputs) before the next plan is launched. With drafts, `settle(plan, tokens, next_plan, keep)` does this
 instead: a request whose drafts were all accepted keeps its row of the next plan, fed the token (its drafts too when
-`keep` says they still hold; the request's own list learns the token in `confirm()`, after the launch), any other has that row moved back to where its accepted tokens end, without drafts, and the KV
-slots of its rejected drafts released. A request whose token needs more work than the launch can wait for is
+`keep` says they still hold; the request's own list learns the token in `confirm()`, after the launch), any other
+has that row moved back to where its accepted tokens end, without drafts, and the KV slots of its rejected drafts
+released. A request whose token needs more work than the launch can wait for is
 `withdraw`n from the next plan and resolved later; a token found wrong after that launch (an unmasked argmax the
 grammar rejects) is `retract`ed: replaced, and the request's row in the running plan thrown away (the plan after it
 feeds that position again).
@@ -354,9 +355,10 @@ class Scheduler:
             if req is None or req.status is not running:
                 continue
             if len(toks) == sr.num_draft_tokens + 1:  # every draft accepted, the next row's drafts assumed otherwise
+                assert nxt is not None  # (a row without a next one was fed above)
                 self._confirm(req, sr, toks[-1])
-                nxt.input_ids[0] = toks[-1]  # type: ignore[union-attr]
-                self._drop_drafts(req, nxt)  # type: ignore[arg-type]
+                nxt.input_ids[0] = toks[-1]
+                self._drop_drafts(req, nxt)
                 changed.append(rid)
             else:
                 self._move_back(req, sr, toks, nxt)

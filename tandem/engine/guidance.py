@@ -347,7 +347,8 @@ class Guidance:
                     recheck.discard(rid)
                 rows.num_verify += k + 1
                 continue
-            if guided and rid in argmax_only and rid not in recheck and (t := traits(rid))[1] and t[0]:
+            as_masks, was_open = traits(rid) if guided and rid in argmax_only else (False, False)
+            if as_masks and was_open and rid not in recheck:
                 if slack:
                     rows.slack_ids.append(rid)
                     rows.slack_rows.append(rows.num_sampled)
@@ -356,7 +357,7 @@ class Guidance:
             elif guided:
                 rows.sampled_ids.append(rid)
                 rows.sampled_rows.append(rows.num_sampled)
-                if self.probe_tokens and rid in argmax_only and rid not in refilled and traits(rid)[0]:
+                if self.probe_tokens and as_masks and rid not in refilled:
                     rows.probe[rid] = self.probe_tokens
                 recheck.discard(rid)
                 refilled.discard(rid)

@@ -19,7 +19,7 @@ import torch
 
 from tandem.config import CacheConfig, ConfigError, ModelConfig, SchedulerConfig
 from tandem.core.plan import StepPlan
-from tandem.core.plan_arrays import PlanRows, PreparedBlocks, plan_rows, prepare_blocks
+from tandem.core.plan_arrays import BlocksAhead, PlanRows
 from tandem.layers.attention import AttentionMetadata, step_inputs
 from tandem.layers.moe_offload import OffloadSetting, host_expert_layers, warn_if_no_op
 from tandem.layers.parallel import TensorParallel
@@ -186,7 +186,7 @@ class ModelRunner(Runner):
         self._want_graphs = wanted and not self.tp.enabled and not self._experts_cross_bus
         self._host.run(self._build, weights, cache_config, scheduler_config, num_threads, use_kernels)
         self._graphs = self._graphed_steps(scheduler_config.max_model_len)
-        self._ahead: tuple[StepPlan, PreparedBlocks] | None = None  # the next plan and its block tables, read ahead
+        self._blocks_ahead = BlocksAhead(self.block_size)  # the next plan's block tables, read ahead
 
     def _build(
         self, weights: Mapping[str, torch.Tensor], cache_config: CacheConfig, scheduler_config: SchedulerConfig,
@@ -279,12 +279,11 @@ class ModelRunner(Runner):
         return self.model_config.vocab_size
 
     def prepare(self, plan: StepPlan) -> None:
-        self._ahead = (plan, prepare_blocks(plan.requests))
+        self._blocks_ahead.prepare(plan)
 
     def launch(self, plan: StepPlan) -> ForwardHandle:
         """Start the forward of `plan` and return at once; the CPU is free until `collect`."""
-        ahead, self._ahead = self._ahead, None
-        rows = plan_rows(plan.requests, self.block_size, ahead[1] if ahead is not None and ahead[0] is plan else None)
+        rows = self._blocks_ahead.rows(plan)
         graph_inputs = self._graphs.prepare(plan, rows) if self.cuda_graphs and self._graphs is not None else None
         if graph_inputs is not None:
             return ForwardHandle(self._host.submit(self._replay, graph_inputs), plan.num_logits_rows)

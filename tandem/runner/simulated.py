@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.core.plan import StepPlan
-from tandem.core.plan_arrays import PreparedBlocks, plan_rows, prepare_blocks
+from tandem.core.plan_arrays import BlocksAhead
 from tandem.layers.attention import step_inputs
 from tandem.runner.base import ForwardHandle, Runner
 from tandem.runner.cuda_graphs import GraphedSteps, capture_eagerly
@@ -157,7 +157,7 @@ class SimulatedRunner(Runner):
 
     def __init__(self, vocab_size: int, num_blocks: int, step_s: float = 0.0, table_rows: int = 512, seed: int = 0,
                  rows_by_token: bool = False, device_model: DeviceModel | None = None,
-                 logits: LogitsSource | None = None, launch_inputs: Callable[[StepPlan], object] | None = None) -> None:
+                 logits: LogitsSource | None = None, launch_inputs: CudaLaunchInputs | None = None) -> None:
         self.device = torch.device("cpu")
         self.num_blocks = num_blocks
         self.kv_cache_bytes = 0
@@ -181,8 +181,8 @@ class SimulatedRunner(Runner):
         return self.device_model.plan_s(plan) if self.device_model is not None else self.step_s
 
     def prepare(self, plan: StepPlan) -> None:
-        if isinstance(self.launch_inputs, CudaLaunchInputs):
-            self.launch_inputs.prepare(plan)
+        if self.launch_inputs is not None:
+            self.launch_inputs.blocks_ahead.prepare(plan)
 
     def launch(self, plan: StepPlan) -> ForwardHandle:
         """The forward 'runs' from now for its step time (once its inputs are built, with `launch_inputs`); its
@@ -226,20 +226,13 @@ class CudaLaunchInputs:
 
     def __init__(self, block_size: int, max_model_len: int, num_blocks: int) -> None:
         self.block_size = block_size
-        cpu = torch.device("cpu")
-        self.graphs = GraphedSteps(forward=lambda ids, meta: ids, capture=capture_eagerly, device=cpu,
+        self.graphs = GraphedSteps(forward=lambda ids, meta: ids, capture=capture_eagerly, device=torch.device("cpu"),
                                    block_size=block_size, scratch_block=num_blocks,
                                    max_blocks=min(-(-max_model_len // block_size) + 1, num_blocks))
-
-        self._ahead: tuple[StepPlan, PreparedBlocks] | None = None
-
-    def prepare(self, plan: StepPlan) -> None:
-        """`ModelRunner.prepare`: the plan's block tables read ahead."""
-        self._ahead = (plan, prepare_blocks(plan.requests))
+        self.blocks_ahead = BlocksAhead(block_size)  # `ModelRunner.prepare`'s read-ahead
 
     def __call__(self, plan: StepPlan) -> object:
-        ahead, self._ahead = self._ahead, None
-        rows = plan_rows(plan.requests, self.block_size, ahead[1] if ahead is not None and ahead[0] is plan else None)
+        rows = self.blocks_ahead.rows(plan)
         padded = self.graphs.prepare(plan, rows)
         if padded is not None:
             return padded

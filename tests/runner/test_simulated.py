@@ -110,6 +110,12 @@ def test_a_launch_builds_what_a_cuda_runners_launch_builds_on_the_host() -> None
     assert meta.decode is not None and meta.decode.paged is not None and len(meta.prefills) == 1
 
     built: list[StepPlan] = []
-    runner = SimulatedRunner(64, num_blocks=512, step_s=0.001, launch_inputs=built.append)
+
+    class Recorded(CudaLaunchInputs):
+        def __call__(self, plan: StepPlan) -> object:
+            built.append(plan)
+            return super().__call__(plan)
+
+    runner = SimulatedRunner(64, num_blocks=512, step_s=0.001, launch_inputs=Recorded(16, 4096, 512))
     runner.collect(runner.launch(decode))
     assert built == [decode]
