@@ -81,7 +81,7 @@ def main() -> None:
                                   device=torch.device("cpu"), block_size=BLOCK, scratch_block=1 << 20, max_blocks=width)
             cells.append(median_ms(lambda gs=graphs, pl=plan: gs.prepare(pl, plan_rows(pl.requests, BLOCK)), args.repeats))
         cuda = CudaLaunchInputs(BLOCK, 4096, 1 << 20)
-        cells.append(median_ms(lambda c=cuda, pl=plan: c(pl), args.repeats, before=lambda c=cuda, pl=plan: c.blocks_ahead.prepare(pl)))
+        cells.append(median_ms(lambda c=cuda, pl=plan: c(pl), args.repeats, before=lambda c=cuda, pl=plan: c.ahead.prepare(pl)))
         print(f"| {name} | {plan.num_tokens} | " + " | ".join("-" if c != c else f"{c:.2f}" for c in cells) + " |")
 
 

@@ -44,6 +44,28 @@ def _seeded_global_rngs() -> Iterator[None]:
     yield
 
 
+@pytest.fixture(autouse=True)
+def _inputs_ahead_checked(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """At every launch in every test, a runner's arrays from its read ahead and the plan's edits
+    (core/plan_arrays.InputsAhead) equal a fresh read of the plan's rows: a change to a scheduled row that the
+    scheduler does not log in `StepPlan.edits` fails whatever test makes it (not in `raw_inputs_ahead` tests)."""
+    if request.node.get_closest_marker("raw_inputs_ahead"):
+        return
+    from tandem.core.plan_arrays import InputsAhead, plan_rows
+
+    take = InputsAhead.take
+
+    def checked(self, plan):  # type: ignore[no-untyped-def]
+        got, built = take(self, plan)
+        want = plan_rows(plan.requests, self.block_size)
+        for name in ("starts", "counts", "wanted", "used", "input_ids", "blocks"):
+            assert np.array_equal(getattr(got, name), getattr(want, name)), f"read ahead: {name} differs"
+        assert got.request_ids == want.request_ids
+        return got, built
+
+    monkeypatch.setattr(InputsAhead, "take", checked)
+
+
 @pytest.fixture
 def held_compiles(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
     """llguidance compiles wait until the returned event is set (set at the end in any case): a grammar that is

@@ -22,7 +22,7 @@ class ScheduledRequest:
     request_id: str
     input_ids: list[int]
     start_pos: int
-    block_table: list[int]  # once scheduled, replaced and never changed in place (core/plan_arrays.PreparedBlocks)
+    block_table: list[int]  # once scheduled, replaced and never changed in place
     num_draft_tokens: int = 0
     needs_logits: bool = True
     all_logits: bool = False  # prompt logprobs: one row per input position
@@ -43,12 +43,27 @@ class ScheduledRequest:
 
 
 @dataclass
+class PlanEdits:
+    """What the scheduler changed in a plan's rows after scheduling it and before its launch (scheduling ahead:
+    `feed`, `settle`, `add_drafts`, `withdraw`), so that a runner which read the plan while the forward before it
+    ran (core/plan_arrays.InputsAhead) reads again only these rows. Every change to a scheduled, unlaunched row is
+    logged here: a fed token, or the row named as reshaped or withdrawn. Applying an entry twice, or to a read made
+    after it, changes nothing."""
+
+    fed: list[tuple[ScheduledRequest, int, int]] = field(default_factory=list)  # (row, index in input_ids, token)
+    reshaped: list[ScheduledRequest] = field(default_factory=list)  # start, tokens, drafts or block table changed
+    withdrawn: list[ScheduledRequest] = field(default_factory=list)  # taken out of the plan
+
+
+@dataclass
 class StepPlan:
-    """What one engine step runs. `requests` are in the order their logits rows come back."""
+    """What one engine step runs. `requests` are in the order their logits rows come back; `edits`: the changes to
+    its rows after scheduling (see `PlanEdits`)."""
 
     step_id: int
     requests: list[ScheduledRequest] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
+    edits: PlanEdits = field(default_factory=PlanEdits)
 
     @property
     def num_tokens(self) -> int:

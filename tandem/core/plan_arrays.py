@@ -5,18 +5,23 @@ launch: host time the device waits for. Built token by token in Python lists and
 256-row step took 3.5-7.8 ms (eager inputs, each attention path) and 2.2-7.9 ms (CUDA-graph inputs, tables padded to
 129-513 blocks) on an AMD EPYC core (`python scripts/bench_launch_inputs.py`, docs/benchmarks.md): 11-39 % of a
 20 ms accelerator step. Here the rows are read in one Python pass (`plan_rows`) and each per-token or per-block list
-is one vectorised NumPy expression over the per-row arrays: 0.5-0.6 ms, 0.37-0.41 with the block tables read ahead
-(`prepare_blocks`).
+is one vectorised NumPy expression over the per-row arrays: 0.5-0.6 ms. Scheduling ahead, the rows are read while
+the forward before runs and only those the scheduler changed since are read at the launch (`InputsAhead`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Generic, TypeVar
 
 import numpy as np
 
-from tandem.core.plan import ScheduledRequest, StepPlan
+from tandem.core.plan import PlanEdits, ScheduledRequest, StepPlan
+
+Built = TypeVar("Built")  # a runner's launch inputs
+HELD_TO_BUILD = 0.5  # inputs are built ahead while at least this share of recent reads held to their launch
+HELD_RATE = 0.1  # how fast that share follows: ~10 launches
 
 
 @dataclass(frozen=True)
@@ -30,6 +35,7 @@ class PlanRows:
     used: np.ndarray  # [B] int64: the blocks its positions reach (its last position's block + 1)
     input_ids: np.ndarray  # [T] int64: the rows' input ids, concatenated
     blocks: np.ndarray  # [sum(used)] int64: each row's first `used` blocks, concatenated
+    request_ids: list[str]  # [B]
 
     @property
     def num_tokens(self) -> int:
@@ -66,90 +72,95 @@ class PlanRows:
         return np.repeat(ends - self.wanted - first, self.wanted) + np.arange(int(self.wanted.sum()), dtype=np.int64)
 
 
-@dataclass(frozen=True)
-class PreparedBlocks:
-    """A plan's block tables read ahead (scheduling ahead: while the forward before it runs), for `plan_rows` at
-    the launch: the block lists are most of what a launch reads (0.31 of 0.36 ms at 256 rows, AMD EPYC). A row's
-    table is replaced, never changed in place, once scheduled (`ScheduledRequest.block_table`): rows that left the
-    plan, or whose table was replaced since (rejected drafts' blocks released, a redraft's added), are read again."""
+class InputsAhead(Generic[Built]):
+    """A runner's read-ahead of the next plan (scheduling ahead): `prepare` reads its rows into arrays, and builds
+    the launch's inputs from them when given `build`, while the forward before it runs. At its launch, `take` uses
+    that read when the scheduler only fed tokens into the plan since (`StepPlan.edits`): the input ids patched, the
+    rest as read (and `with_ids` puts the ids into the inputs built). Rows reshaped or withdrawn: the plan is read
+    again. After the host's sampling has streamed a step's logits through the caches, each NumPy call of a launch
+    cost ~10x its warm time (10 calls on 256-row arrays: 12 us warm, 130 us after an argmax over 256 x 49,152 bf16
+    logits, AMD EPYC, 2026-12-06): what the launch does not do there, it does not pay for."""
 
-    index: dict[int, int]  # id(row) -> its index when read
-    tables: list[list[int]]  # each row's table (the list itself) when read
-    lens: np.ndarray  # [B] int64: their lengths
-    blocks: np.ndarray  # [sum(lens)] int64: the tables, concatenated
-
-
-def prepare_blocks(requests: Sequence[ScheduledRequest]) -> PreparedBlocks:
-    """The rows' block tables, read now."""
-    tables = [r.block_table for r in requests]
-    lens = np.array([len(t) for t in tables], dtype=np.int64)
-    blocks: list[int] = []
-    for t in tables:
-        blocks += t
-    return PreparedBlocks({id(r): i for i, r in enumerate(requests)}, tables, lens, np.array(blocks, dtype=np.int64))
-
-
-class BlocksAhead:
-    """A runner's read-ahead: the next plan's block tables read by `prepare` (while the forward before it runs),
-    used by `rows` at its launch."""
-
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, build: Callable[[StepPlan, PlanRows], Built] | None = None,
+                 with_ids: Callable[[Built, PlanRows], Built] | None = None) -> None:
         self.block_size = block_size
-        self._ahead: tuple[StepPlan, PreparedBlocks] | None = None
+        self._build, self._with_ids = build, with_ids
+        self._ahead: _Read[Built] | None = None
+        # the share of recent reads a launch took as read (EWMA): with drafts, most plans are reshaped after their
+        # read (optimistic misses), and inputs built for them would only take the host's time
+        self.held_share = 1.0
 
-    def prepare(self, plan: StepPlan) -> None:
-        self._ahead = (plan, prepare_blocks(plan.requests))
+    def prepare(self, plan: StepPlan, build: bool = True) -> None:
+        """Read `plan` now (and build its inputs, given `build` and a builder, while most reads hold)."""
+        rows = list(plan.requests)
+        arrays = plan_rows(rows, self.block_size)
+        build = build and self._build is not None and self.held_share >= HELD_TO_BUILD
+        built = self._build(plan, arrays) if build and self._build is not None else None
+        self._ahead = _Read(plan, rows, {id(r): i for i, r in enumerate(rows)}, arrays, built)
 
-    def rows(self, plan: StepPlan) -> PlanRows:
-        """`plan_rows` of `plan`, with its tables read ahead when `prepare` read them for it (then forgotten)."""
+    def take(self, plan: StepPlan) -> tuple[PlanRows, Built | None]:
+        """`plan_rows(plan.requests)`, and the inputs built from them when the read ahead built them (else None),
+        from the read `prepare` made of `plan` if it holds (then forgotten)."""
         ahead, self._ahead = self._ahead, None
-        return plan_rows(plan.requests, self.block_size, ahead[1] if ahead is not None and ahead[0] is plan else None)
+        ids = ahead.fed_ids(plan.edits) if ahead is not None and ahead.plan is plan else None
+        if ahead is not None and ahead.plan is plan:
+            self.held_share += HELD_RATE * ((ids is not None) - self.held_share)
+        if ahead is None or ids is None:
+            return plan_rows(plan.requests, self.block_size), None
+        rows = replace(ahead.arrays, input_ids=ids)
+        if ahead.built is None or self._with_ids is None:
+            return rows, None
+        return rows, self._with_ids(ahead.built, rows)
 
 
-def plan_rows(requests: Sequence[ScheduledRequest], block_size: int, prepared: PreparedBlocks | None = None) -> PlanRows:
-    """The arrays of `requests`, read in one pass over the rows (the launch's critical path); the block tables
-    gathered from `prepared` where it holds them."""
+@dataclass(frozen=True)
+class _Read(Generic[Built]):
+    """A plan's rows as `InputsAhead.prepare` read them."""
+
+    plan: StepPlan
+    rows: list[ScheduledRequest]  # held, so that no other row takes one of their ids
+    index: dict[int, int]  # id(row) -> its index in `rows`
+    arrays: PlanRows
+    built: Built | None
+
+    def fed_ids(self, edits: PlanEdits) -> np.ndarray | None:
+        """[T] int64: the input ids with the tokens `edits` fed; None when rows were reshaped or withdrawn, or a fed
+        row is not one read."""
+        if edits.reshaped or edits.withdrawn:
+            return None
+        if not edits.fed:
+            return self.arrays.input_ids
+        index = self.index
+        rows, at, tok = zip(*[(index.get(id(r), -1), at, tok) for r, at, tok in edits.fed], strict=True)
+        row_a, at_a = np.array(rows, dtype=np.int64), np.array(at, dtype=np.int64)
+        if (row_a < 0).any():
+            return None
+        ids = self.arrays.input_ids.copy()
+        ids[self.arrays.offsets[row_a] + at_a] = tok
+        return ids
+
+
+def plan_rows(requests: Sequence[ScheduledRequest], block_size: int) -> PlanRows:
+    """The arrays of `requests`, read in one pass over the rows."""
     starts: list[int] = []
     counts: list[int] = []
     wanted: list[int] = []
     ids: list[int] = []
+    names: list[str] = []
     for r in requests:
         n = len(r.input_ids)
         starts.append(r.start_pos)
         counts.append(n)
         wanted.append(n if r.all_logits else (r.num_draft_tokens + 1 if r.needs_logits else 0))
         ids += r.input_ids
+        names.append(r.request_id)
     starts_a, counts_a = np.array(starts, dtype=np.int64), np.array(counts, dtype=np.int64)
     used = (starts_a + counts_a + block_size - 1) // block_size
-    blocks = _used_blocks(requests, used, prepared) if prepared is not None else _read_blocks(requests, used)
-    return PlanRows(block_size, starts_a, counts_a, np.array(wanted, dtype=np.int64), used,
-                    np.array(ids, dtype=np.int64), blocks)
-
-
-def _read_blocks(requests: Sequence[ScheduledRequest], used: np.ndarray) -> np.ndarray:
-    """[sum(used)] int64: each row's first `used` blocks, concatenated."""
     blocks: list[int] = []
     for r, u in zip(requests, used.tolist(), strict=True):
         blocks += r.block_table[:u]
-    return np.array(blocks, dtype=np.int64)
-
-
-def _used_blocks(requests: Sequence[ScheduledRequest], used: np.ndarray, prepared: PreparedBlocks) -> np.ndarray:
-    """`_read_blocks`, gathered from `prepared`; rows it lacks, or whose table was replaced since, read again."""
-    index, tables, where = prepared.index, prepared.tables, []
-    for r in requests:
-        w = index.get(id(r), -1)
-        where.append(w if w >= 0 and r.block_table is tables[w] else -1)
-    at = np.array(where, dtype=np.int64)  # [B]
-    first = (np.cumsum(prepared.lens) - prepared.lens)[np.maximum(at, 0)]  # [B]
-    stale = np.flatnonzero(at < 0)
-    source = prepared.blocks
-    if len(stale):  # their current tables appended to the source
-        first[stale] = len(source) + np.cumsum(used[stale]) - used[stale]
-        source = np.concatenate([source, _read_blocks([requests[i] for i in stale.tolist()], used[stale])])
-    rows = np.repeat(np.arange(len(used), dtype=np.int64), used)
-    within = np.arange(int(used.sum()), dtype=np.int64) - (np.cumsum(used) - used)[rows]
-    return source[first[rows] + within]
+    return PlanRows(block_size, starts_a, counts_a, np.array(wanted, dtype=np.int64), used,
+                    np.array(ids, dtype=np.int64), np.array(blocks, dtype=np.int64), names)
 
 
 def slot_mapping(tables: np.ndarray, rows: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:

@@ -295,6 +295,7 @@ class Scheduler:
         all that must happen before `next_plan` is launched (~0.2 us a row); `resolve` updates the requests after
         the launch. A request's placeholder is the last of its known tokens, so it is the last input of its row
         before the row's drafts, or not in the row."""
+        fed = next_plan.edits.fed
         for sr in next_plan.requests:
             ids = sr.input_ids
             at = len(ids) - 1 - sr.num_draft_tokens
@@ -302,6 +303,7 @@ class Scheduler:
                 toks = tokens.get(sr.request_id)
                 if toks:
                     ids[at] = toks[0]
+                    fed.append((sr, at, toks[0]))
 
     def resolve(self, plan: StepPlan, tokens: Mapping[str, Sequence[int]], next_plan: StepPlan | None,
                 commit: bool = True) -> None:
@@ -340,6 +342,7 @@ class Scheduler:
         # draft accepted, its next row's drafts kept) only feeds its next row here
         rows = {sr.request_id: sr for sr in next_plan.requests}
         requests, running, changed, unconfirmed = self._requests, RequestStatus.RUNNING, [], self._unconfirmed
+        fed, reshaped = next_plan.edits.fed, next_plan.edits.reshaped
         for sr in plan.requests:
             rid = sr.request_id
             toks = tokens.get(rid)
@@ -349,6 +352,7 @@ class Scheduler:
             if len(toks) == sr.num_draft_tokens + 1 and (nxt is None or not nxt.num_draft_tokens or rid in keep):
                 if nxt is not None:
                     nxt.input_ids[0] = toks[-1]
+                    fed.append((nxt, 0, toks[-1]))
                 unconfirmed[rid] = (sr, toks[-1])
                 continue
             req = requests.get(rid)
@@ -360,10 +364,12 @@ class Scheduler:
                 nxt.input_ids[0] = toks[-1]
                 self._drop_drafts(req, nxt)
                 changed.append(rid)
+                reshaped.append(nxt)
             else:
                 self._move_back(req, sr, toks, nxt)
                 if nxt is not None:
                     changed.append(rid)
+                    reshaped.append(nxt)
         return changed
 
     def confirm(self, request_ids: Collection[str] | None = None) -> None:
@@ -438,6 +444,7 @@ class Scheduler:
             req.num_computed_tokens += n
             sr.input_ids.extend(new)
             sr.num_draft_tokens = n
+            next_plan.edits.reshaped.append(sr)
             room -= n
             added += n
         return added
@@ -461,6 +468,7 @@ class Scheduler:
             if sr.request_id not in request_ids or req is None:
                 kept.append(sr)
                 continue
+            plan.edits.withdrawn.append(sr)
             if sr.needs_logits and req.token_ids and req.token_ids[-1] == PLACEHOLDER:
                 del req.token_ids[len(req.token_ids) - 1 - sr.num_draft_tokens :]  # its drafts, the token to sample
                 req.num_tentative -= 1 + sr.num_draft_tokens

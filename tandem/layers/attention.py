@@ -127,11 +127,19 @@ def step_inputs(
     """A forward's inputs on `device`: token ids [T], the attention metadata (`build_metadata`) and the rows of
     the flattened batch whose logits are wanted [R] (`rows`: the plan's arrays, when already read)."""
     rows = rows if rows is not None else plan_rows(plan.requests, block_size)
-    ids, wanted = _long(rows.input_ids), _long(rows.logits_rows())
+    wanted = _long(rows.logits_rows())
     if pin and device.type == "cuda":
-        ids, wanted = ids.pin_memory(), wanted.pin_memory()
+        wanted = wanted.pin_memory()
     meta = build_metadata(plan, block_size, device, pin, gathered_decode, paged_decode, rows)
-    return ids.to(device, non_blocking=True), meta, wanted.to(device, non_blocking=True)
+    return host_ids(rows.input_ids, device, pin), meta, wanted.to(device, non_blocking=True)
+
+
+def host_ids(ids: np.ndarray, device: torch.device, pin: bool = True) -> torch.Tensor:
+    """Token ids [T] on `device` (copied from page-locked memory on CUDA when `pin`)."""
+    t = _long(ids)
+    if pin and device.type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
 
 
 def _long(a: np.ndarray) -> torch.Tensor:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -146,6 +146,12 @@ class GraphedSteps:
         t = self._host_tensor
         return GraphInputs((bucket, q), n * q, t(ids), t(qpos.reshape(-1).copy()), t(slots.reshape(-1)),
                            t(counts, torch.int32), t(tables, torch.int32), t(qpos))
+
+    def with_ids(self, inputs: GraphInputs, ids: np.ndarray) -> GraphInputs:
+        """`inputs` with the token ids `ids` [n * q] (the step's rows and shape unchanged), padded as `_pad` pads."""
+        padded = np.zeros(inputs.input_ids.shape[0], dtype=np.int64)
+        padded[: len(ids)] = ids
+        return replace(inputs, input_ids=self._host_tensor(padded))
 
     def _host_tensor(self, values: np.ndarray, dtype: torch.dtype = torch.int64) -> torch.Tensor:
         x = torch.from_numpy(np.ascontiguousarray(values)).to(dtype)

@@ -19,7 +19,7 @@ import torch
 
 from tandem.config import CacheConfig, ConfigError, ModelConfig, SchedulerConfig
 from tandem.core.plan import StepPlan
-from tandem.core.plan_arrays import BlocksAhead, PlanRows
+from tandem.core.plan_arrays import PlanRows
 from tandem.layers.attention import AttentionMetadata, step_inputs
 from tandem.layers.moe_offload import OffloadSetting, host_expert_layers, warn_if_no_op
 from tandem.layers.parallel import TensorParallel
@@ -32,6 +32,7 @@ from tandem.runner.cuda_graphs import (
     capture_eagerly,
     graphs_enabled,
 )
+from tandem.runner.launch_inputs import LaunchInputs
 from tandem.runner.memory import huge_page_zeros, release_freed_memory, resident_bytes, resident_range_bytes
 from tandem.runner.tensor_thread import tensor_thread
 from tandem.runner.timeline import DeviceTimeline
@@ -186,7 +187,10 @@ class ModelRunner(Runner):
         self._want_graphs = wanted and not self.tp.enabled and not self._experts_cross_bus
         self._host.run(self._build, weights, cache_config, scheduler_config, num_threads, use_kernels)
         self._graphs = self._graphed_steps(scheduler_config.max_model_len)
-        self._blocks_ahead = BlocksAhead(self.block_size)  # the next plan's block tables, read ahead
+        # the next plan read (and, on an accelerator, its inputs built) while the forward before it runs
+        self._launch_inputs = LaunchInputs(self.block_size, self.device, self._graphs_now, self._inputs,
+                                           build_ahead=self._may_build_ahead)
+        self._capturing = False  # the forward in flight captures a CUDA graph first
 
     def _build(
         self, weights: Mapping[str, torch.Tensor], cache_config: CacheConfig, scheduler_config: SchedulerConfig,
@@ -279,16 +283,24 @@ class ModelRunner(Runner):
         return self.model_config.vocab_size
 
     def prepare(self, plan: StepPlan) -> None:
-        self._blocks_ahead.prepare(plan)
+        self._launch_inputs.prepare(plan)
 
     def launch(self, plan: StepPlan) -> ForwardHandle:
         """Start the forward of `plan` and return at once; the CPU is free until `collect`."""
-        rows = self._blocks_ahead.rows(plan)
-        graph_inputs = self._graphs.prepare(plan, rows) if self.cuda_graphs and self._graphs is not None else None
-        if graph_inputs is not None:
-            return ForwardHandle(self._host.submit(self._replay, graph_inputs), plan.num_logits_rows)
-        fut = self._host.submit(self._forward, *self._inputs(plan, rows))
-        return ForwardHandle(fut, plan.num_logits_rows)
+        _, inputs = self._launch_inputs(plan)
+        self._capturing = self._launch_inputs.captures(inputs)
+        if inputs.graph is not None:
+            return ForwardHandle(self._host.submit(self._replay, inputs.graph), plan.num_logits_rows)
+        assert inputs.eager is not None
+        return ForwardHandle(self._host.submit(self._forward, *inputs.eager), plan.num_logits_rows)
+
+    def _may_build_ahead(self) -> bool:
+        """Whether the next launch's inputs may be built now, beside the forward in flight (see `LaunchInputs`)."""
+        return not self.forward_uses_host_cores and not self._capturing
+
+    def _graphs_now(self) -> GraphedSteps | None:
+        """The graphed steps a launch may use now (None: eager)."""
+        return self._graphs if self.cuda_graphs else None
 
     def _inputs(self, plan: StepPlan, rows: PlanRows | None = None) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
         """The forward's inputs on the device: token ids [T], attention metadata, logits rows [R]."""

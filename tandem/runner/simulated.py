@@ -31,16 +31,18 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from tandem.core.plan import StepPlan
-from tandem.core.plan_arrays import BlocksAhead
+from tandem.core.plan_arrays import PlanRows
 from tandem.layers.attention import step_inputs
 from tandem.runner.base import ForwardHandle, Runner
 from tandem.runner.cuda_graphs import GraphedSteps, capture_eagerly
 from tandem.runner.device_model import DeviceModel
+from tandem.runner.launch_inputs import EagerInputs, LaunchInputs, StepInputs
 
 _SPIN_S = 0.0005  # the end of a wait for the forward is spun, as CUDA's default synchronisation does
 RowKey = tuple[str, int, int]  # (request id, position of the row's input token, that token)
@@ -60,10 +62,10 @@ class LogitsSource(ABC):
     def rows(self, keys: Sequence[RowKey]) -> torch.Tensor:
         """Logits [len(keys), V] bf16, one row per (request, position, input token) in plan order."""
 
-    def prepare(self, keys: Sequence[RowKey]) -> Callable[[], torch.Tensor]:
-        """At launch: the Python part of `rows`, returning the torch-only rest (run by the runner's thread, which
-        then needs the GIL only briefly: it must not wait for the host's Python work to be built in time)."""
-        return lambda: self.rows(keys)
+    def prepare(self, keys: Callable[[], Sequence[RowKey]]) -> Callable[[], torch.Tensor]:
+        """At launch: `rows` of the keys `keys()` gives, to run on the runner's thread (the keys too: their Python
+        work is off the launch's path)."""
+        return lambda: self.rows(keys())
 
 
 class TableLogits(LogitsSource):
@@ -119,13 +121,13 @@ class ReplayLogits(LogitsSource):
         return int(tokens[p]) if tokens is not None and p < len(tokens) else self.end_token
 
     def rows(self, keys: Sequence[RowKey]) -> torch.Tensor:
-        return self.prepare(keys)()
+        return self._build(self._targets(keys))
 
-    def prepare(self, keys: Sequence[RowKey]) -> Callable[[], torch.Tensor]:
+    def prepare(self, keys: Callable[[], Sequence[RowKey]]) -> Callable[[], torch.Tensor]:
         # the recorded tokens are looked up on the runner's thread, as the device computes its rows: 0.2 ms at 256
         # rows that the launch's critical path no longer holds (a request that ends meanwhile gets `end_token` in a
         # row its engine throws away)
-        return lambda: self._build(self._targets(keys))
+        return lambda: self._build(self._targets(keys()))
 
     def _targets(self, keys: Sequence[RowKey]) -> torch.Tensor:
         with self._lock:
@@ -182,14 +184,15 @@ class SimulatedRunner(Runner):
 
     def prepare(self, plan: StepPlan) -> None:
         if self.launch_inputs is not None:
-            self.launch_inputs.blocks_ahead.prepare(plan)
+            self.launch_inputs.prepare(plan)
 
     def launch(self, plan: StepPlan) -> ForwardHandle:
         """The forward 'runs' from now for its step time (once its inputs are built, with `launch_inputs`); its
         logits rows are built meanwhile (or at collect)."""
-        if self.launch_inputs is not None:
-            self.launch_inputs(plan)
-        keys = _row_keys(plan)
+        if self.launch_inputs is not None:  # the row keys come from its arrays, off the launch's path
+            keys = partial(_keys_of, self.launch_inputs(plan)[0])
+        else:
+            keys = partial(list, _row_keys(plan))  # (the plan's rows change after the launch)
         seconds = self.forward_s(plan)
         with self._lock:
             self.num_forwards += 1
@@ -210,7 +213,7 @@ class SimulatedRunner(Runner):
                 # which a real device does not have; benchmarks subtract it)
                 self.late_s += done - handle.ready_at
             else:
-                logits, done = self.logits.rows(handle.keys), handle.ready_at
+                logits, done = self.logits.rows(handle.keys()), handle.ready_at
             handle.future.set_result((logits, done))
         return super().collect(handle)
 
@@ -219,25 +222,40 @@ class SimulatedRunner(Runner):
             self._builder.shutdown(wait=True)
 
 
-class CudaLaunchInputs:
+class CudaLaunchInputs(LaunchInputs):
     """What `ModelRunner.launch` builds on the host before a CUDA model's forward starts (FlexAttention's paged
-    decode; a CUDA graph's padded inputs when the step fits one), on the CPU: a call costs the host what a real
-    launch does, less the page-locked copies."""
+    decode; a CUDA graph's padded inputs when the step fits one), on the CPU, read and built ahead as the runner
+    does (runner/launch_inputs.py): a call costs the host what a real launch does, less the page-locked copies."""
 
     def __init__(self, block_size: int, max_model_len: int, num_blocks: int) -> None:
         self.block_size = block_size
         self.graphs = GraphedSteps(forward=lambda ids, meta: ids, capture=capture_eagerly, device=torch.device("cpu"),
                                    block_size=block_size, scratch_block=num_blocks,
                                    max_blocks=min(-(-max_model_len // block_size) + 1, num_blocks))
-        self.blocks_ahead = BlocksAhead(block_size)  # `ModelRunner.prepare`'s read-ahead
+        self._captured: set[tuple[int, int]] = set()  # the graphs a real runner would hold by now
+        self._capturing = False
+        super().__init__(block_size, torch.device("cpu"), lambda: self.graphs, self._paged,
+                         build_ahead=lambda: not self._capturing)
 
-    def __call__(self, plan: StepPlan) -> object:
-        rows = self.blocks_ahead.rows(plan)
-        padded = self.graphs.prepare(plan, rows)
-        if padded is not None:
-            return padded
+    def __call__(self, plan: StepPlan) -> tuple[PlanRows, StepInputs]:
+        rows, inputs = super().__call__(plan)
+        key = inputs.graph.key if inputs.graph is not None else None
+        self._capturing = key is not None and key not in self._captured  # a real runner captures it first
+        if key is not None:
+            self._captured.add(key)
+        return rows, inputs
+
+    def _paged(self, plan: StepPlan, rows: PlanRows) -> EagerInputs:
         return step_inputs(plan, self.block_size, torch.device("cpu"), gathered_decode=False, paged_decode=True,
                            rows=rows)
+
+
+def _keys_of(rows: PlanRows) -> list[RowKey]:
+    """`_row_keys` from a plan's arrays."""
+    wanted = rows.logits_rows()  # [R]
+    names = rows.request_ids
+    return [(names[i], p, t) for i, p, t in zip(rows.row_of_tokens()[wanted].tolist(), rows.positions()[wanted].tolist(),
+                                                rows.input_ids[wanted].tolist(), strict=True)]
 
 
 def _row_keys(plan: StepPlan) -> list[RowKey]:
@@ -268,5 +286,5 @@ def _sleep_until(t: float, clock: Callable[[], float] = time.perf_counter) -> No
 @dataclass
 class _SimulatedHandle(ForwardHandle):
     ready_at: float = 0.0  # perf_counter() when the simulated forward is done
-    keys: list[RowKey] = field(default_factory=list)  # (request, position, input token) of each logits row
+    keys: Callable[[], list[RowKey]] = list  # (request, position, input token) of each logits row
     built: Future[tuple[torch.Tensor, float]] | None = None

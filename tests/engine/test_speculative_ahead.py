@@ -271,24 +271,22 @@ def test_a_redraft_reads_the_real_outcome(stories_engine_factory) -> None:  # ty
     assert seen and set(seen) == {1}
 
 
-def test_block_tables_read_ahead_equal_the_tables_at_each_launch(stories_engine_factory, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """Scheduling ahead with drafts (rows moved back, redrafted, fed between the read and the launch), the runner's
-    block tables read ahead (`Runner.prepare`) equal what reading the rows at each launch gives."""
-    import numpy as np
+def test_plans_read_ahead_equal_the_plans_at_each_launch(stories_engine_factory, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Scheduling ahead with drafts (rows moved back, redrafted, withdrawn, fed between the read and the launch), the
+    runner's arrays from its read ahead and the plan's edits (`Runner.prepare`, `StepPlan.edits`) equal what reading
+    the rows at each launch gives (tests/conftest.py checks this at every launch of every test; here it must have
+    happened, with rows reshaped)."""
+    from tandem.core.plan_arrays import InputsAhead
 
-    from tandem.core import plan_arrays
+    take, checked = InputsAhead.take, []
 
-    used_blocks, checked = plan_arrays._used_blocks, []
+    def spy(self, plan):  # type: ignore[no-untyped-def]
+        checked.append(len(plan.edits.reshaped))
+        return take(self, plan)
 
-    def both(requests, used, prepared):  # type: ignore[no-untyped-def]
-        got = used_blocks(requests, used, prepared)
-        assert np.array_equal(got, plan_arrays._read_blocks(requests, used))
-        checked.append(len(requests))
-        return got
-
-    monkeypatch.setattr(plan_arrays, "_used_blocks", both)
+    monkeypatch.setattr(InputsAhead, "take", spy)
     base = stories_engine_factory(async_scheduling=False)
     ahead = stories_engine_factory(async_scheduling=True, speculative_config=SUFFIX)
     prompts = _story_prompts(base, 6)
     assert _tokens(run_all(ahead, prompts, GREEDY)) == _tokens(run_all(base, prompts, GREEDY))
-    assert len(checked) > 10 and ahead.get_stats()["spec_optimistic_misses"] > 0
+    assert len(checked) > 10 and any(checked) and not all(checked) and ahead.get_stats()["spec_optimistic_misses"] > 0

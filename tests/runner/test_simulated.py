@@ -97,22 +97,27 @@ def test_a_device_model_times_each_forward_by_its_plan() -> None:
 def test_a_launch_builds_what_a_cuda_runners_launch_builds_on_the_host() -> None:
     """`CudaLaunchInputs`: a decode step that fits a CUDA graph gets the graph's padded inputs, any other step the
     eager inputs of FlexAttention's paged decode; the simulated launch builds them before its forward 'starts'."""
+    from tandem.core.plan_arrays import PlanRows
     from tandem.runner.cuda_graphs import GraphInputs
+    from tandem.runner.launch_inputs import StepInputs
     from tandem.runner.simulated import CudaLaunchInputs
 
     inputs = CudaLaunchInputs(block_size=16, max_model_len=4096, num_blocks=512)
     decode = StepPlan(0, [ScheduledRequest(f"r{i}", [7], 20 + i, [i, i + 100]) for i in range(3)])
-    padded = inputs(decode)
+    _, built = inputs(decode)
+    padded = built.graph
     assert isinstance(padded, GraphInputs) and padded.key == (4, 1) and padded.block_tables.shape == (4, 257)
     mixed = StepPlan(1, decode.requests + [ScheduledRequest("p", list(range(40)), 0, [300, 301, 302])])
-    ids, meta, rows = inputs(mixed)  # type: ignore[misc]
+    _, built = inputs(mixed)
+    assert built.eager is not None and built.graph is None
+    ids, meta, rows = built.eager
     assert ids.tolist() == [7, 7, 7, *range(40)] and rows.tolist() == [0, 1, 2, 42]
     assert meta.decode is not None and meta.decode.paged is not None and len(meta.prefills) == 1
 
     built: list[StepPlan] = []
 
     class Recorded(CudaLaunchInputs):
-        def __call__(self, plan: StepPlan) -> object:
+        def __call__(self, plan: StepPlan) -> tuple[PlanRows, StepInputs]:
             built.append(plan)
             return super().__call__(plan)
 

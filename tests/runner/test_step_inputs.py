@@ -162,29 +162,61 @@ def test_tables_repeat_each_rows_last_used_block() -> None:
     assert rows.tables(4).tolist() == [[5, 6, 6, 6], [8, 8, 8, 8], [9, 10, 10, 10]]
 
 
-def test_block_tables_read_ahead_give_the_tables_at_the_launch() -> None:
-    """`prepare_blocks` while the plan waits, `plan_rows(..., prepared)` at its launch: the same arrays as reading
-    the rows then, after rows were moved back (their tables replaced by shorter ones), regrown with other blocks,
-    withdrawn, added or fed."""
-    from tandem.core.plan_arrays import prepare_blocks
-
-    rng = random.Random(3)
-    plan = _random_plan(rng, 50, 4, decode_only=True)
-    prepared = prepare_blocks(plan.requests)
+def _edit_rows(plan: StepPlan, log: bool) -> None:
+    """What scheduling ahead does to a plan between its read and its launch, logged in `plan.edits` as the
+    scheduler logs it (unless not `log`): rows fed, moved back (fewer tokens, a shorter table), regrown with drafts
+    and other blocks, withdrawn."""
+    edits = plan.edits if log else StepPlan(0).edits
     r0, r1, r2 = plan.requests[0], plan.requests[1], plan.requests[2]
-    r0.input_ids, r0.num_draft_tokens = r0.input_ids[:1], 0  # moved back: fewer tokens, its table cut
+    r0.input_ids, r0.num_draft_tokens = r0.input_ids[:1], 0
     r0.block_table = r0.block_table[: -(-(r0.start_pos + 1) // 4)]
     r1.input_ids += [1, 2, 3, 4]
+    r1.num_draft_tokens += 4
     need = -(-(r1.start_pos + len(r1.input_ids)) // 4)
-    r1.block_table = r1.block_table[: need - 2] + [9999, 9998]  # cut, then grown with other blocks (a redraft's)
-    del plan.requests[2]  # withdrawn
-    plan.requests.append(ScheduledRequest("new", [5, 6], 40, [7000 + i for i in range(11)]))
+    r1.block_table = r1.block_table[: need - 2] + [9999, 9998]
+    edits.reshaped += [r0, r1]
+    del plan.requests[2]
+    edits.withdrawn.append(r2)
     for r in plan.requests[3:10]:
-        r.input_ids[0] = 77  # fed
-    got, want = plan_rows(plan.requests, 4, prepared), plan_rows(plan.requests, 4)
-    for name in ("starts", "counts", "wanted", "used", "input_ids", "blocks"):
-        assert np.array_equal(getattr(got, name), getattr(want, name)), name
-    assert {9999, 9998} <= set(got.blocks.tolist()) and r2 not in plan.requests
+        r.input_ids[0] = 77
+        edits.fed.append((r, 0, 77))
+
+
+@pytest.mark.raw_inputs_ahead
+@pytest.mark.parametrize("reshape", [True, False])
+def test_a_plan_read_ahead_and_its_edits_give_the_arrays_at_the_launch(reshape: bool) -> None:
+    """`InputsAhead.prepare` while the plan waits, `rows` at its launch: the same arrays as reading the rows then,
+    after the edits scheduling ahead makes (only fed tokens; or rows moved back, regrown, withdrawn and fed) —
+    negative control: an edit the scheduler did not log is not seen."""
+    from tandem.core.plan_arrays import InputsAhead
+
+    for log in (True, False):
+        plan = _random_plan(random.Random(3), 50, 4, decode_only=True)
+        ahead = InputsAhead(4)
+        ahead.prepare(plan)
+        if reshape:
+            _edit_rows(plan, log)
+        else:
+            for r in plan.requests[::3]:
+                r.input_ids[0] = 55
+                (plan.edits if log else StepPlan(0).edits).fed.append((r, 0, 55))
+        got, want = ahead.take(plan)[0], plan_rows(plan.requests, 4)
+        same = [np.array_equal(getattr(got, name), getattr(want, name))
+                for name in ("starts", "counts", "wanted", "used", "input_ids", "blocks")]
+        assert all(same) == log and (got.request_ids == want.request_ids) == (log or not reshape)
+        assert {9999, 9998} <= set(got.blocks.tolist()) or not (reshape and log)
+
+
+@pytest.mark.raw_inputs_ahead
+def test_a_read_ahead_is_used_once_and_only_for_its_plan() -> None:
+    from tandem.core.plan_arrays import InputsAhead
+
+    plan, other = (_random_plan(random.Random(s), 8, 4, decode_only=True) for s in (1, 2))
+    ahead = InputsAhead(4)
+    ahead.prepare(plan)
+    plan.requests[0].input_ids[0] = 5  # not logged: a second launch of the plan reads the rows again
+    assert np.array_equal(ahead.take(other)[0].input_ids, plan_rows(other.requests, 4).input_ids)
+    assert np.array_equal(ahead.take(plan)[0].input_ids, plan_rows(plan.requests, 4).input_ids)
 
 
 @pytest.mark.parametrize("seed", range(4))

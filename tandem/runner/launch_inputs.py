@@ -1,0 +1,75 @@
+"""What a runner builds on the host before a forward can start, and the read ahead that builds most of it early.
+
+Between sampling and the next launch the device waits while the host builds the forward's inputs: a CUDA graph's
+padded inputs when the step fits one (runner/cuda_graphs.py), else the eager inputs (`step_inputs`). Scheduling
+ahead, `prepare` reads the next plan and, where the forward does not run on the host's own cores, builds its inputs
+while the forward before it runs; at the launch only the fed token ids are put in when the scheduler fed tokens and
+nothing else since (core/plan_arrays.InputsAhead). Shared by `ModelRunner` and the simulated device's stand-in for a
+CUDA launch (runner/simulated.py), so that the benchmark pays what the runner pays.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from tandem.core.plan import StepPlan
+from tandem.core.plan_arrays import InputsAhead, PlanRows
+from tandem.layers.attention import AttentionMetadata, host_ids
+from tandem.runner.cuda_graphs import GraphedSteps, GraphInputs
+
+EagerInputs = tuple[torch.Tensor, AttentionMetadata, torch.Tensor]  # token ids [T], metadata, logits rows [R]
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """One launch's inputs: a CUDA graph's (`graph`) or the eager forward's (`eager`)."""
+
+    graph: GraphInputs | None = None
+    eager: EagerInputs | None = None
+
+
+class LaunchInputs:
+    """A runner's launch inputs, read (and, with `build_ahead`, built) ahead of the launch by `prepare`."""
+
+    def __init__(self, block_size: int, device: torch.device, graphs: Callable[[], GraphedSteps | None],
+                 eager: Callable[[StepPlan, PlanRows], EagerInputs], build_ahead: Callable[[], bool]) -> None:
+        """graphs: the graphed steps in use now (None: eager only); eager: `step_inputs` of a plan and its arrays;
+        build_ahead: whether `prepare` may build now too (not where the forward runs on the host's cores: that work
+        would slow it, and be thrown away for a plan reshaped since; not while the forward in flight captures a CUDA
+        graph: another thread's CUDA calls would break the capture)."""
+        self.device = device
+        self._graphs, self._eager, self._build_ahead = graphs, eager, build_ahead
+        self.ahead: InputsAhead[StepInputs] = InputsAhead(block_size, self.build, self._with_ids)
+
+    def prepare(self, plan: StepPlan) -> None:
+        """Read (and, where `build_ahead()` allows, build) `plan`'s inputs now, while the forward before it runs."""
+        self.ahead.prepare(plan, build=self._build_ahead())
+
+    def __call__(self, plan: StepPlan) -> tuple[PlanRows, StepInputs]:
+        """The launch's inputs, and the plan's arrays they were built from."""
+        rows, built = self.ahead.take(plan)
+        if built is None or (built.graph is not None and self._graphs() is None):  # (graphs paused since)
+            built = self.build(plan, rows)
+        return rows, built
+
+    def captures(self, inputs: StepInputs) -> bool:
+        """Whether launching `inputs` captures a new CUDA graph first."""
+        graphs = self._graphs()
+        return inputs.graph is not None and graphs is not None and inputs.graph.key not in graphs.steps
+
+    def build(self, plan: StepPlan, rows: PlanRows) -> StepInputs:
+        graphs = self._graphs()
+        padded = graphs.prepare(plan, rows) if graphs is not None else None
+        return StepInputs(graph=padded) if padded is not None else StepInputs(eager=self._eager(plan, rows))
+
+    def _with_ids(self, built: StepInputs, rows: PlanRows) -> StepInputs:
+        """`built` with the input ids of `rows` (the rest as built: only fed tokens changed)."""
+        graphs = self._graphs()
+        if built.graph is not None:  # (without graphs now, the launch builds its inputs again)
+            return StepInputs(graph=graphs.with_ids(built.graph, rows.input_ids)) if graphs is not None else built
+        assert built.eager is not None
+        _, meta, wanted = built.eager
+        return StepInputs(eager=(host_ids(rows.input_ids, self.device), meta, wanted))
