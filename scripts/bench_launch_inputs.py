@@ -1,14 +1,16 @@
 """Host time of a runner's launch inputs for one step: what the device waits for between sampling and the launch.
 
-    python scripts/bench_launch_inputs.py [--rows 256] [--repeats 30] [--seed 0]
+    python scripts/bench_launch_inputs.py [--rows 256] [--repeats 30] [--seed 0] [--cold]
 
 Random decode plans (one token a row) and verify plans (0-4 drafts a row), positions 100-1500, 16-token blocks:
 `step_inputs`, what `ModelRunner._inputs` builds (input ids, `build_metadata` for tandem's CPU kernels, the torch gathered path and
 FlexAttention's paged path, logits rows) and the CUDA-graph step's padded inputs (`GraphedSteps._pad`, tables 129
 and 513 blocks wide: max_model_len 2,048 and 8,192), and what a CUDA runner's launch builds (`CudaLaunchInputs`,
-max_model_len 4,096: a graph where the step fits one, else the paged path) with the block tables read ahead
-(`prepare`, untimed: it runs while the forward before runs). All on the host (CPU tensors; on CUDA a page-locked copy and
-the transfers come on top). Median milliseconds of `--repeats` builds.
+max_model_len 4,096: a graph where the step fits one, else the paged path) after its read ahead (`prepare`, untimed:
+it runs while the forward before runs), when a row was reshaped since (the plan read again and built) and when the
+requests were only fed (the inputs built ahead, the ids put in). All on the host (CPU tensors; on CUDA a page-locked
+copy and the transfers come on top). Median milliseconds of `--repeats` builds; `--cold`: each after an argmax over
+a step's logits, as beside the simulated device (a real accelerator samples on itself).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from tandem.core.plan import ScheduledRequest, StepPlan
+from tandem.core.plan import PlanEdits, ScheduledRequest, StepPlan
 from tandem.core.plan_arrays import plan_rows
 from tandem.layers.attention import step_inputs
 from tandem.runner.cuda_graphs import GraphedSteps, bucket_for
@@ -58,20 +60,36 @@ def eager_inputs(plan: StepPlan, gathered: bool, paged: bool) -> object:
     return step_inputs(plan, BLOCK, torch.device("cpu"), gathered_decode=gathered, paged_decode=paged)
 
 
+def fed(plan: StepPlan) -> None:
+    """The scheduler's edits of a plan whose requests were all fed their sampled token since its read."""
+    plan.edits = PlanEdits(fed=[(r, 0, r.input_ids[0]) for r in plan.requests])
+
+
+def reshaped(plan: StepPlan) -> None:
+    """... and one row of it moved back (a rejected draft): the launch reads the plan again."""
+    fed(plan)
+    plan.edits.reshaped.append(plan.requests[0])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--cold", action="store_true",
+                    help="an argmax over [rows, 49,152] bf16 logits before each build, as the host's sampling does "
+                         "beside a simulated device (it streams the logits through the caches)")
     args = ap.parse_args()
     rng = random.Random(args.seed)
-    print(f"launch inputs of a {args.rows}-row step, host ms (median of {args.repeats})")
+    logits = torch.randn(args.rows, 49_152).to(torch.bfloat16)
+    flush = (lambda: logits.argmax(-1)) if args.cold else (lambda: None)
+    print(f"launch inputs of a {args.rows}-row step, host ms (median of {args.repeats}){', cold' if args.cold else ''}")
     print("| plan | tokens | eager: CPU kernels | eager: torch gathered | eager: paged (CUDA) | graph, 129 blocks | graph, 513 blocks "
-          "| CUDA launch, tables read ahead |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| CUDA launch, a row reshaped since its read | CUDA launch, fed since (built ahead) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, drafts, q in (("decode", 0, 1), ("verify, 0-4 drafts", 4, None), ("verify, 4 drafts each", 4, 5)):
         plan = random_plan(rng, args.rows, drafts, q)
-        cells = [median_ms(lambda g=g, p=p, pl=plan: eager_inputs(pl, g, p), args.repeats)
+        cells = [median_ms(lambda g=g, p=p, pl=plan: eager_inputs(pl, g, p), args.repeats, flush)
                  for g, p in ((False, False), (True, False), (False, True))]
         for width in (129, 513):
             if q is None or bucket_for(args.rows, q) is None:
@@ -79,9 +97,12 @@ def main() -> None:
                 continue
             graphs = GraphedSteps(forward=lambda *_: torch.empty(0), capture=lambda fn: (None, fn()),
                                   device=torch.device("cpu"), block_size=BLOCK, scratch_block=1 << 20, max_blocks=width)
-            cells.append(median_ms(lambda gs=graphs, pl=plan: gs.prepare(pl, plan_rows(pl.requests, BLOCK)), args.repeats))
-        cuda = CudaLaunchInputs(BLOCK, 4096, 1 << 20)
-        cells.append(median_ms(lambda c=cuda, pl=plan: c(pl), args.repeats, before=lambda c=cuda, pl=plan: c.ahead.prepare(pl)))
+            cells.append(median_ms(lambda gs=graphs, pl=plan: gs.prepare(pl, plan_rows(pl.requests, BLOCK)), args.repeats,
+                                   flush))
+        for edit in (reshaped, fed):
+            cuda = CudaLaunchInputs(BLOCK, 4096, 1 << 20)  # (its read ahead untimed: it runs beside the forward before)
+            cells.append(median_ms(lambda c=cuda, pl=plan: c(pl), args.repeats,
+                                   before=lambda c=cuda, pl=plan, e=edit: (c.prepare(pl), e(pl), flush())))
         print(f"| {name} | {plan.num_tokens} | " + " | ".join("-" if c != c else f"{c:.2f}" for c in cells) + " |")
 
 
