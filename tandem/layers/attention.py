@@ -83,16 +83,14 @@ def build_metadata(
     block tables and query positions instead of the key gather and the mask. Vectorised over the rows
     (core/plan_arrays.py; `rows`: the plan's, when already read): the launch waits for this."""
     rows = rows if rows is not None else plan_rows(plan.requests, block_size)
+    to_dev = _mover(device, pin)
+    fast = _paged_step(rows, block_size, to_dev) if paged_decode and not gathered_decode else None
+    if fast is not None:
+        return fast[0]
     used = rows.used  # [B]
     tables = rows.tables(int(used.max(initial=1)))  # [B, W]
     positions = rows.positions()  # [T]
     slots = slot_mapping(tables, rows.row_of_tokens(), positions, block_size)  # [T]
-
-    def to_dev(t: torch.Tensor) -> torch.Tensor:
-        if pin and device.type == "cuda":
-            t = t.pin_memory()
-        return t.to(device, non_blocking=True)
-
     meta = AttentionMetadata(rows.num_tokens, to_dev(_long(positions)), to_dev(_long(slots)))
     offsets = rows.offsets
     decode = (rows.counts <= DECODE_MAX_QUERY) & (rows.starts > 0)  # [B]
@@ -127,6 +125,9 @@ def step_inputs(
     """A forward's inputs on `device`: token ids [T], the attention metadata (`build_metadata`) and the rows of
     the flattened batch whose logits are wanted [R] (`rows`: the plan's arrays, when already read)."""
     rows = rows if rows is not None else plan_rows(plan.requests, block_size)
+    fast = _paged_step(rows, block_size, _mover(device, pin)) if paged_decode and not gathered_decode else None
+    if fast is not None:
+        return host_ids(rows.input_ids, device, pin), fast[0], fast[1]
     wanted = _long(rows.logits_rows())
     if pin and device.type == "cuda":
         wanted = wanted.pin_memory()
@@ -140,6 +141,54 @@ def host_ids(ids: np.ndarray, device: torch.device, pin: bool = True) -> torch.T
     if pin and device.type == "cuda":
         t = t.pin_memory()
     return t.to(device, non_blocking=True)
+
+
+def _mover(device: torch.device, pin: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Copies a host tensor to `device` (from page-locked memory on CUDA when `pin`)."""
+    def to_dev(t: torch.Tensor) -> torch.Tensor:
+        if pin and device.type == "cuda":
+            t = t.pin_memory()
+        return t.to(device, non_blocking=True)
+
+    return to_dev
+
+
+def _step_op() -> Callable[..., list[torch.Tensor]] | None:
+    """tandem's one-call builder of a step's paged inputs (csrc/plan_ops.cpp), when its op library is loaded."""
+    try:
+        return torch.ops.tandem.step_inputs  # type: ignore[no-any-return]
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def _paged_step(rows: PlanRows, block_size: int,
+                to_dev: Callable[[torch.Tensor], torch.Tensor]) -> tuple[AttentionMetadata, torch.Tensor] | None:
+    """The metadata and logits rows [R] of a step on the paged path, in one call of the op library (equal to
+    `build_metadata`'s NumPy expressions, ~100 calls: csrc/plan_ops.cpp); None when the library is not loaded."""
+    op = _step_op()
+    if op is None:
+        return None
+    out = op(*map(torch.from_numpy, (rows.starts, rows.counts, rows.wanted, rows.used, rows.blocks)), block_size,
+             DECODE_MAX_QUERY)
+    positions, slots, wanted, prefill_rows, token_index, flat, out_rows, query_pos, seq_info, tables, held, tables32 = out
+    meta = AttentionMetadata(rows.num_tokens, to_dev(positions), to_dev(slots))
+    if len(prefill_rows):
+        offsets, first = rows.offsets, np.cumsum(rows.used) - rows.used
+        for i in prefill_rows.tolist():
+            row0, n, start = int(offsets[i]), int(rows.counts[i]), int(rows.starts[i])
+            blocks = to_dev(_long(rows.blocks[first[i] : first[i] + rows.used[i]])) if start > 0 else None
+            meta.prefills.append(PrefillSeq(slice(row0, row0 + n), start, blocks))
+    batch, q_max = query_pos.shape
+    if batch:
+        query_pos = to_dev(query_pos)
+        meta.decode = DecodeGroup(
+            token_index=to_dev(token_index), key_blocks=_UNUSED, bias=_UNUSED, batch=batch, q_max=q_max,
+            key_len=tables.shape[1] * block_size, flat_index=to_dev(flat), out_rows=to_dev(out_rows),
+            seq_info=seq_info, block_tables=tables, query_pos=query_pos,
+            dense=not meta.prefills and flat.shape[0] == batch * q_max,
+            paged=PagedDecode(to_dev(held), to_dev(tables32), query_pos, block_size),
+        )
+    return meta, to_dev(wanted)
 
 
 def _long(a: np.ndarray) -> torch.Tensor:

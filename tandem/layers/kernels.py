@@ -22,7 +22,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_ops.cpp", "quant_ops.cpp", "moe_ops.cpp", "decode_stack.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_ops.cpp", "quant_ops.cpp", "moe_ops.cpp", "decode_stack.cpp",
+                                                                     "plan_ops.cpp")]
 # part of the build key, not compiled on their own
 HEADERS = [Path(__file__).parent / "csrc" / name for name in ("amx_tiles.h", "float_types.h")]
 # no FP traps or errno: lets gcc vectorise loops with floor / conversions (the kernels never read FP exception flags)

@@ -18,6 +18,7 @@ import torch
 from tandem.core.plan import StepPlan
 from tandem.core.plan_arrays import InputsAhead, PlanRows
 from tandem.layers.attention import AttentionMetadata, host_ids
+from tandem.layers.kernels import load_cpu_kernels
 from tandem.runner.cuda_graphs import GraphedSteps, GraphInputs
 
 EagerInputs = tuple[torch.Tensor, AttentionMetadata, torch.Tensor]  # token ids [T], metadata, logits rows [R]
@@ -42,6 +43,7 @@ class LaunchInputs:
         graph: another thread's CUDA calls would break the capture)."""
         self.device = device
         self._graphs, self._eager, self._build_ahead = graphs, eager, build_ahead
+        load_cpu_kernels()  # a step's paged inputs in one call of the op library (layers/csrc/plan_ops.cpp)
         self.ahead: InputsAhead[StepInputs] = InputsAhead(block_size, self.build, self._with_ids)
 
     def prepare(self, plan: StepPlan) -> None:

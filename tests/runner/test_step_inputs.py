@@ -94,9 +94,19 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
 
 
-@pytest.mark.parametrize("gathered,paged", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("gathered,paged,kernel", [(False, False, False), (True, False, False), (False, True, False),
+                                                   (False, True, True)])
 @pytest.mark.parametrize("seed", range(6))
-def test_metadata_equals_the_per_token_builder(seed: int, gathered: bool, paged: bool) -> None:
+def test_metadata_equals_the_per_token_builder(seed: int, gathered: bool, paged: bool, kernel: bool,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every attention path; the paged one also through the op library's one-call builder (csrc/plan_ops.cpp)."""
+    from tandem.layers import attention
+    from tandem.layers.kernels import load_cpu_kernels
+
+    if kernel and not load_cpu_kernels():
+        pytest.skip("tandem's CPU op library is not built here")
+    if not kernel:
+        monkeypatch.setattr(attention, "_step_op", lambda: None)
     rng = random.Random(seed)
     bs = rng.choice([1, 4, 16])
     plan = _random_plan(rng, rng.choice([1, 3, 40, 256]), bs, decode_only=seed % 2 == 0)

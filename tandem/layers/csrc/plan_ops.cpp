@@ -1,0 +1,117 @@
+// A step's launch inputs in one call (`tandem/layers/attention.py: step_inputs` on FlexAttention's paged decode path,
+// a CUDA runner's eager steps): from a plan's per-row arrays (core/plan_arrays.PlanRows) to the token positions, KV
+// slots and logits rows of every row, the decode group's query indices and the paged view's tables.
+//   step_inputs  starts, counts, wanted, used [B] int64, blocks [sum(used)] int64 (each row's first `used` blocks),
+//                block_size, decode_max_query -> positions, slots [T], logits rows [R], the prefill rows [P], then
+//                the decode group's (Bd rows): token_index [Bd * q_max], flat_index, out_rows [n], query_pos
+//                [Bd, q_max], seq_info [Bd, 3], block tables [Bd, b_max] int64, blocks held [Bd] int32, block tables
+//                int32: equal to the NumPy expressions they replace
+// Measured on an AMD EPYC core (Zen 4, 2026-12-06, `python scripts/bench_launch_inputs.py [--cold]`, "eager: paged"
+// at 256 verify rows, the plan's read included): 0.57-0.59 ms with the NumPy path (~100 calls), 0.41-0.44 with this
+// one; after the host's sampling has streamed a step's logits through the caches (each NumPy call then costs ~10x)
+// 1.18-1.25 against 0.87-0.88 ms: host time the device waits for between sampling and the launch.
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+// The decode rows (1 <= counts[i] <= decode_max_query, starts[i] > 0) form the decode group; the others are prefill
+// rows, whose positions, slots and logits rows are here too (the caller builds their PrefillSeq from prefill_rows).
+std::vector<at::Tensor> step_inputs(const at::Tensor& starts_in, const at::Tensor& counts_in,
+                                    const at::Tensor& wanted_in, const at::Tensor& used_in,
+                                    const at::Tensor& blocks_in, int64_t block_size, int64_t decode_max_query) {
+  const at::Tensor starts = starts_in.contiguous(), counts = counts_in.contiguous(), wanted = wanted_in.contiguous();
+  const at::Tensor used = used_in.contiguous(), blocks = blocks_in.contiguous();
+  const int64_t B = starts.size(0);
+  TORCH_CHECK(counts.size(0) == B && wanted.size(0) == B && used.size(0) == B, "one value per row");
+  const auto* s = starts.data_ptr<int64_t>();
+  const auto* c = counts.data_ptr<int64_t>();
+  const auto* w = wanted.data_ptr<int64_t>();
+  const auto* u = used.data_ptr<int64_t>();
+  const auto* bl = blocks.data_ptr<int64_t>();
+  int64_t T = 0, R = 0, q_max = 0, b_max = 0, held = 0, Bd = 0;
+  std::vector<char> decode(B);
+  for (int64_t i = 0; i < B; ++i) {
+    TORCH_CHECK(u[i] >= 1 && w[i] <= c[i] && (s[i] + c[i] + block_size - 1) / block_size <= u[i], "row ", i);
+    decode[i] = c[i] >= 1 && c[i] <= decode_max_query && s[i] > 0;
+    T += c[i];
+    R += w[i];
+    held += u[i];
+    if (decode[i]) {
+      ++Bd;
+      q_max = std::max(q_max, c[i]);
+      b_max = std::max(b_max, u[i]);
+    }
+  }
+  TORCH_CHECK(blocks.size(0) == held, "blocks: each row's first `used`");
+  const auto i64 = at::TensorOptions().dtype(at::kLong), i32 = at::TensorOptions().dtype(at::kInt);
+  at::Tensor positions = at::empty({T}, i64), slots = at::empty({T}, i64), logits_rows = at::empty({R}, i64);
+  at::Tensor prefill_rows = at::empty({B - Bd}, i64), token_index = at::empty({Bd * q_max}, i64);
+  at::Tensor flat_index = at::empty({T}, i64), out_rows = at::empty({T}, i64), query_pos = at::empty({Bd, q_max}, i64);
+  at::Tensor seq_info = at::empty({Bd, 3}, i64), tables = at::empty({Bd, b_max}, i64), num_blocks = at::empty({Bd}, i32);
+  at::Tensor tables32 = at::empty({Bd, b_max}, i32);
+  auto* pos = positions.data_ptr<int64_t>();
+  auto* slot = slots.data_ptr<int64_t>();
+  auto* lr = logits_rows.data_ptr<int64_t>();
+  auto* pr = prefill_rows.data_ptr<int64_t>();
+  auto* ti = token_index.data_ptr<int64_t>();
+  auto* fi = flat_index.data_ptr<int64_t>();
+  auto* orow = out_rows.data_ptr<int64_t>();
+  auto* qp = query_pos.data_ptr<int64_t>();
+  auto* si = seq_info.data_ptr<int64_t>();
+  auto* tb = tables.data_ptr<int64_t>();
+  auto* nb = num_blocks.data_ptr<int32_t>();
+  auto* tb32 = tables32.data_ptr<int32_t>();
+  int64_t offset = 0, first_block = 0, r = 0, real = 0, d = 0, p = 0;
+  for (int64_t i = 0; i < B; ++i) {
+    const int64_t n = c[i], start = s[i], row_held = u[i];
+    const int64_t* row_blocks = bl + first_block;
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t at_pos = start + j;
+      pos[offset + j] = at_pos;
+      slot[offset + j] = row_blocks[at_pos / block_size] * block_size + at_pos % block_size;
+    }
+    for (int64_t j = n - w[i]; j < n; ++j) lr[r++] = offset + j;
+    if (!decode[i]) {
+      pr[p++] = i;
+    } else {
+      for (int64_t j = 0; j < b_max; ++j) {  // the row's blocks, then its last one repeated
+        const int64_t b = row_blocks[std::min(j, row_held - 1)];
+        tb[d * b_max + j] = b;
+        tb32[d * b_max + j] = static_cast<int32_t>(b);
+      }
+      for (int64_t j = 0; j < q_max; ++j) {  // padding queries repeat the row's last
+        const int64_t k = std::min(j, n - 1);
+        qp[d * q_max + j] = start + k;
+        ti[d * q_max + j] = offset + k;
+        if (j < n) {
+          fi[real] = d * q_max + j;
+          orow[real++] = offset + j;
+        }
+      }
+      si[d * 3] = offset;
+      si[d * 3 + 1] = n;
+      si[d * 3 + 2] = start;
+      nb[d++] = static_cast<int32_t>(row_held);
+    }
+    offset += n;
+    first_block += row_held;
+  }
+  flat_index = flat_index.narrow(0, 0, real);
+  out_rows = out_rows.narrow(0, 0, real);
+  return {positions, slots, logits_rows, prefill_rows, token_index, flat_index, out_rows, query_pos, seq_info, tables,
+          num_blocks, tables32};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tandem, m) {
+  m.def("step_inputs(Tensor starts, Tensor counts, Tensor wanted, Tensor used, Tensor blocks, int block_size, int decode_max_query) -> Tensor[]");
+}
+
+TORCH_LIBRARY_IMPL(tandem, CPU, m) { m.impl("step_inputs", &step_inputs); }
