@@ -77,9 +77,9 @@ class InputsAhead(Generic[Built]):
     the launch's inputs from them when given `build`, while the forward before it runs. At its launch, `take` uses
     that read when the scheduler only fed tokens into the plan since (`StepPlan.edits`): the input ids patched, the
     rest as read (and `with_ids` puts the ids into the inputs built). Rows reshaped or withdrawn: the plan is read
-    again. After the host's sampling has streamed a step's logits through the caches, each NumPy call of a launch
-    cost ~10x its warm time (10 calls on 256-row arrays: 12 us warm, 130 us after an argmax over 256 x 49,152 bf16
-    logits, AMD EPYC, 2026-12-06): what the launch does not do there, it does not pay for."""
+    again. After the host's sampling has streamed a step's logits through the caches, a launch's NumPy calls cost
+    ~10x their warm time: a 256-row CUDA launch read again took 0.56-0.61 ms warm, 1.16-1.75 ms cold, one only fed
+    0.08-0.09 / 0.42-0.47 (AMD EPYC, 2026-12-06, `python scripts/bench_launch_inputs.py [--cold]`)."""
 
     def __init__(self, block_size: int, build: Callable[[StepPlan, PlanRows], Built] | None = None,
                  with_ids: Callable[[Built, PlanRows], Built] | None = None) -> None:

@@ -18,8 +18,9 @@ accelerator, as a function of the tokens and KV positions in the step). The logi
 Sampling still runs on the host (on a real accelerator it runs on the device): benchmarks count it as device time.
 With `launch_inputs` (`CudaLaunchInputs`), `launch` first builds on the host what `ModelRunner.launch` builds for a
 CUDA model before its forward can start (token ids, positions, slots, block tables; a CUDA graph's padded inputs
-where the step fits one; its block tables read ahead by `prepare`), so the time a real device waits for it counts:
-0.37-0.41 ms at 256 rows (AMD EPYC, 2026-12-06; 2.2-7.9 ms before core/plan_arrays.py, `python
+where the step fits one), read and built ahead by `prepare` as the runner does (runner/launch_inputs.py), so the
+time a real device waits for it counts: at 256 rows 0.41-0.64 ms when the plan was reshaped since its read, 0.09 ms
+when it was only fed (AMD EPYC, 2026-12-06; 2.2-7.9 ms before core/plan_arrays.py; `python
 scripts/bench_launch_inputs.py`).
 Not for serving: nothing it produces means anything.
 """
