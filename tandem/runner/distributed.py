@@ -221,6 +221,9 @@ class TensorParallelRunner(ModelRunner):
     def _share_num_blocks(self) -> None:
         dist.broadcast(torch.tensor([self.num_blocks], dtype=torch.int64, device=self.channel.device), src=0)
 
+    def prepare(self, plan: StepPlan) -> None:
+        """Nothing ahead: rank 0 builds its inputs at the launch, as every rank does from the plan it is sent."""
+
     def launch(self, plan: StepPlan) -> ForwardHandle:
         fut = self._host.submit(self._send_and_forward, plan, *self._inputs(plan))
         return ForwardHandle(fut, plan.num_logits_rows)
