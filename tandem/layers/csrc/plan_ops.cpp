@@ -9,7 +9,7 @@
 // Measured on an AMD EPYC core (Zen 4, 2026-12-06, `python scripts/bench_launch_inputs.py [--cold]`, "eager: paged"
 // at 256 verify rows, the plan's read included): 0.57-0.59 ms with the NumPy path (~100 calls), 0.41-0.44 with this
 // one; after the host's sampling has streamed a step's logits through the caches (each NumPy call then costs ~10x)
-// 1.18-1.25 against 0.87-0.88 ms: host time the device waits for between sampling and the launch.
+// 1.25 against 0.87-0.88 ms: host time the device waits for between sampling and the launch.
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
