@@ -94,8 +94,8 @@ class InputsAhead(Generic[Built]):
         """Read `plan` now (and build its inputs, given `build` and a builder, while most reads hold)."""
         rows = list(plan.requests)
         arrays = plan_rows(rows, self.block_size)
-        build = build and self._build is not None and self.held_share >= HELD_TO_BUILD
-        built = self._build(plan, arrays) if build and self._build is not None else None
+        builder = self._build if build and self.held_share >= HELD_TO_BUILD else None
+        built = builder(plan, arrays) if builder is not None else None
         self._ahead = _Read(plan, rows, {id(r): i for i, r in enumerate(rows)}, arrays, built)
 
     def take(self, plan: StepPlan) -> tuple[PlanRows, Built | None]:

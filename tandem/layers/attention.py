@@ -137,10 +137,7 @@ def step_inputs(
 
 def host_ids(ids: np.ndarray, device: torch.device, pin: bool = True) -> torch.Tensor:
     """Token ids [T] on `device` (copied from page-locked memory on CUDA when `pin`)."""
-    t = _long(ids)
-    if pin and device.type == "cuda":
-        t = t.pin_memory()
-    return t.to(device, non_blocking=True)
+    return _mover(device, pin)(_long(ids))
 
 
 def _mover(device: torch.device, pin: bool) -> Callable[[torch.Tensor], torch.Tensor]:
