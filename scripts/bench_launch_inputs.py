@@ -62,7 +62,7 @@ def eager_inputs(plan: StepPlan, gathered: bool, paged: bool) -> object:
 
 def fed(plan: StepPlan) -> None:
     """The scheduler's edits of a plan whose requests were all fed their sampled token since its read."""
-    plan.edits = PlanEdits(fed=[(r, 0, r.input_ids[0]) for r in plan.requests])
+    plan.edits = PlanEdits(fed=[(i, 0, r.input_ids[0]) for i, r in enumerate(plan.requests)])
 
 
 def reshaped(plan: StepPlan) -> None:

@@ -46,11 +46,14 @@ class ScheduledRequest:
 class PlanEdits:
     """What the scheduler changed in a plan's rows after scheduling it and before its launch (scheduling ahead:
     `feed`, `settle`, `add_drafts`, `withdraw`), so that a runner which read the plan while the forward before it
-    ran (core/plan_arrays.InputsAhead) reads again only these rows. Every change to a scheduled, unlaunched row is
-    logged here: a fed token, or the row named as reshaped or withdrawn. Applying an entry twice, or to a read made
-    after it, changes nothing."""
+    ran (core/plan_arrays.InputsAhead) puts the fed tokens into that read, and reads the plan again when rows were
+    reshaped or withdrawn. Every change to a scheduled, unlaunched row is logged here: a fed token, or the row named
+    as reshaped or withdrawn. Applying an entry twice, or to a read made after it, changes nothing. A fed row is
+    named by its index in `requests` (mapping ~230 fed rows from their objects took 0.04-0.1 ms of the launch):
+    valid while no row is withdrawn, and a plan with rows withdrawn is read again."""
 
-    fed: list[tuple[ScheduledRequest, int, int]] = field(default_factory=list)  # (row, index in input_ids, token)
+    # (the row's index in the plan's requests, the index in its input_ids, the token)
+    fed: list[tuple[int, int, int]] = field(default_factory=list)
     reshaped: list[ScheduledRequest] = field(default_factory=list)  # start, tokens, drafts or block table changed
     withdrawn: list[ScheduledRequest] = field(default_factory=list)  # taken out of the plan
 

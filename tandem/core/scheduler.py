@@ -296,14 +296,14 @@ class Scheduler:
         the launch. A request's placeholder is the last of its known tokens, so it is the last input of its row
         before the row's drafts, or not in the row."""
         fed = next_plan.edits.fed
-        for sr in next_plan.requests:
+        for i, sr in enumerate(next_plan.requests):
             ids = sr.input_ids
             at = len(ids) - 1 - sr.num_draft_tokens
             if at >= 0 and ids[at] == PLACEHOLDER:
                 toks = tokens.get(sr.request_id)
                 if toks:
                     ids[at] = toks[0]
-                    fed.append((sr, at, toks[0]))
+                    fed.append((i, at, toks[0]))
 
     def resolve(self, plan: StepPlan, tokens: Mapping[str, Sequence[int]], next_plan: StepPlan | None,
                 commit: bool = True) -> None:
@@ -340,7 +340,8 @@ class Scheduler:
         of `next_plan` lost their drafts or moved. Call `confirm()` before anything else reads the requests."""
         # on the launch's critical path (~1 us a row at 256 rows): locals, no property calls; the common row (every
         # draft accepted, its next row's drafts kept) only feeds its next row here
-        rows = {sr.request_id: sr for sr in next_plan.requests}
+        nxt_rows = next_plan.requests
+        index = {sr.request_id: i for i, sr in enumerate(nxt_rows)}
         requests, running, changed, unconfirmed = self._requests, RequestStatus.RUNNING, [], self._unconfirmed
         fed, reshaped = next_plan.edits.fed, next_plan.edits.reshaped
         for sr in plan.requests:
@@ -348,11 +349,12 @@ class Scheduler:
             toks = tokens.get(rid)
             if not toks or not sr.needs_logits:
                 continue
-            nxt = rows.get(rid)
+            i = index.get(rid)
+            nxt = nxt_rows[i] if i is not None else None
             if len(toks) == sr.num_draft_tokens + 1 and (nxt is None or not nxt.num_draft_tokens or rid in keep):
-                if nxt is not None:
-                    nxt.input_ids[0] = toks[-1]
-                    fed.append((nxt, 0, toks[-1]))
+                if i is not None:
+                    nxt_rows[i].input_ids[0] = toks[-1]
+                    fed.append((i, 0, toks[-1]))
                 unconfirmed[rid] = (sr, toks[-1])
                 continue
             req = requests.get(rid)

@@ -47,9 +47,9 @@ def test_inputs_built_ahead_then_fed_equal_the_inputs_built_at_the_launch(rows: 
     inputs = CudaLaunchInputs(16, 4096, 4096)
     inputs.prepare(plan)
     assert inputs.ahead._ahead is not None and inputs.ahead._ahead.built is not None  # built while "the forward ran"
-    for r in plan.requests:
+    for i, r in enumerate(plan.requests):
         r.input_ids[0] = 7 + len(r.request_id)
-        plan.edits.fed.append((r, 0, r.input_ids[0]))
+        plan.edits.fed.append((i, 0, r.input_ids[0]))
     rows_now, got = inputs(plan)
     want = inputs.build(plan, plan_rows(plan.requests, 16))
     assert (got.graph is None) == (want.graph is None) == (rows == 300)

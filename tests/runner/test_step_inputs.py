@@ -172,49 +172,71 @@ def test_tables_repeat_each_rows_last_used_block() -> None:
     assert rows.tables(4).tolist() == [[5, 6, 6, 6], [8, 8, 8, 8], [9, 10, 10, 10]]
 
 
-def _edit_rows(plan: StepPlan, log: bool) -> None:
+def _edit_rows(plan: StepPlan, log: bool, withdraw: bool = True) -> None:
     """What scheduling ahead does to a plan between its read and its launch, logged in `plan.edits` as the
-    scheduler logs it (unless not `log`): rows fed, moved back (fewer tokens, a shorter table), regrown with drafts
-    and other blocks, withdrawn."""
+    scheduler logs it (unless not `log`): rows fed (before and after their reshaping), moved back (fewer tokens, a
+    shorter table), regrown with drafts and other blocks, and one withdrawn (with `withdraw`)."""
     edits = plan.edits if log else StepPlan(0).edits
     r0, r1, r2 = plan.requests[0], plan.requests[1], plan.requests[2]
+    r0.input_ids[0] = 66
+    edits.fed.append((0, 0, 66))
     r0.input_ids, r0.num_draft_tokens = r0.input_ids[:1], 0
     r0.block_table = r0.block_table[: -(-(r0.start_pos + 1) // 4)]
     r1.input_ids += [1, 2, 3, 4]
     r1.num_draft_tokens += 4
     need = -(-(r1.start_pos + len(r1.input_ids)) // 4)
     r1.block_table = r1.block_table[: need - 2] + [9999, 9998]
-    edits.reshaped += [r0, r1]
-    del plan.requests[2]
-    edits.withdrawn.append(r2)
-    for r in plan.requests[3:10]:
-        r.input_ids[0] = 77
-        edits.fed.append((r, 0, 77))
+    edits.reshaped += [r1, r0]
+    r1.input_ids[-1] = 44
+    edits.fed.append((1, len(r1.input_ids) - 1, 44))
+    r5 = plan.requests[5]
+    r5.start_pos -= 1
+    edits.reshaped.append(r5)
+    if withdraw:
+        del plan.requests[2]
+        edits.withdrawn.append(r2)
+    for i in range(3, 10):
+        plan.requests[i].input_ids[0] = 77
+        edits.fed.append((i, 0, 77))
 
 
 @pytest.mark.raw_inputs_ahead
-@pytest.mark.parametrize("reshape", [True, False])
-def test_a_plan_read_ahead_and_its_edits_give_the_arrays_at_the_launch(reshape: bool) -> None:
+@pytest.mark.parametrize("edit", ["fed", "reshaped", "reshaped and withdrawn"])
+def test_a_plan_read_ahead_and_its_edits_give_the_arrays_at_the_launch(edit: str) -> None:
     """`InputsAhead.prepare` while the plan waits, `rows` at its launch: the same arrays as reading the rows then,
-    after the edits scheduling ahead makes (only fed tokens; or rows moved back, regrown, withdrawn and fed) —
-    negative control: an edit the scheduler did not log is not seen."""
+    after the edits scheduling ahead makes (only fed tokens; rows fed, moved back and regrown, the reshaped rows
+    read again alone; and one withdrawn, the plan read again) — negative control: an edit to a row the scheduler did
+    not log is not seen."""
     from tandem.core.plan_arrays import InputsAhead
 
     for log in (True, False):
         plan = _random_plan(random.Random(3), 50, 4, decode_only=True)
         ahead = InputsAhead(4)
         ahead.prepare(plan)
-        if reshape:
-            _edit_rows(plan, log)
+        if edit == "fed":
+            for i in range(0, len(plan.requests), 3):
+                plan.requests[i].input_ids[0] = 55
+                (plan.edits if log else StepPlan(0).edits).fed.append((i, 0, 55))
         else:
-            for r in plan.requests[::3]:
-                r.input_ids[0] = 55
-                (plan.edits if log else StepPlan(0).edits).fed.append((r, 0, 55))
+            _edit_rows(plan, log, withdraw=log and edit == "reshaped and withdrawn")
         got, want = ahead.take(plan)[0], plan_rows(plan.requests, 4)
         same = [np.array_equal(getattr(got, name), getattr(want, name))
                 for name in ("starts", "counts", "wanted", "used", "input_ids", "blocks")]
-        assert all(same) == log and (got.request_ids == want.request_ids) == (log or not reshape)
-        assert {9999, 9998} <= set(got.blocks.tolist()) or not (reshape and log)
+        assert all(same) == log and got.request_ids == want.request_ids
+        assert {9999, 9998} <= set(got.blocks.tolist()) or not (edit != "fed" and log)
+
+
+@pytest.mark.raw_inputs_ahead
+def test_a_row_withdrawn_unlogged_reads_the_plan_again() -> None:
+    """A plan with fewer rows than were read is read again whole, whether or not the withdrawal was logged."""
+    from tandem.core.plan_arrays import InputsAhead
+
+    plan = _random_plan(random.Random(4), 12, 4, decode_only=True)
+    ahead = InputsAhead(4)
+    ahead.prepare(plan)
+    del plan.requests[3]
+    got = ahead.take(plan)[0]
+    assert got.request_ids == plan_rows(plan.requests, 4).request_ids and len(got.starts) == 11
 
 
 @pytest.mark.raw_inputs_ahead
