@@ -20,6 +20,8 @@ import numpy as np
 from tandem.core.plan import ScheduledRequest, StepPlan
 
 Built = TypeVar("Built")  # a runner's launch inputs
+# a read's arrays and the plan's edits since, flat (`_Read.edits_flat`) -> the plan's arrays now (a runner's op)
+Patch = Callable[["PlanRows", list[int]], "PlanRows"]
 HELD_TO_BUILD = 0.5  # inputs are built ahead while at least this share of recent reads held to their launch
 HELD_RATE = 0.1  # how fast that share follows: ~10 launches
 
@@ -82,9 +84,11 @@ class InputsAhead(Generic[Built]):
     0.08-0.09 / 0.42-0.47 (AMD EPYC, 2026-12-06, `python scripts/bench_launch_inputs.py [--cold]`)."""
 
     def __init__(self, block_size: int, build: Callable[[StepPlan, PlanRows], Built] | None = None,
-                 with_ids: Callable[[Built, PlanRows], Built] | None = None) -> None:
+                 with_ids: Callable[[Built, PlanRows], Built] | None = None, patch: Patch | None = None) -> None:
+        """build: a runner's launch inputs from a plan's arrays; with_ids: those inputs with other input ids; patch:
+        the arrays of a plan with rows reshaped since its read, from the read and the edits (else read again)."""
         self.block_size = block_size
-        self._build, self._with_ids = build, with_ids
+        self._build, self._with_ids, self._patch = build, with_ids, patch
         self._ahead: _Read[Built] | None = None
         # the share of recent reads a launch took as read (EWMA): with drafts, most plans are reshaped after their
         # read (optimistic misses), and inputs built for them would only take the host's time
@@ -92,24 +96,30 @@ class InputsAhead(Generic[Built]):
 
     def prepare(self, plan: StepPlan, build: bool = True) -> None:
         """Read `plan` now (and build its inputs, given `build` and a builder, while most reads hold)."""
-        arrays = plan_rows(plan.requests, self.block_size)
+        rows = list(plan.requests)
+        arrays = plan_rows(rows, self.block_size)
         builder = self._build if build and self.held_share >= HELD_TO_BUILD else None
         built = builder(plan, arrays) if builder is not None else None
-        self._ahead = _Read(plan, arrays, built)
+        self._ahead = _Read(plan, rows, {id(r): i for i, r in enumerate(rows)}, arrays, built)
 
     def take(self, plan: StepPlan) -> tuple[PlanRows, Built | None]:
         """`plan_rows(plan.requests)`, and the inputs built from them when the read ahead built them (else None),
-        from the read `prepare` made of `plan` if it holds (then forgotten)."""
+        from the read `prepare` made of `plan` if it holds (then forgotten): fed tokens put in; rows reshaped since
+        put in by `patch` where the runner has one; the plan read again when rows were withdrawn."""
         ahead, self._ahead = self._ahead, None
-        ids = ahead.fed_ids(plan) if ahead is not None and ahead.plan is plan else None
-        if ahead is not None and ahead.plan is plan:
+        mine = ahead is not None and ahead.plan is plan
+        ids = ahead.fed_ids(plan) if ahead is not None and mine else None
+        if mine:
             self.held_share += HELD_RATE * ((ids is not None) - self.held_share)
-        if ahead is None or ids is None:
-            return plan_rows(plan.requests, self.block_size), None
-        rows = replace(ahead.arrays, input_ids=ids)
-        if ahead.built is None or self._with_ids is None:
-            return rows, None
-        return rows, self._with_ids(ahead.built, rows)
+        if ahead is not None and ids is not None:
+            rows = replace(ahead.arrays, input_ids=ids)
+            if ahead.built is None or self._with_ids is None:
+                return rows, None
+            return rows, self._with_ids(ahead.built, rows)
+        edits = ahead.edits_flat(plan) if ahead is not None and mine and self._patch is not None else None
+        if ahead is not None and edits is not None and self._patch is not None:
+            return self._patch(ahead.arrays, edits), None
+        return plan_rows(plan.requests, self.block_size), None
 
 
 @dataclass(frozen=True)
@@ -117,6 +127,8 @@ class _Read(Generic[Built]):
     """A plan's rows as `InputsAhead.prepare` read them."""
 
     plan: StepPlan
+    rows: list[ScheduledRequest]  # held, so that no other row takes one of their ids
+    index: dict[int, int]  # id(row) -> its index in `rows`
     arrays: PlanRows
     built: Built | None
 
@@ -126,7 +138,7 @@ class _Read(Generic[Built]):
         drafts has reshaped took the launch 0.43 ms of NumPy calls, each ~10x its warm time after the host's
         sampling, against 0.24-0.29 ms for reading it again; AMD EPYC, 2026-12-06)."""
         edits = plan.edits
-        if edits.reshaped or edits.withdrawn or len(plan.requests) != len(self.arrays.starts):
+        if edits.reshaped or edits.withdrawn or len(plan.requests) != len(self.rows):
             return None
         ids = self.arrays.input_ids
         if edits.fed:
@@ -135,28 +147,60 @@ class _Read(Generic[Built]):
             ids[self.arrays.offsets[row_a] + at_a] = tok_a
         return ids
 
+    def edits_flat(self, plan: StepPlan) -> list[int] | None:
+        """`plan.edits` since this read as one list of ints (what a runner's `patch` takes: csrc/plan_ops.cpp's
+        `plan_patch`): the fed count, the fed (row, index, token), then each reshaped row, ascending, as (row, start,
+        tokens, logits rows, blocks used, its ids, its used blocks); None when rows were withdrawn or a reshaped row
+        is not one read."""
+        edits = plan.edits
+        if edits.withdrawn or len(plan.requests) != len(self.rows):
+            return None
+        index, bs = self.index, self.arrays.block_size
+        reshaped: dict[int, ScheduledRequest] = {}
+        for r in edits.reshaped:
+            i = index.get(id(r))
+            if i is None:
+                return None
+            reshaped[i] = r
+        flat = [len(edits.fed)]
+        for fed in edits.fed:
+            flat += fed
+        for i in sorted(reshaped):
+            r = reshaped[i]
+            n, start = len(r.input_ids), r.start_pos
+            used = (start + n + bs - 1) // bs
+            flat += (i, start, n, n if r.all_logits else (r.num_draft_tokens + 1 if r.needs_logits else 0), used)
+            flat += r.input_ids
+            flat += r.block_table[:used]
+        return flat
+
 
 def plan_rows(requests: Sequence[ScheduledRequest], block_size: int) -> PlanRows:
-    """The arrays of `requests`, read in one pass over the rows."""
+    """The arrays of `requests`, read in one pass over the rows (at a launch that reads a plan again it runs on
+    caches the host's sampling has just flushed, where a NumPy call costs ~10x its warm time: one loop, one array
+    per field)."""
     starts: list[int] = []
     counts: list[int] = []
     wanted: list[int] = []
+    used: list[int] = []
     ids: list[int] = []
+    blocks: list[int] = []
     names: list[str] = []
     for r in requests:
-        n = len(r.input_ids)
-        starts.append(r.start_pos)
+        n, start = len(r.input_ids), r.start_pos
+        u = (start + n + block_size - 1) // block_size
+        starts.append(start)
         counts.append(n)
         wanted.append(n if r.all_logits else (r.num_draft_tokens + 1 if r.needs_logits else 0))
+        used.append(u)
         ids += r.input_ids
-        names.append(r.request_id)
-    starts_a, counts_a = np.array(starts, dtype=np.int64), np.array(counts, dtype=np.int64)
-    used = (starts_a + counts_a + block_size - 1) // block_size
-    blocks: list[int] = []
-    for r, u in zip(requests, used.tolist(), strict=True):
         blocks += r.block_table[:u]
-    return PlanRows(block_size, starts_a, counts_a, np.array(wanted, dtype=np.int64), used,
-                    np.array(ids, dtype=np.int64), np.array(blocks, dtype=np.int64), names)
+        names.append(r.request_id)
+
+    def a(values: list[int]) -> np.ndarray:
+        return np.array(values, dtype=np.int64)
+
+    return PlanRows(block_size, a(starts), a(counts), a(wanted), a(used), a(ids), a(blocks), names)
 
 
 def slot_mapping(tables: np.ndarray, rows: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:

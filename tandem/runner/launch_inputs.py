@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tandem.core.plan import StepPlan
@@ -43,8 +44,9 @@ class LaunchInputs:
         graph: another thread's CUDA calls would break the capture)."""
         self.device = device
         self._graphs, self._eager, self._build_ahead = graphs, eager, build_ahead
-        load_cpu_kernels()  # a step's paged inputs in one call of the op library (layers/csrc/plan_ops.cpp)
-        self.ahead: InputsAhead[StepInputs] = InputsAhead(block_size, self.build, self._with_ids)
+        # a step's paged inputs, and a plan's arrays patched, in one call each of the op library (csrc/plan_ops.cpp)
+        patch = patched_rows if load_cpu_kernels() and hasattr(torch.ops.tandem, "plan_patch") else None
+        self.ahead: InputsAhead[StepInputs] = InputsAhead(block_size, self.build, self._with_ids, patch)
 
     def prepare(self, plan: StepPlan) -> None:
         """Read (and, where `build_ahead()` allows, build) `plan`'s inputs now, while the forward before it runs."""
@@ -75,3 +77,13 @@ class LaunchInputs:
         assert built.eager is not None
         _, meta, wanted = built.eager
         return StepInputs(eager=(host_ids(rows.input_ids, self.device), meta, wanted))
+
+
+def patched_rows(read: PlanRows, edits: list[int]) -> PlanRows:
+    """The arrays of a plan from its read ahead and its edits since (`_Read.edits_flat`), in one call of the op
+    library (csrc/plan_ops.cpp: `plan_patch`) instead of reading its rows again."""
+    t = torch.from_numpy
+    out = torch.ops.tandem.plan_patch(t(read.starts), t(read.counts), t(read.wanted), t(read.used), t(read.input_ids),
+                                      t(read.blocks), t(np.array(edits, dtype=np.int64)))
+    starts, counts, wanted, used, ids, blocks = (x.numpy() for x in out)
+    return PlanRows(read.block_size, starts, counts, wanted, used, ids, blocks, read.request_ids)

@@ -1,5 +1,6 @@
 """A runner's launch inputs read and built ahead (runner/launch_inputs.py): after the scheduler fed tokens, the inputs
-built ahead with the fed ids put in equal the inputs built at the launch; reshaped plans are built again."""
+built ahead with the fed ids put in equal the inputs built at the launch; a reshaped plan has its read patched (the op
+library's `plan_patch`) and its inputs built again."""
 
 from __future__ import annotations
 
@@ -77,3 +78,63 @@ def test_a_reshaped_plan_is_built_again_and_no_build_ahead_beside_a_capture() ->
     _, again = inputs(first)
     inputs.prepare(_plan(random.Random(4), 2, 1))
     assert inputs.ahead._ahead is not None and inputs.ahead._ahead.built is not None  # that graph exists now
+
+
+def _reshape(rng: random.Random, plan: StepPlan) -> None:
+    """What `Scheduler.settle` / `add_drafts` do to a plan's rows between its read and its launch, logged: rows fed,
+    moved back to fewer tokens (their tables cut to the blocks they still reach), regrown with drafts and new blocks,
+    fed after their reshaping."""
+    for i, r in enumerate(plan.requests):
+        r.input_ids[0] = 11 + i
+        plan.edits.fed.append((i, 0, 11 + i))
+    for i in sorted(rng.sample(range(len(plan.requests)), max(1, len(plan.requests) // 8)), reverse=True):
+        r = plan.requests[i]
+        r.start_pos = max(1, r.start_pos - rng.randint(0, 20))
+        r.input_ids, r.num_draft_tokens = r.input_ids[:1], 0
+        if rng.random() < 0.5:  # redrafted
+            r.input_ids += [rng.randrange(1000) for _ in range(rng.randint(1, 4))]
+            r.num_draft_tokens = len(r.input_ids) - 1
+        need = -(-(r.start_pos + len(r.input_ids)) // 16)
+        r.block_table = (r.block_table + [9000 + i * 8 + k for k in range(8)])[:need]
+        plan.edits.reshaped.append(r)
+        r.input_ids[0] = 7
+        plan.edits.fed.append((i, 0, 7))
+
+
+@pytest.mark.parametrize(("rows", "q", "seed"), [(3, 1, 0), (40, 3, 1), (300, 1, 2), (256, 5, 3)])
+def test_a_reshaped_plan_patched_from_its_read_equals_a_fresh_read(rows: int, q: int, seed: int) -> None:
+    """The op library's `plan_patch` (csrc/plan_ops.cpp) puts a plan's fed tokens and its reshaped rows into its read
+    ahead: the arrays equal reading the rows at the launch, and the launch builds its inputs from them."""
+    from tandem.runner.launch_inputs import patched_rows
+
+    rng = random.Random(seed)
+    plan = _plan(rng, rows, q)
+    inputs = CudaLaunchInputs(16, 4096, 4096)
+    assert inputs.ahead._patch is patched_rows  # (the op library is loaded in the test environment)
+    inputs.prepare(plan)
+    read = inputs.ahead._ahead
+    assert read is not None
+    _reshape(rng, plan)
+    edits = read.edits_flat(plan)
+    assert edits is not None
+    got, want = patched_rows(read.arrays, edits), plan_rows(plan.requests, 16)
+    for name in ("starts", "counts", "wanted", "used", "input_ids", "blocks"):
+        assert np.array_equal(getattr(got, name), getattr(want, name)), name
+    rows_now, built = inputs(plan)
+    assert np.array_equal(rows_now.input_ids, want.input_ids)
+    for a, b in zip(_tensors(built), _tensors(inputs.build(plan, want)), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_plan_patch_refuses_edits_that_do_not_fit_the_read() -> None:
+    from tandem.runner.launch_inputs import patched_rows
+
+    plan = _plan(random.Random(5), 4, 2)
+    read = plan_rows(plan.requests, 16)
+    with pytest.raises(RuntimeError, match="fed"):
+        patched_rows(read, [1, 9, 0, 5])  # a fed row past the plan
+    with pytest.raises(RuntimeError, match="has no input"):
+        patched_rows(read, [1, 0, 2, 5])  # a fed index past its row
+    with pytest.raises(RuntimeError, match="cut short"):
+        patched_rows(read, [0, 1, 5, 1])  # a record cut short
+    assert np.array_equal(patched_rows(read, [0]).input_ids, read.input_ids)  # no edits: the read
