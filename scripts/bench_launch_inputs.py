@@ -7,9 +7,10 @@ Random decode plans (one token a row) and verify plans (0-4 drafts a row), posit
 FlexAttention's paged path, logits rows) and the CUDA-graph step's padded inputs (`GraphedSteps._pad`, tables 129
 and 513 blocks wide: max_model_len 2,048 and 8,192), and what a CUDA runner's launch builds (`CudaLaunchInputs`,
 max_model_len 4,096: a graph where the step fits one, else the paged path) after its read ahead (`prepare`, untimed:
-it runs while the forward before runs), when a row was reshaped since (the plan read again and built) and when the
-requests were only fed (the inputs built ahead, the ids put in). All on the host (CPU tensors; on CUDA a page-locked
-copy and the transfers come on top). Median milliseconds of `--repeats` builds; `--cold`: each after an argmax over
+it runs while the forward before runs), when a row was reshaped since (its read patched by the op library, or read
+again without it, and built) and when the requests were only fed (the inputs built ahead, the ids put in); then one
+call of the op library on a 1-row plan (torch's dispatcher and the call alone). All on the host (CPU tensors; on CUDA
+a page-locked copy and the transfers come on top). Median milliseconds of `--repeats` builds; `--cold`: each after an argmax over
 a step's logits, as beside the simulated device (a real accelerator samples on itself).
 """
 
@@ -66,7 +67,8 @@ def fed(plan: StepPlan) -> None:
 
 
 def reshaped(plan: StepPlan) -> None:
-    """... and one row of it moved back (a rejected draft): the launch reads the plan again."""
+    """... and one row of it moved back (a rejected draft): the launch patches its read (the op library's
+    `plan_patch`; else it reads the plan again) and builds its inputs."""
     fed(plan)
     plan.edits.reshaped.append(plan.requests[0])
 
@@ -104,6 +106,10 @@ def main() -> None:
             cells.append(median_ms(lambda c=cuda, pl=plan: c(pl), args.repeats,
                                    before=lambda c=cuda, pl=plan, e=edit: (c.prepare(pl), e(pl), flush())))
         print(f"| {name} | {plan.num_tokens} | " + " | ".join("-" if c != c else f"{c:.2f}" for c in cells) + " |")
+    if hasattr(torch.ops.tandem, "step_inputs"):  # what any launch pays for reaching torch's dispatcher at all
+        one = [torch.tensor(v) for v in ([5], [1], [1], [1], [3])]
+        ms = median_ms(lambda: torch.ops.tandem.step_inputs(*one, BLOCK, 8), args.repeats, flush)
+        print(f"one call of the op library on a 1-row plan (step_inputs): {ms:.3f} ms")
 
 
 if __name__ == "__main__":
