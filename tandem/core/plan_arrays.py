@@ -78,8 +78,9 @@ class InputsAhead(Generic[Built]):
     """A runner's read-ahead of the next plan (scheduling ahead): `prepare` reads its rows into arrays, and builds
     the launch's inputs from them when given `build`, while the forward before it runs. At its launch, `take` uses
     that read when the scheduler only fed tokens into the plan since (`StepPlan.edits`): the input ids patched, the
-    rest as read (and `with_ids` puts the ids into the inputs built). Rows reshaped or withdrawn: the plan is read
-    again. After the host's sampling has streamed a step's logits through the caches, a launch's NumPy calls cost
+    rest as read (and `with_ids` puts the ids into the inputs built). Rows reshaped: the runner's `patch` puts them
+    into the read (else the plan is read again), and the inputs are built at the launch; rows withdrawn: the plan is
+    read again. After the host's sampling has streamed a step's logits through the caches, a launch's NumPy calls cost
     ~10x their warm time: a 256-row CUDA launch read again took 0.56-0.61 ms warm, 1.16-1.75 ms cold, one only fed
     0.08-0.09 / 0.42-0.47 (AMD EPYC, 2026-12-06, `python scripts/bench_launch_inputs.py [--cold]`)."""
 
@@ -107,18 +108,18 @@ class InputsAhead(Generic[Built]):
         from the read `prepare` made of `plan` if it holds (then forgotten): fed tokens put in; rows reshaped since
         put in by `patch` where the runner has one; the plan read again when rows were withdrawn."""
         ahead, self._ahead = self._ahead, None
-        mine = ahead is not None and ahead.plan is plan
-        ids = ahead.fed_ids(plan) if ahead is not None and mine else None
-        if mine:
-            self.held_share += HELD_RATE * ((ids is not None) - self.held_share)
-        if ahead is not None and ids is not None:
+        if ahead is None or ahead.plan is not plan:
+            return plan_rows(plan.requests, self.block_size), None
+        ids = ahead.fed_ids(plan)
+        self.held_share += HELD_RATE * ((ids is not None) - self.held_share)
+        if ids is not None:
             rows = replace(ahead.arrays, input_ids=ids)
-            if ahead.built is None or self._with_ids is None:
-                return rows, None
-            return rows, self._with_ids(ahead.built, rows)
-        edits = ahead.edits_flat(plan) if ahead is not None and mine and self._patch is not None else None
-        if ahead is not None and edits is not None and self._patch is not None:
-            return self._patch(ahead.arrays, edits), None
+            built = ahead.built
+            return rows, (self._with_ids(built, rows) if built is not None and self._with_ids is not None else None)
+        patch = self._patch
+        edits = ahead.edits_flat(plan) if patch is not None else None
+        if patch is not None and edits is not None:
+            return patch(ahead.arrays, edits), None
         return plan_rows(plan.requests, self.block_size), None
 
 
@@ -134,9 +135,7 @@ class _Read(Generic[Built]):
 
     def fed_ids(self, plan: StepPlan) -> np.ndarray | None:
         """[T] int64: the input ids with the tokens `plan.edits` fed; None when rows were reshaped or withdrawn
-        since this read (the plan is read again whole: patching the ~23 rows a 256-row plan after a step of suffix
-        drafts has reshaped took the launch 0.43 ms of NumPy calls, each ~10x its warm time after the host's
-        sampling, against 0.24-0.29 ms for reading it again; AMD EPYC, 2026-12-06)."""
+        since this read (see `edits_flat`)."""
         edits = plan.edits
         if edits.reshaped or edits.withdrawn or len(plan.requests) != len(self.rows):
             return None
@@ -151,7 +150,8 @@ class _Read(Generic[Built]):
         """`plan.edits` since this read as one list of ints (what a runner's `patch` takes: csrc/plan_ops.cpp's
         `plan_patch`): the fed count, the fed (row, index, token), then each reshaped row, ascending, as (row, start,
         tokens, logits rows, blocks used, its ids, its used blocks); None when rows were withdrawn or a reshaped row
-        is not one read."""
+        is not one read. (The same patch in NumPy, ~40 calls after the host's sampling has flushed the caches, took
+        the launch 0.38-0.43 ms, more than reading the plan again: AMD EPYC, 2026-12-06.)"""
         edits = plan.edits
         if edits.withdrawn or len(plan.requests) != len(self.rows):
             return None
