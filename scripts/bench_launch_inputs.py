@@ -10,8 +10,8 @@ max_model_len 4,096: a graph where the step fits one, else the paged path) after
 it runs while the forward before runs), when a row was reshaped since (its read patched by the op library, or read
 again without it, and built) and when the requests were only fed (the inputs built ahead, the ids put in); then one
 call of the op library on a 1-row plan (torch's dispatcher and the call alone). All on the host (CPU tensors; on CUDA
-a page-locked copy and the transfers come on top). Median milliseconds of `--repeats` builds; `--cold`: each after an argmax over
-a step's logits, as beside the simulated device (a real accelerator samples on itself).
+a page-locked copy and the transfers come on top). Median milliseconds of `--repeats` builds; `--cold`: each after
+an argmax over a step's logits, as beside the simulated device (a real accelerator samples on itself).
 """
 
 from __future__ import annotations

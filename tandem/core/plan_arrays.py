@@ -169,7 +169,7 @@ class _Read(Generic[Built]):
             r = reshaped[i]
             n, start = len(r.input_ids), r.start_pos
             used = (start + n + bs - 1) // bs
-            flat += (i, start, n, n if r.all_logits else (r.num_draft_tokens + 1 if r.needs_logits else 0), used)
+            flat += (i, start, n, r.num_logits_rows, used)
             flat += r.input_ids
             flat += r.block_table[:used]
         return flat
