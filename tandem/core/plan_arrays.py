@@ -20,8 +20,9 @@ import numpy as np
 from tandem.core.plan import ScheduledRequest, StepPlan
 
 Built = TypeVar("Built")  # a runner's launch inputs
-# a read's arrays and the plan's edits since, flat (`_Read.edits_flat`) -> the plan's arrays now (a runner's op)
-Patch = Callable[["PlanRows", list[int]], "PlanRows"]
+# a read's arrays and the plan's edits since, flat (`_Read.edits_flat`) -> the plan's arrays now, and its launch
+# inputs where the runner built them in the same call (a runner's op)
+Patch = Callable[["PlanRows", list[int]], "tuple[PlanRows, Built | None]"]
 HELD_TO_BUILD = 0.5  # inputs are built ahead while at least this share of recent reads held to their launch
 HELD_RATE = 0.1  # how fast that share follows: ~10 launches
 
@@ -79,15 +80,16 @@ class InputsAhead(Generic[Built]):
     the launch's inputs from them when given `build`, while the forward before it runs. At its launch, `take` uses
     that read when the scheduler only fed tokens into the plan since (`StepPlan.edits`): the input ids patched, the
     rest as read (and `with_ids` puts the ids into the inputs built). Rows reshaped: the runner's `patch` puts them
-    into the read (else the plan is read again), and the inputs are built at the launch; rows withdrawn: the plan is
-    read again. After the host's sampling has streamed a step's logits through the caches, a launch's NumPy calls cost
+    into the read (else the plan is read again), and the inputs are built at the launch (by the patch itself where
+    it can); rows withdrawn: the plan is read again. After the host's sampling has streamed a step's logits through the caches, a launch's NumPy calls cost
     ~10x their warm time: a 256-row CUDA launch read again took 0.56-0.61 ms warm, 1.16-1.75 ms cold, one only fed
     0.08-0.09 / 0.42-0.47 (AMD EPYC, 2026-12-06, `python scripts/bench_launch_inputs.py [--cold]`)."""
 
     def __init__(self, block_size: int, build: Callable[[StepPlan, PlanRows], Built] | None = None,
-                 with_ids: Callable[[Built, PlanRows], Built] | None = None, patch: Patch | None = None) -> None:
+                 with_ids: Callable[[Built, PlanRows], Built] | None = None, patch: Patch[Built] | None = None) -> None:
         """build: a runner's launch inputs from a plan's arrays; with_ids: those inputs with other input ids; patch:
-        the arrays of a plan with rows reshaped since its read, from the read and the edits (else read again)."""
+        the arrays of a plan with rows reshaped since its read, from the read and the edits (else read again), and
+        its inputs when the runner built them in the same call."""
         self.block_size = block_size
         self._build, self._with_ids, self._patch = build, with_ids, patch
         self._ahead: _Read[Built] | None = None
@@ -106,7 +108,8 @@ class InputsAhead(Generic[Built]):
     def take(self, plan: StepPlan) -> tuple[PlanRows, Built | None]:
         """`plan_rows(plan.requests)`, and the inputs built from them when the read ahead built them (else None),
         from the read `prepare` made of `plan` if it holds (then forgotten): fed tokens put in; rows reshaped since
-        put in by `patch` where the runner has one; the plan read again when rows were withdrawn."""
+        put in by `patch` where the runner has one (which may build the inputs too); the plan read again when rows
+        were withdrawn."""
         ahead, self._ahead = self._ahead, None
         if ahead is None or ahead.plan is not plan:
             return plan_rows(plan.requests, self.block_size), None
@@ -119,7 +122,7 @@ class InputsAhead(Generic[Built]):
         patch = self._patch
         edits = ahead.edits_flat(plan) if patch is not None else None
         if patch is not None and edits is not None:
-            return patch(ahead.arrays, edits), None
+            return patch(ahead.arrays, edits)
         return plan_rows(plan.requests, self.block_size), None
 
 

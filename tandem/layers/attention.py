@@ -23,7 +23,7 @@ operations a model with sinks takes the gathered decode path (`ops.select_ops`).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -167,6 +167,21 @@ def _paged_step(rows: PlanRows, block_size: int,
         return None
     out = op(*map(torch.from_numpy, (rows.starts, rows.counts, rows.wanted, rows.used, rows.blocks)), block_size,
              DECODE_MAX_QUERY)
+    return paged_metadata(rows, block_size, to_dev, out)
+
+
+def paged_step_inputs(rows: PlanRows, out: Sequence[torch.Tensor], device: torch.device,
+                      pin: bool = False) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
+    """`step_inputs` on the paged path from the op library's `step_inputs` outputs `out` for `rows` (computed in
+    the same call as the rows themselves: csrc/plan_ops.cpp's `plan_patch_step`)."""
+    to_dev = _mover(device, pin)
+    meta, wanted = paged_metadata(rows, rows.block_size, to_dev, out)
+    return host_ids(rows.input_ids, device, pin), meta, wanted
+
+
+def paged_metadata(rows: PlanRows, block_size: int, to_dev: Callable[[torch.Tensor], torch.Tensor],
+                   out: Sequence[torch.Tensor]) -> tuple[AttentionMetadata, torch.Tensor]:
+    """The metadata and logits rows [R] of a step on the paged path from the op library's `step_inputs` outputs."""
     positions, slots, wanted, prefill_rows, token_index, flat, out_rows, query_pos, seq_info, tables, held, tables32 = out
     meta = AttentionMetadata(rows.num_tokens, to_dev(positions), to_dev(slots))
     if len(prefill_rows):

@@ -10,7 +10,7 @@ CUDA launch (runner/simulated.py), so that the benchmark pays what the runner pa
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,11 +18,13 @@ import torch
 
 from tandem.core.plan import StepPlan
 from tandem.core.plan_arrays import InputsAhead, PlanRows
-from tandem.layers.attention import AttentionMetadata, host_ids
+from tandem.layers.attention import DECODE_MAX_QUERY, AttentionMetadata, host_ids
 from tandem.layers.kernels import load_cpu_kernels
 from tandem.runner.cuda_graphs import GraphedSteps, GraphInputs
 
 EagerInputs = tuple[torch.Tensor, AttentionMetadata, torch.Tensor]  # token ids [T], metadata, logits rows [R]
+# a plan's arrays and the op library's `step_inputs` outputs for them -> the eager inputs (None: not the paged path)
+EagerFromOp = Callable[[PlanRows, Sequence[torch.Tensor]], "EagerInputs | None"]
 
 
 @dataclass(frozen=True)
@@ -37,15 +39,17 @@ class LaunchInputs:
     """A runner's launch inputs, read (and, with `build_ahead`, built) ahead of the launch by `prepare`."""
 
     def __init__(self, block_size: int, device: torch.device, graphs: Callable[[], GraphedSteps | None],
-                 eager: Callable[[StepPlan, PlanRows], EagerInputs], build_ahead: Callable[[], bool]) -> None:
+                 eager: Callable[[StepPlan, PlanRows], EagerInputs], build_ahead: Callable[[], bool],
+                 eager_from_op: EagerFromOp | None = None) -> None:
         """graphs: the graphed steps in use now (None: eager only); eager: `step_inputs` of a plan and its arrays;
         build_ahead: whether `prepare` may build now too (not where the forward runs on the host's cores: that work
         would slow it, and be thrown away for a plan reshaped since; not while the forward in flight captures a CUDA
-        graph: another thread's CUDA calls would break the capture)."""
+        graph: another thread's CUDA calls would break the capture); eager_from_op: the eager inputs from the op
+        library's `step_inputs` outputs, where the runner's eager steps take the paged path now (None: never)."""
         self.device = device
-        self._graphs, self._eager, self._build_ahead = graphs, eager, build_ahead
+        self._graphs, self._eager, self._build_ahead, self._eager_from_op = graphs, eager, build_ahead, eager_from_op
         # a step's paged inputs, and a plan's arrays patched, in one call each of the op library (csrc/plan_ops.cpp)
-        patch = patched_rows if load_cpu_kernels() and hasattr(torch.ops.tandem, "plan_patch") else None
+        patch = self._patched if load_cpu_kernels() and hasattr(torch.ops.tandem, "plan_patch_step") else None
         self.ahead: InputsAhead[StepInputs] = InputsAhead(block_size, self.build, self._with_ids, patch)
 
     def prepare(self, plan: StepPlan) -> None:
@@ -69,6 +73,16 @@ class LaunchInputs:
         padded = graphs.prepare(plan, rows) if graphs is not None else None
         return StepInputs(graph=padded) if padded is not None else StepInputs(eager=self._eager(plan, rows))
 
+    def _patched(self, read: PlanRows, edits: list[int]) -> tuple[PlanRows, StepInputs | None]:
+        """A reshaped plan's arrays from its read and its edits (`InputsAhead`'s patch) and, where its step runs
+        eagerly on the paged path, its inputs: one call of the op library (`plan_patch_step`). A graph's step is
+        padded by `build` at the launch."""
+        if self._eager_from_op is None:
+            return patched_rows(read, edits), None
+        rows, step, q = patched_step(read, edits)
+        eager = self._eager_from_op(rows, step) if not q or self._graphs() is None else None
+        return rows, (StepInputs(eager=eager) if eager is not None else None)
+
     def _with_ids(self, built: StepInputs, rows: PlanRows) -> StepInputs:
         """`built` with the input ids of `rows` (the rest as built: only fed tokens changed)."""
         graphs = self._graphs()
@@ -87,3 +101,15 @@ def patched_rows(read: PlanRows, edits: list[int]) -> PlanRows:
                                       t(read.blocks), t(np.array(edits, dtype=np.int64)))
     starts, counts, wanted, used, ids, blocks = (x.numpy() for x in out)
     return PlanRows(read.block_size, starts, counts, wanted, used, ids, blocks, read.request_ids)
+
+
+def patched_step(read: PlanRows, edits: list[int]) -> tuple[PlanRows, list[torch.Tensor], int]:
+    """`patched_rows`, the op library's `step_inputs` outputs for the patched rows, and the CUDA graph's q of the
+    patched plan (0: no graph's shape), in one call (csrc/plan_ops.cpp: `plan_patch_step`)."""
+    t = torch.from_numpy
+    out = torch.ops.tandem.plan_patch_step(t(read.starts), t(read.counts), t(read.wanted), t(read.used),
+                                           t(read.input_ids), t(read.blocks), t(np.array(edits, dtype=np.int64)),
+                                           read.block_size, DECODE_MAX_QUERY)
+    starts, counts, wanted, used, ids, blocks = (x.numpy() for x in out[:6])
+    return (PlanRows(read.block_size, starts, counts, wanted, used, ids, blocks, read.request_ids), out[6:18],
+            int(out[18]))

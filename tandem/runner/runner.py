@@ -11,7 +11,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -20,7 +20,7 @@ import torch
 from tandem.config import CacheConfig, ConfigError, ModelConfig, SchedulerConfig
 from tandem.core.plan import StepPlan
 from tandem.core.plan_arrays import PlanRows
-from tandem.layers.attention import AttentionMetadata, step_inputs
+from tandem.layers.attention import AttentionMetadata, paged_step_inputs, step_inputs
 from tandem.layers.moe_offload import OffloadSetting, host_expert_layers, warn_if_no_op
 from tandem.layers.parallel import TensorParallel
 from tandem.models.llama import LlamaModel
@@ -189,7 +189,7 @@ class ModelRunner(Runner):
         self._graphs = self._graphed_steps(scheduler_config.max_model_len)
         # the next plan read (and, on an accelerator, its inputs built) while the forward before it runs
         self._launch_inputs = LaunchInputs(self.block_size, self.device, self._graphs_now, self._inputs,
-                                           build_ahead=self._may_build_ahead)
+                                           build_ahead=self._may_build_ahead, eager_from_op=self._inputs_from_op)
         self._capturing = False  # the forward in flight captures a CUDA graph first
 
     def _build(
@@ -307,6 +307,15 @@ class ModelRunner(Runner):
         ops = self.model.ops
         return step_inputs(plan, self.block_size, self.device, pin=self._pin, gathered_decode=ops.gathered_decode,
                            paged_decode=ops.paged_decode, rows=rows)
+
+    def _inputs_from_op(self, rows: PlanRows, out: Sequence[torch.Tensor]) -> tuple[torch.Tensor, AttentionMetadata,
+                                                                                     torch.Tensor] | None:
+        """`_inputs` from the op library's `step_inputs` outputs for `rows`, where the eager steps take its paged
+        path (FlexAttention's paged decode); None otherwise."""
+        ops = self.model.ops
+        if not ops.paged_decode or ops.gathered_decode:
+            return None
+        return paged_step_inputs(rows, out, self.device, pin=self._pin)
 
     def on_tensor_thread(self, fn: Callable[..., T], *args: Any) -> T:
         """Run `fn(*args)` where the forward runs (the process's tensor thread) and wait for it: host-side tensor work

@@ -39,7 +39,7 @@ import torch
 
 from tandem.core.plan import StepPlan
 from tandem.core.plan_arrays import PlanRows
-from tandem.layers.attention import step_inputs
+from tandem.layers.attention import paged_step_inputs, step_inputs
 from tandem.runner.base import ForwardHandle, Runner
 from tandem.runner.cuda_graphs import GraphedSteps, capture_eagerly
 from tandem.runner.device_model import DeviceModel
@@ -236,7 +236,8 @@ class CudaLaunchInputs(LaunchInputs):
         self._captured: set[tuple[int, int]] = set()  # the graphs a real runner would hold by now
         self._capturing = False
         super().__init__(block_size, torch.device("cpu"), lambda: self.graphs, self._paged,
-                         build_ahead=lambda: not self._capturing)
+                         build_ahead=lambda: not self._capturing,
+                         eager_from_op=lambda rows, out: paged_step_inputs(rows, out, torch.device("cpu")))
 
     def __call__(self, plan: StepPlan) -> tuple[PlanRows, StepInputs]:
         rows, inputs = super().__call__(plan)

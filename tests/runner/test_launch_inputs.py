@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from tandem.core.plan import ScheduledRequest, StepPlan
-from tandem.core.plan_arrays import plan_rows
+from tandem.core.plan_arrays import _Read, plan_rows
+from tandem.layers.attention import DECODE_MAX_QUERY
 from tandem.runner.launch_inputs import StepInputs
 from tandem.runner.simulated import CudaLaunchInputs
 
@@ -110,7 +111,7 @@ def test_a_reshaped_plan_patched_from_its_read_equals_a_fresh_read(rows: int, q:
     rng = random.Random(seed)
     plan = _plan(rng, rows, q)
     inputs = CudaLaunchInputs(16, 4096, 4096)
-    assert inputs.ahead._patch is patched_rows  # (the op library is loaded in the test environment)
+    assert inputs.ahead._patch is not None  # (the op library is loaded in the test environment)
     inputs.prepare(plan)
     read = inputs.ahead._ahead
     assert read is not None
@@ -122,8 +123,48 @@ def test_a_reshaped_plan_patched_from_its_read_equals_a_fresh_read(rows: int, q:
         assert np.array_equal(getattr(got, name), getattr(want, name)), name
     rows_now, built = inputs(plan)
     assert np.array_equal(rows_now.input_ids, want.input_ids)
-    for a, b in zip(_tensors(built), _tensors(inputs.build(plan, want)), strict=True):
+    fresh = inputs.build(plan, want)
+    assert (built.graph is None) == (fresh.graph is None)
+    for a, b in zip(_tensors(built), _tensors(fresh), strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(("rows", "q", "seed", "graph_q"), [(3, 1, 0, 1), (8, 3, 1, 3), (300, 2, 2, 2), (20, 17, 3, 0)])
+def test_a_patched_plans_step_inputs_and_graph_shape_come_from_the_same_call(rows: int, q: int, seed: int,
+                                                                              graph_q: int) -> None:
+    """`plan_patch_step` (one call at the launch of a reshaped plan): its step inputs equal the op's `step_inputs`
+    on a fresh read, and its q is `graph_query_len` of the patched plan (17 tokens a row: past the graphs' longest
+    query, 16); a row reshaped to another width leaves no graph's shape."""
+    from tandem.runner.cuda_graphs import graph_query_len
+    from tandem.runner.launch_inputs import patched_step
+
+    rng = random.Random(seed)
+    plan = _plan(rng, rows, q)
+    read = plan_rows(plan.requests, 16)
+    r = plan.requests[rows // 2]
+    r.start_pos += 1  # moved on a token, same width: the plan keeps its shape
+    plan.edits.reshaped.append(r)
+    for i in range(rows):
+        plan.requests[i].input_ids[0] = 5 + i
+        plan.edits.fed.append((i, 0, 5 + i))
+    edits = _read_of(plan, read).edits_flat(plan)
+    assert edits is not None
+    got, step, graph = patched_step(read, edits)
+    want = plan_rows(plan.requests, 16)
+    fresh = torch.ops.tandem.step_inputs(*map(torch.from_numpy, (want.starts, want.counts, want.wanted, want.used,
+                                                                  want.blocks)), 16, DECODE_MAX_QUERY)
+    assert np.array_equal(got.input_ids, want.input_ids) and np.array_equal(got.starts, want.starts)
+    for a, b in zip(step, fresh, strict=True):
+        assert torch.equal(a, b)
+    assert graph == graph_q == (graph_query_len(plan) or 0)
+    r.input_ids.append(3)  # one row wider than the rest
+    r.num_draft_tokens += 1
+    r.block_table = r.block_table + [8888]
+    assert patched_step(read, _read_of(plan, read).edits_flat(plan) or [])[2] == 0
+
+
+def _read_of(plan: StepPlan, arrays: object) -> _Read[None]:
+    return _Read(plan, list(plan.requests), {id(r): i for i, r in enumerate(plan.requests)}, arrays, None)  # type: ignore[arg-type]
 
 
 def test_a_plan_patch_refuses_edits_that_do_not_fit_the_read() -> None:
