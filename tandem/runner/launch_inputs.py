@@ -107,9 +107,8 @@ def patched_step(read: PlanRows, edits: list[int]) -> tuple[PlanRows, list[torch
     """`patched_rows`, the op library's `step_inputs` outputs for the patched rows, and the CUDA graph's q of the
     patched plan (0: no graph's shape), in one call (csrc/plan_ops.cpp: `plan_patch_step`)."""
     t = torch.from_numpy
-    out = torch.ops.tandem.plan_patch_step(t(read.starts), t(read.counts), t(read.wanted), t(read.used),
-                                           t(read.input_ids), t(read.blocks), t(np.array(edits, dtype=np.int64)),
-                                           read.block_size, DECODE_MAX_QUERY)
+    out, q = torch.ops.tandem.plan_patch_step(t(read.starts), t(read.counts), t(read.wanted), t(read.used),
+                                              t(read.input_ids), t(read.blocks), t(np.array(edits, dtype=np.int64)),
+                                              read.block_size, DECODE_MAX_QUERY)
     starts, counts, wanted, used, ids, blocks = (x.numpy() for x in out[:6])
-    return (PlanRows(read.block_size, starts, counts, wanted, used, ids, blocks, read.request_ids), out[6:18],
-            int(out[18]))
+    return PlanRows(read.block_size, starts, counts, wanted, used, ids, blocks, read.request_ids), out[6:], q

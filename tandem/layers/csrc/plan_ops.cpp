@@ -16,8 +16,8 @@
 //                n, wanted, u, its n ids, its u blocks) -> the six arrays of the plan now. A plan read again in
 //                Python took 0.2-0.3 ms of the launch (its rows' objects and ~10 NumPy calls after the host's
 //                sampling had flushed the caches).
-//   plan_patch_step  plan_patch, then step_inputs on the patched arrays, then [1] int64: the CUDA graph's q of the
-//                patched plan (`runner/cuda_graphs.graph_query_len`; 0: no graph's shape) -> 6 + 12 + 1 tensors. A
+//   plan_patch_step  plan_patch, then step_inputs on the patched arrays, and the CUDA graph's q of the
+//                patched plan (`runner/cuda_graphs.graph_query_len`; 0: no graph's shape) -> (6 + 12 tensors, q). A
 //                reshaped plan's launch in one call of the library instead of three steps (plan_patch, the graph
 //                check in NumPy, step_inputs): after the host's sampling has flushed the caches each call into torch
 //                and each NumPy call costs ~10x its warm time.
@@ -27,6 +27,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -207,16 +208,14 @@ int64_t graph_query_len(const at::Tensor& starts, const at::Tensor& counts, cons
 }
 
 // plan_patch, then step_inputs and the graph's q of the patched plan (see the header).
-std::vector<at::Tensor> plan_patch_step(const at::Tensor& starts, const at::Tensor& counts, const at::Tensor& wanted,
-                                        const at::Tensor& used, const at::Tensor& ids, const at::Tensor& blocks,
-                                        const at::Tensor& edits, int64_t block_size, int64_t decode_max_query) {
+std::tuple<std::vector<at::Tensor>, int64_t> plan_patch_step(
+    const at::Tensor& starts, const at::Tensor& counts, const at::Tensor& wanted, const at::Tensor& used,
+    const at::Tensor& ids, const at::Tensor& blocks, const at::Tensor& edits, int64_t block_size,
+    int64_t decode_max_query) {
   std::vector<at::Tensor> out = plan_patch(starts, counts, wanted, used, ids, blocks, edits);
   std::vector<at::Tensor> step = step_inputs(out[0], out[1], out[2], out[3], out[5], block_size, decode_max_query);
   out.insert(out.end(), step.begin(), step.end());
-  at::Tensor q = at::empty({1}, at::TensorOptions().dtype(at::kLong));
-  q.data_ptr<int64_t>()[0] = graph_query_len(out[0], out[1], out[2], decode_max_query);
-  out.push_back(q);
-  return out;
+  return {out, graph_query_len(out[0], out[1], out[2], decode_max_query)};
 }
 
 }  // namespace
@@ -224,7 +223,7 @@ std::vector<at::Tensor> plan_patch_step(const at::Tensor& starts, const at::Tens
 TORCH_LIBRARY_FRAGMENT(tandem, m) {
   m.def("step_inputs(Tensor starts, Tensor counts, Tensor wanted, Tensor used, Tensor blocks, int block_size, int decode_max_query) -> Tensor[]");
   m.def("plan_patch(Tensor starts, Tensor counts, Tensor wanted, Tensor used, Tensor ids, Tensor blocks, Tensor edits) -> Tensor[]");
-  m.def("plan_patch_step(Tensor starts, Tensor counts, Tensor wanted, Tensor used, Tensor ids, Tensor blocks, Tensor edits, int block_size, int decode_max_query) -> Tensor[]");
+  m.def("plan_patch_step(Tensor starts, Tensor counts, Tensor wanted, Tensor used, Tensor ids, Tensor blocks, Tensor edits, int block_size, int decode_max_query) -> (Tensor[], int)");
 }
 
 TORCH_LIBRARY_IMPL(tandem, CPU, m) {
