@@ -341,15 +341,23 @@ class Scheduler:
         # on the launch's critical path (~1 us a row at 256 rows): locals, no property calls; the common row (every
         # draft accepted, its next row's drafts kept) only feeds its next row here
         nxt_rows = next_plan.requests
-        index = {sr.request_id: i for i, sr in enumerate(nxt_rows)}
         requests, running, changed, unconfirmed = self._requests, RequestStatus.RUNNING, [], self._unconfirmed
         fed, reshaped = next_plan.edits.fed, next_plan.edits.reshaped
+        # both plans list the running requests in admission order (`_schedule_running`): next_plan's rows are walked
+        # in step with plan's, a map of them built only for a row out of step (~20 us of the launch at 256 rows)
+        j, num_next, index = 0, len(nxt_rows), None
         for sr in plan.requests:
             rid = sr.request_id
+            if j < num_next and nxt_rows[j].request_id == rid:
+                i: int | None = j
+                j += 1
+            else:
+                index = index if index is not None else {r.request_id: k for k, r in enumerate(nxt_rows)}
+                i = index.get(rid)
+                j = i + 1 if i is not None else j
             toks = tokens.get(rid)
             if not toks or not sr.needs_logits:
                 continue
-            i = index.get(rid)
             nxt = nxt_rows[i] if i is not None else None
             if len(toks) == sr.num_draft_tokens + 1 and (nxt is None or not nxt.num_draft_tokens or rid in keep):
                 if i is not None:

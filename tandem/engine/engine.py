@@ -371,6 +371,7 @@ class LLMEngine:
         parked = self.speculation.draft_ahead(self.scheduler.running, self._max_drafts,
                                               self._slack_deadline(cur, DRAFT_SHARE))
         nxt = self._schedule_ahead(frozenset(sr.request_id for sr in cur.plan.requests), parked)
+        nxt_tokens = nxt.num_tokens  # (for the check policies, before the launch: a sum over its rows, counted now)
         timer.mark("scheduled")
         self._join_fill(cur)
         self.speculation.tidy(self._slack_deadline(cur, TIDY_SHARE))  # deferred work, while the forward still runs
@@ -379,13 +380,14 @@ class LLMEngine:
             timer.mark("collected")
             self._forward_s.append(cur.handle.finished_at - cur.launched_at)
             self.guidance.record_wait(cur.masks.filled, cur.filled_at, cur.handle.finished_at)
-            tokens = self._sample_ahead(cur, logits, timer, nxt)
+            tokens = self._sample_ahead(cur, logits, timer, nxt_tokens)
             speculative = self.speculation.active
-            now, late = self._split_checks(cur, nxt)  # unmasked argmaxes checked before / after nxt's launch
+            now, late = self._split_checks(cur, nxt_tokens)  # unmasked argmaxes checked before / after nxt's launch
             unsettled = self._check_unmasked(cur.plan, logits, cur.masks.filled, tokens, now)
             held = self._rows_of(cur.plan, logits, unsettled) if unsettled else None  # [n, V]: copied before the launch
             # their tokens come during the next forward (or never: the request failed): they sit it out
-            self.scheduler.withdraw(nxt, [rid for rid, toks in tokens.items() if not toks])
+            if not all(tokens.values()):
+                self.scheduler.withdraw(nxt, [rid for rid, toks in tokens.items() if not toks])
             if speculative:
                 self._settle_ahead(cur.plan, tokens, nxt, frozenset(late))
             else:
@@ -424,27 +426,27 @@ class LLMEngine:
             self.scheduler.resolve(plan, tokens, None, commit=False)
 
     def _sample_ahead(self, cur: _InFlight, logits: torch.Tensor, timer: StepTimer,
-                      nxt: StepPlan) -> dict[str, list[int]]:
+                      nxt_tokens: int) -> dict[str, list[int]]:
         """The tokens of `cur`'s rows `logits` [R, V], those of rows fed a retracted token left out; marks
         'sampled', then checks the drafts verified without masks (`_check_unmasked_verify`: host work), unless
-        `verify_checks` moves that check past `nxt`'s launch (`cur.verify_late`)."""
+        `verify_checks` moves that check past the launch of the next plan (`nxt_tokens` tokens; `cur.verify_late`)."""
         tokens = self.runner.on_tensor_thread(self.step_sampler.sample, cur.plan, logits, cur.masks.staged, self._seqs)
         for rid in cur.garbage:
             tokens.pop(rid, None)
         self.thinking.limit(tokens, self._seqs)
         timer.mark("sampled")
         cur.verify_late = bool(cur.masks.filled.unmasked_verify) and self.verify_checks.after_launch(
-            nxt.num_tokens, min(self._forward_s, default=0.0))
+            nxt_tokens, min(self._forward_s, default=0.0))
         if not cur.verify_late:
             self._check_unmasked_verify(cur.plan, logits, cur.masks.filled, tokens)
         return tokens
 
-    def _split_checks(self, cur: _InFlight, nxt: StepPlan) -> tuple[list[str], list[str]]:
-        """`cur`'s unmasked argmaxes to check before `nxt`'s launch, and after it (see engine/unmasked.py): all
-        after it where the policy says so (a rejected one is retracted, its row of `nxt` thrown away with any
+    def _split_checks(self, cur: _InFlight, nxt_tokens: int) -> tuple[list[str], list[str]]:
+        """`cur`'s unmasked argmaxes to check before the launch of the next plan (`nxt_tokens` tokens), and after it
+        (see engine/unmasked.py): all after it where the policy says so (a rejected one is retracted, its row of `nxt` thrown away with any
         drafts it verifies: `Scheduler.retract`)."""
         unmasked = cur.masks.filled.unmasked
-        if not unmasked or not self.unmasked_checks.after_launch(nxt.num_tokens, min(self._forward_s, default=0.0)):
+        if not unmasked or not self.unmasked_checks.after_launch(nxt_tokens, min(self._forward_s, default=0.0)):
             return unmasked, []
         return [], unmasked
 

@@ -801,6 +801,23 @@ def test_settle_moves_the_next_row_back_after_a_rejected_draft() -> None:
     assert req.token_ids[7:] == [9, 20, 25, 26] and req.num_tentative == 0 and req.num_computed_tokens == 10
 
 
+@pytest.mark.parametrize("order", [[0, 1, 2], [2, 0, 1], [1, 2]])
+def test_settle_finds_each_next_row_in_step_or_out_of_it(order: list[int]) -> None:
+    """`settle` walks the next plan's rows in step with the running plan's (both in admission order) and looks a
+    row out of step up: each next row is fed its own request's token, logged under its index there."""
+    bm = BlockManager(32, 4, enable_prefix_caching=False)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64), bm)
+    for rid in "abc":
+        sched.add(Request(rid, [1, 2, 3], SamplingParams(max_tokens=32)))
+    sched.reserve(cur := sched.schedule())
+    sched.reserve(nxt := sched.schedule(frozenset("abc")))
+    nxt.requests = [nxt.requests[k] for k in order]  # (a row left out stands for one the walk cannot find)
+    tokens = {"a": [10], "b": [11], "c": [12]}
+    assert sched.settle(cur, tokens, nxt, set("abc")) == []
+    assert [r.input_ids[0] for r in nxt.requests] == [10 + k for k in order]
+    assert sorted(nxt.edits.fed) == [(i, 0, 10 + k) for i, k in enumerate(order)]
+
+
 def test_rewrite_after_a_settled_step_throws_the_row_in_flight_away_and_feeds_the_position_again() -> None:
     """Scheduling ahead, a step settled with every draft accepted and the next row (drafts and all) launched; the
     drafts' grammar check after the launch rejects the second emitted token: `rewrite` puts the masked
