@@ -118,19 +118,22 @@ class GraphedSteps:
     def prepare(self, plan: StepPlan, rows: PlanRows) -> GraphInputs | None:
         """The step's padded inputs when it fits a graph (`rows`: its arrays, `plan_rows`); None when it runs
         eagerly."""
-        q = _query_len(rows)
-        if q is None:
+        return self.pad(rows, _query_len(rows))
+
+    def pad(self, rows: PlanRows, q: int | None) -> GraphInputs | None:
+        """`prepare` for a plan whose `_query_len` is known (`q`; 0 or None: not a graph's shape)."""
+        if not q:
             return None
-        bucket = bucket_for(len(plan.requests), q)
+        bucket = bucket_for(len(rows.counts), q)
         if bucket is None or int(rows.used.max()) > self.max_blocks:  # the graph's tables hold the blocks it reads
             return None
-        return self._pad(plan, rows, bucket, q)
+        return self._pad(rows, bucket, q)
 
-    def _pad(self, plan: StepPlan, rows: PlanRows, bucket: int, q: int) -> GraphInputs:
+    def _pad(self, rows: PlanRows, bucket: int, q: int) -> GraphInputs:
         """The step's inputs padded to `bucket` requests of `q` tokens each, vectorised over the rows (the launch
         waits for this: core/plan_arrays.py). Padding requests hold one block (the scratch), their keys at position
         0, queries at 0."""
-        bs, scratch, n, width = self.block_size, self.scratch_block, len(plan.requests), self.max_blocks
+        bs, scratch, n, width = self.block_size, self.scratch_block, len(rows.counts), self.max_blocks
         held = rows.used  # [n]
         ids = np.zeros(bucket * q, dtype=np.int64)
         ids[: n * q] = rows.input_ids

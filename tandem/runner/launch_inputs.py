@@ -74,13 +74,17 @@ class LaunchInputs:
         return StepInputs(graph=padded) if padded is not None else StepInputs(eager=self._eager(plan, rows))
 
     def _patched(self, read: PlanRows, edits: list[int]) -> tuple[PlanRows, StepInputs | None]:
-        """A reshaped plan's arrays from its read and its edits (`InputsAhead`'s patch) and, where its step runs
-        eagerly on the paged path, its inputs: one call of the op library (`plan_patch_step`). A graph's step is
-        padded by `build` at the launch."""
+        """A reshaped plan's arrays from its read and its edits (`InputsAhead`'s patch), and its inputs: one call
+        of the op library (`plan_patch_step`) gives the eager paged step's and the plan's graph shape, which a
+        graph's step is padded to."""
         if self._eager_from_op is None:
             return patched_rows(read, edits), None
         rows, step, q = patched_step(read, edits)
-        eager = self._eager_from_op(rows, step) if not q or self._graphs() is None else None
+        graphs = self._graphs()
+        padded = graphs.pad(rows, q) if graphs is not None else None
+        if padded is not None:
+            return rows, StepInputs(graph=padded)
+        eager = self._eager_from_op(rows, step)
         return rows, (StepInputs(eager=eager) if eager is not None else None)
 
     def _with_ids(self, built: StepInputs, rows: PlanRows) -> StepInputs:

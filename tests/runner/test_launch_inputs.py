@@ -135,9 +135,11 @@ def test_a_patched_plans_step_inputs_and_graph_shape_come_from_the_same_call(row
     """`plan_patch_step` (one call at the launch of a reshaped plan): its step inputs equal the op's `step_inputs`
     on a fresh read, and its q is `graph_query_len` of the patched plan (17 tokens a row: past the graphs' longest
     query, 16); a row reshaped to another width leaves no graph's shape."""
+    from tandem.layers.kernels import load_cpu_kernels
     from tandem.runner.cuda_graphs import graph_query_len
     from tandem.runner.launch_inputs import patched_step
 
+    assert load_cpu_kernels()
     rng = random.Random(seed)
     plan = _plan(rng, rows, q)
     read = plan_rows(plan.requests, 16)
@@ -163,13 +165,33 @@ def test_a_patched_plans_step_inputs_and_graph_shape_come_from_the_same_call(row
     assert patched_step(read, _read_of(plan, read).edits_flat(plan) or [])[2] == 0
 
 
+@pytest.mark.parametrize(("rows", "q"), [(3, 1), (40, 3), (256, 5)])
+def test_a_reshaped_plan_of_one_width_is_padded_to_its_graph_from_the_same_call(rows: int, q: int) -> None:
+    """A row moved back, same width (the plan keeps a graph's shape): the launch pads the patched arrays to the
+    graph when one takes the step (256 x 5 tokens: past a graph's 1,024, eager from the call's step inputs); the
+    inputs equal those built from a fresh read."""
+    plan = _plan(random.Random(rows), rows, q)
+    inputs = CudaLaunchInputs(16, 4096, 4096)
+    inputs.prepare(plan)
+    r = plan.requests[rows // 2]
+    r.start_pos = max(1, r.start_pos - 3)
+    plan.edits.reshaped.append(r)
+    _, built = inputs(plan)
+    fresh = inputs.build(plan, plan_rows(plan.requests, 16))
+    assert (built.graph is not None) == (fresh.graph is not None) == (rows * q <= 1024)
+    for a, b in zip(_tensors(built), _tensors(fresh), strict=True):
+        assert torch.equal(a, b)
+
+
 def _read_of(plan: StepPlan, arrays: object) -> _Read[None]:
     return _Read(plan, list(plan.requests), {id(r): i for i, r in enumerate(plan.requests)}, arrays, None)  # type: ignore[arg-type]
 
 
 def test_a_plan_patch_refuses_edits_that_do_not_fit_the_read() -> None:
+    from tandem.layers.kernels import load_cpu_kernels
     from tandem.runner.launch_inputs import patched_rows
 
+    assert load_cpu_kernels()
     plan = _plan(random.Random(5), 4, 2)
     read = plan_rows(plan.requests, 16)
     with pytest.raises(RuntimeError, match="fed"):

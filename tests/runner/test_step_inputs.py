@@ -144,7 +144,7 @@ def test_graph_inputs_equal_the_per_token_padding(seed: int) -> None:
     bucket = len(plan.requests) + rng.randint(0, 7)
     graphs = GraphedSteps(forward=lambda *_: torch.empty(0), capture=lambda fn: (None, fn()), device=torch.device("cpu"),
                           block_size=bs, scratch_block=4321, max_blocks=width)
-    got = graphs._pad(plan, plan_rows(plan.requests, bs), bucket, q)
+    got = graphs._pad(plan_rows(plan.requests, bs), bucket, q)
     want = _reference_pad(plan, bucket, q, bs, 4321, width)
     names = ("input_ids", "positions", "slots", "num_blocks", "block_tables", "query_pos")
     for name, ref in zip(names, want, strict=True):
