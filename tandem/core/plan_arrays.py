@@ -81,9 +81,10 @@ class InputsAhead(Generic[Built]):
     that read when the scheduler only fed tokens into the plan since (`StepPlan.edits`): the input ids patched, the
     rest as read (and `with_ids` puts the ids into the inputs built). Rows reshaped: the runner's `patch` puts them
     into the read (else the plan is read again), and the inputs are built at the launch (by the patch itself where
-    it can); rows withdrawn: the plan is read again. After the host's sampling has streamed a step's logits through the caches, a launch's NumPy calls cost
-    ~10x their warm time: a 256-row CUDA launch read again took 0.56-0.61 ms warm, 1.16-1.75 ms cold, one only fed
-    0.08-0.09 / 0.42-0.47 (AMD EPYC, 2026-12-06, `python scripts/bench_launch_inputs.py [--cold]`)."""
+    it can); rows withdrawn: the plan is read again. After the host's sampling has streamed a step's logits through
+    the caches, a launch's NumPy calls cost ~10x their warm time: a 256-row CUDA launch read again took 0.56-0.61 ms
+    warm, 1.16-1.75 ms cold, one only fed 0.08-0.09 / 0.42-0.47 (AMD EPYC, 2026-12-06, `python
+    scripts/bench_launch_inputs.py [--cold]`)."""
 
     def __init__(self, block_size: int, build: Callable[[StepPlan, PlanRows], Built] | None = None,
                  with_ids: Callable[[Built, PlanRows], Built] | None = None, patch: Patch[Built] | None = None) -> None:

@@ -443,8 +443,8 @@ class LLMEngine:
 
     def _split_checks(self, cur: _InFlight, nxt_tokens: int) -> tuple[list[str], list[str]]:
         """`cur`'s unmasked argmaxes to check before the launch of the next plan (`nxt_tokens` tokens), and after it
-        (see engine/unmasked.py): all after it where the policy says so (a rejected one is retracted, its row of `nxt` thrown away with any
-        drafts it verifies: `Scheduler.retract`)."""
+        (see engine/unmasked.py): all after it where the policy says so (a rejected one is retracted, its row of the
+        next plan thrown away with any drafts it verifies: `Scheduler.retract`)."""
         unmasked = cur.masks.filled.unmasked
         if not unmasked or not self.unmasked_checks.after_launch(nxt_tokens, min(self._forward_s, default=0.0)):
             return unmasked, []

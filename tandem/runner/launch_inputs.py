@@ -75,8 +75,8 @@ class LaunchInputs:
 
     def _patched(self, read: PlanRows, edits: list[int]) -> tuple[PlanRows, StepInputs | None]:
         """A reshaped plan's arrays from its read and its edits (`InputsAhead`'s patch), and its inputs: one call
-        of the op library (`plan_patch_step`) gives the eager paged step's and the plan's graph shape, which a
-        graph's step is padded to."""
+        of the op library (`plan_patch_step`) gives both the eager paged step's inputs and the plan's graph shape; a
+        graph's step is padded from that shape."""
         if self._eager_from_op is None:
             return patched_rows(read, edits), None
         rows, step, q = patched_step(read, edits)

@@ -32,7 +32,7 @@ from tandem.runner.cuda_graphs import (
     capture_eagerly,
     graphs_enabled,
 )
-from tandem.runner.launch_inputs import LaunchInputs
+from tandem.runner.launch_inputs import EagerInputs, LaunchInputs
 from tandem.runner.memory import huge_page_zeros, release_freed_memory, resident_bytes, resident_range_bytes
 from tandem.runner.tensor_thread import tensor_thread
 from tandem.runner.timeline import DeviceTimeline
@@ -308,8 +308,7 @@ class ModelRunner(Runner):
         return step_inputs(plan, self.block_size, self.device, pin=self._pin, gathered_decode=ops.gathered_decode,
                            paged_decode=ops.paged_decode, rows=rows)
 
-    def _inputs_from_op(self, rows: PlanRows, out: Sequence[torch.Tensor]) -> tuple[torch.Tensor, AttentionMetadata,
-                                                                                     torch.Tensor] | None:
+    def _inputs_from_op(self, rows: PlanRows, out: Sequence[torch.Tensor]) -> EagerInputs | None:
         """`_inputs` from the op library's `step_inputs` outputs for `rows`, where the eager steps take its paged
         path (FlexAttention's paged decode); None otherwise."""
         ops = self.model.ops

@@ -19,9 +19,9 @@ Sampling still runs on the host (on a real accelerator it runs on the device): b
 With `launch_inputs` (`CudaLaunchInputs`), `launch` first builds on the host what `ModelRunner.launch` builds for a
 CUDA model before its forward can start (token ids, positions, slots, block tables; a CUDA graph's padded inputs
 where the step fits one), read and built ahead by `prepare` as the runner does (runner/launch_inputs.py), so the
-time a real device waits for it counts: at 256 verify rows 0.13 ms when rows were reshaped since its read (the read
-patched; 0.41-0.43 read again), 0.07 ms when it was only fed (AMD EPYC, 2026-12-06, warm; 2.2-7.9 ms before
-core/plan_arrays.py; `python scripts/bench_launch_inputs.py`).
+time a real device waits for it counts: at 256 verify rows 0.11 ms when rows were reshaped since its read (the read
+patched and the step built in one call; 0.41-0.43 read again), 0.07 ms when it was only fed (AMD EPYC, 2026-12-06,
+warm; 2.2-7.9 ms before core/plan_arrays.py; `python scripts/bench_launch_inputs.py`).
 Not for serving: nothing it produces means anything.
 """
 

@@ -111,12 +111,14 @@ def test_cuda_graph_replay_matches_eager(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 @pytest.mark.skipif(not flex_available(), reason="this torch has no FlexAttention")
-@pytest.mark.parametrize("speculative", [False, True])
+@pytest.mark.parametrize(("speculative", "ahead"), [(False, False), (True, False), (True, True)])
 def test_engine_greedy_tokens_same_with_the_cuda_path_on_the_host(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, speculative: bool
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, speculative: bool, ahead: bool
 ) -> None:
     """The whole engine, greedy, with the CUDA path's code on the host (paged decode, graphs' bookkeeping with the
-    eager stand-in) gives the tokens of the gathered path; verification steps (n-gram drafts) replay graphs too."""
+    eager stand-in) gives the tokens of the gathered path; verification steps (n-gram drafts) replay graphs too;
+    scheduled ahead, the plans reshaped by optimistic misses launch from the op library's one call
+    (`plan_patch_step`: the runner's eager inputs from its outputs, or a graph's padding)."""
     from tandem.bench.common import drive
     from tandem.engine.llm import build_engine
     from tandem.params import SamplingParams
@@ -126,11 +128,20 @@ def test_engine_greedy_tokens_same_with_the_cuda_path_on_the_host(
     spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False} if speculative else None
     prompts = [[1 + (i * 7 + j) % 5 for j in range(12)] for i in range(5)]  # repetitive: the n-gram drafts
     outs = []
+    from_op: list[int] = []  # eager launches built from the op library's one call on a reshaped plan
+    build = ModelRunner._inputs_from_op
+
+    def counted(self: ModelRunner, rows: object, out: object) -> object:
+        inputs = build(self, rows, out)  # type: ignore[arg-type]
+        from_op.extend([1] if inputs is not None else [])
+        return inputs
+
+    monkeypatch.setattr(ModelRunner, "_inputs_from_op", counted)
     for attention, graphs in (("gather", "0"), ("paged", "1")):
         monkeypatch.setenv("TANDEM_DECODE_ATTENTION", attention)
         monkeypatch.setenv("TANDEM_CUDA_GRAPHS", graphs)
         engine = build_engine(str(folder), dtype="float32", progress=False, cpu_kernels=False, max_num_seqs=8,
-                              num_kv_blocks=64, block_size=4, speculative_config=spec)
+                              num_kv_blocks=64, block_size=4, speculative_config=spec, async_scheduling=ahead)
         got: dict[str, list[int]] = {}
         drive(engine, prompts, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True), 5, "g",
               on_output=lambda o, got=got: got.__setitem__(o.request_id, list(o.outputs[0].token_ids)))
@@ -138,6 +149,8 @@ def test_engine_greedy_tokens_same_with_the_cuda_path_on_the_host(
         runner = engine.runner
         assert isinstance(runner, ModelRunner)
         stats = runner.graph_stats()
+        misses = engine.get_stats().get("spec_optimistic_misses", 0)
         engine.shutdown()
     assert outs[0] == outs[1]
     assert stats["graph_steps"] > 0
+    assert (misses > 0 and len(from_op) > 0) == ahead
