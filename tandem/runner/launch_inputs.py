@@ -100,19 +100,24 @@ class LaunchInputs:
 def patched_rows(read: PlanRows, edits: list[int]) -> PlanRows:
     """The arrays of a plan from its read ahead and its edits since (`_Read.edits_flat`), in one call of the op
     library (csrc/plan_ops.cpp: `plan_patch`) instead of reading its rows again."""
-    t = torch.from_numpy
-    out = torch.ops.tandem.plan_patch(t(read.starts), t(read.counts), t(read.wanted), t(read.used), t(read.input_ids),
-                                      t(read.blocks), t(np.array(edits, dtype=np.int64)))
-    starts, counts, wanted, used, ids, blocks = (x.numpy() for x in out)
-    return PlanRows(read.block_size, starts, counts, wanted, used, ids, blocks, read.request_ids)
+    return _rows_of(read, torch.ops.tandem.plan_patch(*_patch_args(read, edits)))
 
 
 def patched_step(read: PlanRows, edits: list[int]) -> tuple[PlanRows, list[torch.Tensor], int]:
     """`patched_rows`, the op library's `step_inputs` outputs for the patched rows, and the CUDA graph's q of the
     patched plan (0: no graph's shape), in one call (csrc/plan_ops.cpp: `plan_patch_step`)."""
+    out, q = torch.ops.tandem.plan_patch_step(*_patch_args(read, edits), read.block_size, DECODE_MAX_QUERY)
+    return _rows_of(read, out[:6]), out[6:], q
+
+
+def _patch_args(read: PlanRows, edits: list[int]) -> tuple[torch.Tensor, ...]:
+    """A read's six arrays and the edits since it, as the op library's patch calls take them (shared memory)."""
     t = torch.from_numpy
-    out, q = torch.ops.tandem.plan_patch_step(t(read.starts), t(read.counts), t(read.wanted), t(read.used),
-                                              t(read.input_ids), t(read.blocks), t(np.array(edits, dtype=np.int64)),
-                                              read.block_size, DECODE_MAX_QUERY)
-    starts, counts, wanted, used, ids, blocks = (x.numpy() for x in out[:6])
-    return PlanRows(read.block_size, starts, counts, wanted, used, ids, blocks, read.request_ids), out[6:], q
+    return (t(read.starts), t(read.counts), t(read.wanted), t(read.used), t(read.input_ids), t(read.blocks),
+            t(np.array(edits, dtype=np.int64)))
+
+
+def _rows_of(read: PlanRows, out: list[torch.Tensor]) -> PlanRows:
+    """The patched plan's arrays from the op's first six outputs (the read's block size and request ids)."""
+    starts, counts, wanted, used, ids, blocks = (x.numpy() for x in out)
+    return PlanRows(read.block_size, starts, counts, wanted, used, ids, blocks, read.request_ids)
