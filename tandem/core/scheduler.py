@@ -14,10 +14,10 @@ before it runs, appending to each request that will sample its drafts (taken as 
 (`req.num_tentative` counts that tail); the next plan is scheduled while this one runs and feeds those
 placeholders; `resolve(plan, tokens, next_plan)` writes the sampled tokens over them (in the requests and in the next
 plan's inputs) before the next plan is launched. With drafts, `settle(plan, tokens, next_plan, keep)` does this
-instead: a request whose drafts were all accepted keeps its row of the next plan, fed the token (its drafts too when
-`keep` says they still hold; the request's own list learns the token in `confirm()`, after the launch), any other
-has that row moved back to where its accepted tokens end, without drafts, and the KV slots of its rejected drafts
-released. A request whose token needs more work than the launch can wait for is
+instead, on the rows alone: a request whose drafts were all accepted keeps its row of the next plan, fed the
+token (its drafts too when `keep` says they still hold), any other has that row moved back to where its accepted
+tokens end, without drafts; the requests learn the outcome (and the KV slots of rejected drafts are released) in
+`confirm()`, after the launch. A request whose token needs more work than the launch can wait for is
 `withdraw`n from the next plan and resolved later; a token found wrong after that launch (an unmasked argmax the
 grammar rejects) is `retract`ed: replaced, and the request's row in the running plan thrown away (the plan after it
 feeds that position again).
@@ -62,6 +62,9 @@ class Scheduler:
         self._next_step_id = 0
         # settle's fed rows whose requests learn their tokens in `confirm`: {request: (its row of the settled plan, token)}
         self._unconfirmed: dict[str, tuple[ScheduledRequest, int]] = {}
+        # settle's reshaped rows whose requests learn the outcome in `confirm`: {request: (its row of the settled
+        # plan, its tokens, its row of the next plan, drafts dropped from that row or -1: moved back)}
+        self._unsettled: dict[str, tuple[ScheduledRequest, Sequence[int], ScheduledRequest | None, int]] = {}
 
     # ----------------------------------------------------------------------------------------------- queries
     @property
@@ -112,6 +115,7 @@ class Scheduler:
     def _remove(self, request_id: str) -> Request | None:
         req = self._requests.pop(request_id, None)
         self._unconfirmed.pop(request_id, None)
+        self._unsettled.pop(request_id, None)
         if req is None:
             return None
         _drop_placeholders(req)
@@ -334,14 +338,16 @@ class Scheduler:
         """Scheduling ahead with drafts, before `next_plan` is launched: the outcome of `plan` (accepted drafts and
         one sampled token per request; none for a request withdrawn or failed meanwhile) goes into `next_plan`'s
         rows. A request whose drafts were all accepted keeps its row, fed the sampled token, and keeps that row's
-        drafts if it is in `keep` (they assumed this outcome); its own token list learns the token in `confirm`,
-        after the launch. Any other has its row moved back to where its accepted tokens end, without drafts, and
-        the blocks that held only its rejected drafts released (in the request now). Returns the requests whose rows
-        of `next_plan` lost their drafts or moved. Call `confirm()` before anything else reads the requests."""
+        drafts if it is in `keep` (they assumed this outcome). Any other has its row reshaped: without drafts, and
+        moved back to where its accepted tokens end after a rejected draft. Only the rows change here: the requests'
+        own token lists, positions and blocks (the KV slots of rejected drafts released) learn the outcome in
+        `confirm`, after the launch. Returns the requests whose rows of `next_plan` lost their drafts or moved. Call
+        `confirm()` (for all, or for the requests about to be read) before anything else reads the requests."""
         # on the launch's critical path (~1 us a row at 256 rows): locals, no property calls; the common row (every
         # draft accepted, its next row's drafts kept) only feeds its next row here
         nxt_rows = next_plan.requests
-        requests, running, changed, unconfirmed = self._requests, RequestStatus.RUNNING, [], self._unconfirmed
+        requests, running, changed = self._requests, RequestStatus.RUNNING, []
+        unconfirmed, unsettled = self._unconfirmed, self._unsettled
         fed, reshaped = next_plan.edits.fed, next_plan.edits.reshaped
         # both plans list the running requests in admission order (`_schedule_running`): next_plan's rows are walked
         # in step with plan's, a map of them built only for a row out of step (~20 us of the launch at 256 rows)
@@ -359,39 +365,33 @@ class Scheduler:
             if not toks or not sr.needs_logits:
                 continue
             nxt = nxt_rows[i] if i is not None else None
-            if len(toks) == sr.num_draft_tokens + 1 and (nxt is None or not nxt.num_draft_tokens or rid in keep):
-                if i is not None:
-                    nxt_rows[i].input_ids[0] = toks[-1]
+            every = len(toks) == sr.num_draft_tokens + 1
+            if every and (nxt is None or not nxt.num_draft_tokens or rid in keep):
+                if nxt is not None:
+                    nxt.input_ids[0] = toks[-1]
                     fed.append((i, 0, toks[-1]))
                 unconfirmed[rid] = (sr, toks[-1])
                 continue
             req = requests.get(rid)
             if req is None or req.status is not running:
                 continue
-            if len(toks) == sr.num_draft_tokens + 1:  # every draft accepted, the next row's drafts assumed otherwise
-                assert nxt is not None  # (a row without a next one was fed above)
-                self._confirm(req, sr, toks[-1])
-                nxt.input_ids[0] = toks[-1]
-                self._drop_drafts(req, nxt)
+            unsettled[rid] = (sr, toks, nxt, _shrink(sr, toks, nxt, every))
+            if nxt is not None:
                 changed.append(rid)
                 reshaped.append(nxt)
-            else:
-                self._move_back(req, sr, toks, nxt)
-                if nxt is not None:
-                    changed.append(rid)
-                    reshaped.append(nxt)
         return changed
 
     def confirm(self, request_ids: Collection[str] | None = None) -> None:
-        """The tokens `settle` fed forward go into their requests' token lists (`request_ids`, default all of them):
-        after the launch, or before a request's tokens are read (a redraft)."""
-        unconfirmed, requests, running = self._unconfirmed, self._requests, RequestStatus.RUNNING
-        pending = list(unconfirmed) if request_ids is None else [rid for rid in request_ids if rid in unconfirmed]
-        for rid in pending:
-            sr, last = unconfirmed.pop(rid)
-            req = requests.get(rid)
-            if req is not None and req.status is running:
-                self._confirm(req, sr, last)
+        """The outcome `settle` put into the next plan's rows goes into the requests (`request_ids`, default all of
+        them): their token lists, positions and blocks. After the launch, or before a request is read (a redraft)."""
+        requests, running = self._requests, RequestStatus.RUNNING
+        for pending, learn in ((self._unconfirmed, self._confirm), (self._unsettled, self._learn_reshaped)):
+            rids = list(pending) if request_ids is None else [rid for rid in request_ids if rid in pending]
+            for rid in rids:
+                outcome = pending.pop(rid)
+                req = requests.get(rid)
+                if req is not None and req.status is running:
+                    learn(req, *outcome)
 
     @staticmethod
     def _confirm(req: Request, sr: ScheduledRequest, last: int) -> None:
@@ -399,29 +399,26 @@ class Scheduler:
         req.token_ids[sr.start_pos + len(sr.input_ids)] = last
         req.num_tentative -= sr.num_draft_tokens + 1
 
-    def _drop_drafts(self, req: Request, row: ScheduledRequest) -> None:
-        """`row` (reserved, not launched) without its drafts: the request's tentative tail becomes its placeholder."""
-        k = row.num_draft_tokens
-        del req.token_ids[len(req.token_ids) - 1 - k : len(req.token_ids) - 1]
-        req.num_tentative -= k
-        req.num_computed_tokens -= k
-        del row.input_ids[len(row.input_ids) - k :]
-        row.num_draft_tokens = 0
-        self._release_tail(req, row)
-
-    def _move_back(self, req: Request, sr: ScheduledRequest, toks: Sequence[int], nxt: ScheduledRequest | None) -> None:
-        """A draft of `sr` was rejected: the request's tokens end with `toks` (accepted drafts, then the sampled
-        one), and its row of the next plan, if any, is that sampled token alone, at its real position."""
-        first = sr.start_pos + sr.num_tokens - sr.num_draft_tokens  # the position of its first draft
-        del req.token_ids[first:]
-        req.token_ids.extend(toks)
-        req.num_tentative = 0
-        req.num_computed_tokens = first + len(toks) - 1  # the sampled token has no KV yet
-        if nxt is not None:
-            nxt.start_pos, nxt.input_ids, nxt.num_draft_tokens = req.num_computed_tokens, [toks[-1]], 0
-            req.num_computed_tokens += 1
-            req.token_ids.append(PLACEHOLDER)
-            req.num_tentative = 1
+    def _learn_reshaped(self, req: Request, sr: ScheduledRequest, toks: Sequence[int], nxt: ScheduledRequest | None,
+                        dropped: int) -> None:
+        """The request of a row `settle` reshaped learns `sr`'s outcome `toks`: every draft accepted and its next
+        row's `dropped` drafts gone (`dropped` >= 0), or a draft rejected (-1): its tokens end with `toks`, its next
+        row (if any) is the sampled token alone. The blocks past its tokens are released."""
+        if dropped >= 0:
+            self._confirm(req, sr, toks[-1])
+            del req.token_ids[len(req.token_ids) - 1 - dropped : len(req.token_ids) - 1]
+            req.num_tentative -= dropped
+            req.num_computed_tokens -= dropped
+        else:
+            first = sr.start_pos + sr.num_tokens - sr.num_draft_tokens  # the position of its first draft
+            del req.token_ids[first:]
+            req.token_ids.extend(toks)
+            req.num_tentative = 0
+            req.num_computed_tokens = first + len(toks) - 1  # the sampled token has no KV yet
+            if nxt is not None:
+                req.num_computed_tokens += 1
+                req.token_ids.append(PLACEHOLDER)
+                req.num_tentative = 1
         self._release_tail(req, nxt)
 
     def _release_tail(self, req: Request, row: ScheduledRequest | None) -> None:
@@ -543,3 +540,20 @@ def _drop_placeholders(req: Request) -> None:
         del req.token_ids[len(req.token_ids) - req.num_tentative :]
         req.num_tentative = 0
     req.num_computed_tokens = min(req.num_computed_tokens, len(req.token_ids))
+
+
+def _shrink(sr: ScheduledRequest, toks: Sequence[int], nxt: ScheduledRequest | None, every: bool) -> int:
+    """`nxt` (the next row of `sr`'s request, reserved, not launched) becomes `sr`'s sampled token alone: without
+    its drafts when every draft of `sr` was accepted (`every`), else also moved back to where `toks` end. Returns
+    the drafts dropped (-1: moved back)."""
+    if every:
+        k = nxt.num_draft_tokens if nxt is not None else 0
+        if nxt is not None:
+            nxt.input_ids[0] = toks[-1]
+            del nxt.input_ids[len(nxt.input_ids) - k :]
+            nxt.num_draft_tokens = 0
+        return k
+    if nxt is not None:
+        first = sr.start_pos + sr.num_tokens - sr.num_draft_tokens  # the position of its first draft
+        nxt.start_pos, nxt.input_ids, nxt.num_draft_tokens = first + len(toks) - 1, [toks[-1]], 0
+    return -1

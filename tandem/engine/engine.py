@@ -418,8 +418,8 @@ class LLMEngine:
         return outputs + self._drain_errors()
 
     def _learn_fed(self, plan: StepPlan, tokens: Mapping[str, list[int]], speculative: bool) -> None:
-        """After the next launch: the requests' own token lists learn `plan`'s tokens, which `settle` (with drafts)
-        or `feed` put only into the next plan's rows before it."""
+        """After the next launch: the requests (their token lists; with drafts their positions and blocks too) learn
+        `plan`'s outcome, which `settle` (with drafts) or `feed` put only into the next plan's rows before it."""
         if speculative:
             self.scheduler.confirm()
         else:
@@ -452,10 +452,11 @@ class LLMEngine:
 
     def _settle_ahead(self, plan: StepPlan, tokens: Mapping[str, list[int]], nxt: StepPlan,
                       unchecked: frozenset[str]) -> None:
-        """Before nxt's launch, with drafts: `plan`'s outcome into the requests and into nxt (rows whose drafts
-        assumed another outcome lose them, rows after a rejected draft move back), then drafts again, from the
-        real outcome, for as many of those rows as a small share of a forward's time allows (cheap proposers);
-        none for the `unchecked` (their argmax is checked after the launch: their rows stay without drafts)."""
+        """Before nxt's launch, with drafts: `plan`'s outcome into nxt's rows (rows whose drafts assumed another
+        outcome lose them, rows after a rejected draft move back; the requests learn it after the launch, in
+        `_learn_fed`), then drafts again, from the real outcome, for as many of those rows as a small share of a
+        forward's time allows (cheap proposers; those requests learn their outcome first); none for the
+        `unchecked` (their argmax is checked after the launch: their rows stay without drafts)."""
         changed = self.scheduler.settle(plan, tokens, nxt, self.speculation.still_valid(tokens))
         self.speculation.missed(len(changed))
         budget = self._redraft_budget(len(nxt.requests))

@@ -786,6 +786,29 @@ def test_settle_drops_drafts_that_assumed_another_bonus_token() -> None:
     assert len(row.block_table) == len(req.block_ids)
 
 
+def test_settle_reshapes_the_next_rows_and_confirm_settles_their_requests() -> None:
+    """Before the launch `settle` changes only the next plan's rows (what the launch reads); a request whose row
+    moved back or lost its drafts learns its outcome, and gives back the blocks of its rejected drafts, in
+    `confirm`: after the launch, or for some requests before a redraft reads them."""
+    from tandem.core.scheduler import PLACEHOLDER
+
+    for tokens, dropped_row in (([20, 25], ([25], 9)), ([20, 21, 22, 23], ([23], 11))):
+        sched, bm, req, cur, nxt = _ahead_pair([20, 21, 22], [30, 31, 32, 33, 34, 35])
+        before, computed, free = list(req.token_ids), req.num_computed_tokens, bm.num_free_blocks
+        assert sched.settle(cur, {"a": tokens}, nxt, []) == ["a"]
+        row = nxt.requests[0]
+        assert (row.input_ids, row.start_pos, row.num_draft_tokens) == (*dropped_row, 0)
+        assert (req.token_ids, req.num_computed_tokens, bm.num_free_blocks) == (before, computed, free)
+        sched.confirm(["b"])  # another request: nothing
+        assert req.token_ids == before
+        sched.confirm(["a"])
+        assert req.token_ids[7:] == [9, *tokens, PLACEHOLDER] and req.num_tentative == 1
+        assert req.num_computed_tokens == row.start_pos + 1 and bm.num_free_blocks > free
+        assert len(row.block_table) == len(req.block_ids)
+        sched.confirm()  # learned once
+        assert req.token_ids[7:] == [9, *tokens, PLACEHOLDER]
+
+
 def test_settle_moves_the_next_row_back_after_a_rejected_draft() -> None:
     from tandem.core.scheduler import PLACEHOLDER
 
