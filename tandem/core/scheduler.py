@@ -367,8 +367,8 @@ class Scheduler:
             nxt = nxt_rows[i] if i is not None else None
             every = len(toks) == sr.num_draft_tokens + 1
             if every and (nxt is None or not nxt.num_draft_tokens or rid in keep):
-                if nxt is not None:
-                    nxt.input_ids[0] = toks[-1]
+                if i is not None:
+                    nxt_rows[i].input_ids[0] = toks[-1]
                     fed.append((i, 0, toks[-1]))
                 unconfirmed[rid] = (sr, toks[-1])
                 continue
