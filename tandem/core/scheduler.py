@@ -34,6 +34,9 @@ from tandem.core.plan import ScheduledRequest, StepPlan
 from tandem.request import Request, RequestStatus
 
 PLACEHOLDER = -1  # a token sampled by a plan still running (scheduling ahead); never a real token id
+# a plan's rows that sample, each as (request id, row, its tokens when every draft is accepted, its request's row
+# index in the next plan (-1: none), that row): `pair_rows`
+RowPairs = list[tuple[str, ScheduledRequest, int, int, "ScheduledRequest | None"]]
 
 
 class KVCacheTooSmallError(RuntimeError):
@@ -334,48 +337,37 @@ class Scheduler:
                 self.block_manager.commit(req)
 
     def settle(self, plan: StepPlan, tokens: Mapping[str, Sequence[int]], next_plan: StepPlan,
-               keep: Collection[str]) -> list[str]:
+               keep: Collection[str], pairs: RowPairs | None = None) -> list[str]:
         """Scheduling ahead with drafts, before `next_plan` is launched: the outcome of `plan` (accepted drafts and
         one sampled token per request; none for a request withdrawn or failed meanwhile) goes into `next_plan`'s
         rows. A request whose drafts were all accepted keeps its row, fed the sampled token, and keeps that row's
         drafts if it is in `keep` (they assumed this outcome). Any other has its row reshaped: without drafts, and
         moved back to where its accepted tokens end after a rejected draft. Only the rows change here: the requests'
         own token lists, positions and blocks (the KV slots of rejected drafts released) learn the outcome in
-        `confirm`, after the launch. Returns the requests whose rows of `next_plan` lost their drafts or moved. Call
-        `confirm()` (for all, or for the requests about to be read) before anything else reads the requests."""
+        `confirm`, after the launch. `pairs`: `pair_rows(plan, next_plan)`, taken while `plan` ran (read again
+        when rows were withdrawn since). Returns the requests whose rows of `next_plan` lost their drafts or moved.
+        Call `confirm()` (for all, or for the requests about to be read) before anything else reads the requests."""
         # on the launch's critical path (~1 us a row at 256 rows): locals, no property calls; the common row (every
         # draft accepted, its next row's drafts kept) only feeds its next row here
-        nxt_rows = next_plan.requests
+        if pairs is None or next_plan.edits.withdrawn:
+            pairs = pair_rows(plan, next_plan)
         requests, running, changed = self._requests, RequestStatus.RUNNING, []
         unconfirmed, unsettled = self._unconfirmed, self._unsettled
         fed, reshaped = next_plan.edits.fed, next_plan.edits.reshaped
-        # both plans list the running requests in admission order (`_schedule_running`): next_plan's rows are walked
-        # in step with plan's, a map of them built only for a row out of step (~20 us of the launch at 256 rows)
-        j, num_next, index = 0, len(nxt_rows), None
-        for sr in plan.requests:
-            rid = sr.request_id
-            if j < num_next and nxt_rows[j].request_id == rid:
-                i: int | None = j
-                j += 1
-            else:
-                index = index if index is not None else {r.request_id: k for k, r in enumerate(nxt_rows)}
-                i = index.get(rid)
-                j = i + 1 if i is not None else j
+        for rid, sr, every, i, nxt in pairs:
             toks = tokens.get(rid)
-            if not toks or not sr.needs_logits:
+            if not toks:
                 continue
-            nxt = nxt_rows[i] if i is not None else None
-            every = len(toks) == sr.num_draft_tokens + 1
-            if every and (nxt is None or not nxt.num_draft_tokens or rid in keep):
-                if i is not None:
-                    nxt_rows[i].input_ids[0] = toks[-1]
+            if len(toks) == every and (nxt is None or not nxt.num_draft_tokens or rid in keep):
+                if nxt is not None:
+                    nxt.input_ids[0] = toks[-1]
                     fed.append((i, 0, toks[-1]))
                 unconfirmed[rid] = (sr, toks[-1])
                 continue
             req = requests.get(rid)
             if req is None or req.status is not running:
                 continue
-            unsettled[rid] = (sr, toks, nxt, _shrink(sr, toks, nxt, every))
+            unsettled[rid] = (sr, toks, nxt, _shrink(sr, toks, nxt, len(toks) == every))
             if nxt is not None:
                 changed.append(rid)
                 reshaped.append(nxt)
@@ -557,3 +549,23 @@ def _shrink(sr: ScheduledRequest, toks: Sequence[int], nxt: ScheduledRequest | N
         first = sr.start_pos + sr.num_tokens - sr.num_draft_tokens  # the position of its first draft
         nxt.start_pos, nxt.input_ids, nxt.num_draft_tokens = first + len(toks) - 1, [toks[-1]], 0
     return -1
+
+
+def pair_rows(plan: StepPlan, next_plan: StepPlan) -> RowPairs:
+    """`plan`'s rows that sample, each with its request's row of `next_plan` (what `settle` walks; taken while
+    `plan` runs). Both plans list the running requests in admission order (`_schedule_running`): `next_plan`'s rows
+    are walked in step with `plan`'s, a map of them built only for a row out of step."""
+    nxt_rows, pairs = next_plan.requests, []
+    j, num_next, index = 0, len(nxt_rows), None
+    for sr in plan.requests:
+        rid = sr.request_id
+        if j < num_next and nxt_rows[j].request_id == rid:
+            i = j
+            j += 1
+        else:
+            index = index if index is not None else {r.request_id: k for k, r in enumerate(nxt_rows)}
+            i = index.get(rid, -1)
+            j = i + 1 if i >= 0 else j
+        if sr.needs_logits:
+            pairs.append((rid, sr, sr.num_draft_tokens + 1, i, nxt_rows[i] if i >= 0 else None))
+    return pairs

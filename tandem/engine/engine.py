@@ -25,7 +25,7 @@ import torch
 from tandem.config import EngineConfig
 from tandem.core.kv_blocks import BlockManager
 from tandem.core.plan import ScheduledRequest, StepPlan
-from tandem.core.scheduler import Scheduler
+from tandem.core.scheduler import RowPairs, Scheduler, pair_rows
 from tandem.cpu_budget import CpuBudget
 from tandem.engine.guidance import PendingMasks, StepMasks, make_guidance
 from tandem.engine.sequences import RequestGroup, SequenceState
@@ -372,6 +372,7 @@ class LLMEngine:
                                               self._slack_deadline(cur, DRAFT_SHARE))
         nxt = self._schedule_ahead(frozenset(sr.request_id for sr in cur.plan.requests), parked)
         nxt_tokens = nxt.num_tokens  # (for the check policies, before the launch: a sum over its rows, counted now)
+        pairs = pair_rows(cur.plan, nxt) if self.speculation.active else None  # (what settle walks, paired now)
         timer.mark("scheduled")
         self._join_fill(cur)
         self.speculation.tidy(self._slack_deadline(cur, TIDY_SHARE))  # deferred work, while the forward still runs
@@ -389,7 +390,7 @@ class LLMEngine:
             if not all(tokens.values()):
                 self.scheduler.withdraw(nxt, [rid for rid, toks in tokens.items() if not toks])
             if speculative:
-                self._settle_ahead(cur.plan, tokens, nxt, frozenset(late))
+                self._settle_ahead(cur.plan, tokens, nxt, frozenset(late), pairs)
             else:
                 self.scheduler.feed(tokens, nxt)
             self._inflight = self._launch_ahead(nxt, fill_now=False)
@@ -451,13 +452,14 @@ class LLMEngine:
         return [], unmasked
 
     def _settle_ahead(self, plan: StepPlan, tokens: Mapping[str, list[int]], nxt: StepPlan,
-                      unchecked: frozenset[str]) -> None:
+                      unchecked: frozenset[str], pairs: RowPairs | None = None) -> None:
         """Before nxt's launch, with drafts: `plan`'s outcome into nxt's rows (rows whose drafts assumed another
         outcome lose them, rows after a rejected draft move back; the requests learn it after the launch, in
         `_learn_fed`), then drafts again, from the real outcome, for as many of those rows as a small share of a
         forward's time allows (cheap proposers; those requests learn their outcome first); none for the
-        `unchecked` (their argmax is checked after the launch: their rows stay without drafts)."""
-        changed = self.scheduler.settle(plan, tokens, nxt, self.speculation.still_valid(tokens))
+        `unchecked` (their argmax is checked after the launch: their rows stay without drafts). `pairs`: plan's rows
+        with nxt's (`pair_rows`), taken while plan ran."""
+        changed = self.scheduler.settle(plan, tokens, nxt, self.speculation.still_valid(tokens), pairs)
         self.speculation.missed(len(changed))
         budget = self._redraft_budget(len(nxt.requests))
         if budget <= 0.0:

@@ -841,6 +841,24 @@ def test_settle_finds_each_next_row_in_step_or_out_of_it(order: list[int]) -> No
     assert sorted(nxt.edits.fed) == [(i, 0, 10 + k) for i, k in enumerate(order)]
 
 
+def test_settle_walks_the_pairs_taken_while_the_plan_ran_unless_rows_were_withdrawn_since() -> None:
+    """The engine pairs the running plan's rows with the next plan's while the forward runs (`pair_rows`); `settle`
+    walks those pairs, and pairs again when rows were withdrawn from the next plan since (their indices moved)."""
+    from tandem.core.scheduler import pair_rows
+
+    bm = BlockManager(32, 4, enable_prefix_caching=False)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64), bm)
+    for rid in "abc":
+        sched.add(Request(rid, [1, 2, 3], SamplingParams(max_tokens=32)))
+    sched.reserve(cur := sched.schedule())
+    sched.reserve(nxt := sched.schedule(frozenset("abc")))
+    pairs = pair_rows(cur, nxt)
+    assert [(rid, every, i) for rid, _, every, i, _ in pairs] == [("a", 1, 0), ("b", 1, 1), ("c", 1, 2)]
+    sched.withdraw(nxt, ["a"])  # its token came too late: b and c move up a row
+    assert sched.settle(cur, {"b": [11], "c": [12]}, nxt, set("abc"), pairs) == []
+    assert [r.input_ids[0] for r in nxt.requests] == [11, 12] and sorted(nxt.edits.fed) == [(0, 0, 11), (1, 0, 12)]
+
+
 def test_rewrite_after_a_settled_step_throws_the_row_in_flight_away_and_feeds_the_position_again() -> None:
     """Scheduling ahead, a step settled with every draft accepted and the next row (drafts and all) launched; the
     drafts' grammar check after the launch rejects the second emitted token: `rewrite` puts the masked
