@@ -371,8 +371,8 @@ class LLMEngine:
         parked = self.speculation.draft_ahead(self.scheduler.running, self._max_drafts,
                                               self._slack_deadline(cur, DRAFT_SHARE))
         nxt = self._schedule_ahead(frozenset(sr.request_id for sr in cur.plan.requests), parked)
-        nxt_tokens = nxt.num_tokens  # (for the check policies, before the launch: a sum over its rows, counted now)
-        pairs = pair_rows(cur.plan, nxt) if self.speculation.active else None  # (what settle walks, paired now)
+        # for the launch's path, taken now: nxt's tokens (the check policies' sum over its rows), what settle walks
+        nxt_tokens, pairs = nxt.num_tokens, (pair_rows(cur.plan, nxt) if self.speculation.active else None)
         timer.mark("scheduled")
         self._join_fill(cur)
         self.speculation.tidy(self._slack_deadline(cur, TIDY_SHARE))  # deferred work, while the forward still runs
