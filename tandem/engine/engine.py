@@ -371,8 +371,7 @@ class LLMEngine:
         parked = self.speculation.draft_ahead(self.scheduler.running, self._max_drafts,
                                               self._slack_deadline(cur, DRAFT_SHARE))
         nxt = self._schedule_ahead(frozenset(sr.request_id for sr in cur.plan.requests), parked)
-        # for the launch's path, taken now: nxt's tokens (the check policies' sum over its rows), what settle walks
-        nxt_tokens, pairs = nxt.num_tokens, (pair_rows(cur.plan, nxt) if self.speculation.active else None)
+        nxt_tokens, pairs = nxt.num_tokens, self._pairs(cur.plan, nxt)  # (for the launch's path, taken now)
         timer.mark("scheduled")
         self._join_fill(cur)
         self.speculation.tidy(self._slack_deadline(cur, TIDY_SHARE))  # deferred work, while the forward still runs
@@ -450,6 +449,10 @@ class LLMEngine:
         if not unmasked or not self.unmasked_checks.after_launch(nxt_tokens, min(self._forward_s, default=0.0)):
             return unmasked, []
         return [], unmasked
+
+    def _pairs(self, plan: StepPlan, nxt: StepPlan) -> RowPairs | None:
+        """With drafts: `plan`'s rows paired with nxt's, what `settle` walks (taken while plan's forward runs)."""
+        return pair_rows(plan, nxt) if self.speculation.active else None
 
     def _settle_ahead(self, plan: StepPlan, tokens: Mapping[str, list[int]], nxt: StepPlan,
                       unchecked: frozenset[str], pairs: RowPairs | None = None) -> None:
