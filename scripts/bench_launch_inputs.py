@@ -8,9 +8,9 @@ FlexAttention's paged path, logits rows) and the CUDA-graph step's padded inputs
 and 513 blocks wide: max_model_len 2,048 and 8,192), and what a CUDA runner's launch builds (`CudaLaunchInputs`,
 max_model_len 4,096: a graph where the step fits one, else the paged path) after its read ahead (`prepare`, untimed:
 it runs while the forward before runs), when a row was reshaped since (its read patched and its step built by one
-call of the op library, or read again without it, and built) and when the requests were only fed (the inputs built ahead, the ids put in); then one
-call of the op library on a 1-row plan (torch's dispatcher and the call alone). All on the host (CPU tensors; on CUDA
-a page-locked copy and the transfers come on top). Median milliseconds of `--repeats` builds; `--cold`: each after
+call of the op library, or read again without it, and built) and when the requests were only fed (the inputs built
+ahead, the ids put in); then one call of the op library on a 1-row plan (torch's dispatcher and the call alone). All
+on the host (CPU tensors; on CUDA a page-locked copy and the transfers come on top). Median milliseconds of `--repeats` builds; `--cold`: each after
 an argmax over a step's logits, as beside the simulated device (a real accelerator samples on itself).
 """
 

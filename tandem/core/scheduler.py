@@ -535,19 +535,19 @@ def _drop_placeholders(req: Request) -> None:
 
 
 def _shrink(sr: ScheduledRequest, toks: Sequence[int], nxt: ScheduledRequest | None, every: bool) -> int:
-    """`nxt` (the next row of `sr`'s request, reserved, not launched) becomes `sr`'s sampled token alone: without
-    its drafts when every draft of `sr` was accepted (`every`), else also moved back to where `toks` end. Returns
-    the drafts dropped (-1: moved back)."""
+    """`nxt` (the next row of `sr`'s request, reserved, not launched; None: it has none) becomes `sr`'s sampled
+    token alone: without its drafts when every draft of `sr` was accepted (`every`: `nxt` has drafts that assumed
+    another outcome), else also moved back to where `toks` end. Returns the drafts dropped (-1: moved back)."""
+    if nxt is None:
+        return -1  # (`settle` feeds a row whose every draft was accepted when it has no next row)
     if every:
-        k = nxt.num_draft_tokens if nxt is not None else 0
-        if nxt is not None:
-            nxt.input_ids[0] = toks[-1]
-            del nxt.input_ids[len(nxt.input_ids) - k :]
-            nxt.num_draft_tokens = 0
+        k = nxt.num_draft_tokens
+        nxt.input_ids[0] = toks[-1]
+        del nxt.input_ids[len(nxt.input_ids) - k :]
+        nxt.num_draft_tokens = 0
         return k
-    if nxt is not None:
-        first = sr.start_pos + sr.num_tokens - sr.num_draft_tokens  # the position of its first draft
-        nxt.start_pos, nxt.input_ids, nxt.num_draft_tokens = first + len(toks) - 1, [toks[-1]], 0
+    first = sr.start_pos + sr.num_tokens - sr.num_draft_tokens  # the position of its first draft
+    nxt.start_pos, nxt.input_ids, nxt.num_draft_tokens = first + len(toks) - 1, [toks[-1]], 0
     return -1
 
 

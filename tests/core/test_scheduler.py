@@ -824,16 +824,22 @@ def test_settle_moves_the_next_row_back_after_a_rejected_draft() -> None:
     assert req.token_ids[7:] == [9, 20, 25, 26] and req.num_tentative == 0 and req.num_computed_tokens == 10
 
 
-@pytest.mark.parametrize("order", [[0, 1, 2], [2, 0, 1], [1, 2]])
-def test_settle_finds_each_next_row_in_step_or_out_of_it(order: list[int]) -> None:
-    """`settle` walks the next plan's rows in step with the running plan's (both in admission order) and looks a
-    row out of step up: each next row is fed its own request's token, logged under its index there."""
+def _three_ahead():  # type: ignore[no-untyped-def]
+    """Three requests prefilling: `cur` reserved, `nxt` scheduled past it (reserved, not launched)."""
     bm = BlockManager(32, 4, enable_prefix_caching=False)
     sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64), bm)
     for rid in "abc":
         sched.add(Request(rid, [1, 2, 3], SamplingParams(max_tokens=32)))
     sched.reserve(cur := sched.schedule())
     sched.reserve(nxt := sched.schedule(frozenset("abc")))
+    return sched, cur, nxt
+
+
+@pytest.mark.parametrize("order", [[0, 1, 2], [2, 0, 1], [1, 2]])
+def test_settle_finds_each_next_row_in_step_or_out_of_it(order: list[int]) -> None:
+    """`settle` walks the next plan's rows in step with the running plan's (both in admission order) and looks a
+    row out of step up: each next row is fed its own request's token, logged under its index there."""
+    sched, cur, nxt = _three_ahead()
     nxt.requests = [nxt.requests[k] for k in order]  # (a row left out stands for one the walk cannot find)
     tokens = {"a": [10], "b": [11], "c": [12]}
     assert sched.settle(cur, tokens, nxt, set("abc")) == []
@@ -846,12 +852,7 @@ def test_settle_walks_the_pairs_taken_while_the_plan_ran_unless_rows_were_withdr
     walks those pairs, and pairs again when rows were withdrawn from the next plan since (their indices moved)."""
     from tandem.core.scheduler import pair_rows
 
-    bm = BlockManager(32, 4, enable_prefix_caching=False)
-    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64), bm)
-    for rid in "abc":
-        sched.add(Request(rid, [1, 2, 3], SamplingParams(max_tokens=32)))
-    sched.reserve(cur := sched.schedule())
-    sched.reserve(nxt := sched.schedule(frozenset("abc")))
+    sched, cur, nxt = _three_ahead()
     pairs = pair_rows(cur, nxt)
     assert [(rid, every, i) for rid, _, every, i, _ in pairs] == [("a", 1, 0), ("b", 1, 1), ("c", 1, 2)]
     sched.withdraw(nxt, ["a"])  # its token came too late: b and c move up a row
