@@ -45,25 +45,46 @@ def _seeded_global_rngs() -> Iterator[None]:
 
 
 @pytest.fixture(autouse=True)
-def _inputs_ahead_checked(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+def _inputs_ahead_checked(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """At every launch in every test, a runner's arrays from its read ahead and the plan's edits
-    (core/plan_arrays.InputsAhead) equal a fresh read of the plan's rows: a change to a scheduled row that the
-    scheduler does not log in `StepPlan.edits` fails whatever test makes it (not in `raw_inputs_ahead` tests)."""
+    (core/plan_arrays.InputsAhead) equal a fresh read of the plan's rows (of its rows once settled, for a plan
+    launched before `Scheduler.settle`): a change to a scheduled row that the scheduler does not log in
+    `StepPlan.edits`, or an outcome given to the launch that `settle` does not make, fails whatever test makes it
+    (not in `raw_inputs_ahead` tests)."""
     if request.node.get_closest_marker("raw_inputs_ahead"):
+        yield
         return
     from tandem.core.plan_arrays import InputsAhead, plan_rows
+    from tandem.core.scheduler import Scheduler
 
-    take = InputsAhead.take
+    take, settle = InputsAhead.take, Scheduler.settle
+    launched_first: dict[int, tuple[object, object, int]] = {}  # id(plan) -> (plan, its launch's arrays, block size)
 
-    def checked(self, plan):  # type: ignore[no-untyped-def]
-        got, built = take(self, plan)
-        want = plan_rows(plan.requests, self.block_size)
+    def same(got, plan, block_size):  # type: ignore[no-untyped-def]
+        want = plan_rows(plan.requests, block_size)
         for name in ("starts", "counts", "wanted", "used", "input_ids", "blocks"):
             assert np.array_equal(getattr(got, name), getattr(want, name)), f"read ahead: {name} differs"
         assert got.request_ids == want.request_ids
+
+    def checked(self, plan):  # type: ignore[no-untyped-def]
+        got, built = take(self, plan)
+        if plan.edits.outcome is not None:  # launched before its rows learn the outcome: checked after `settle`
+            launched_first[id(plan)] = (plan, got, self.block_size)
+        else:
+            same(got, plan, self.block_size)
         return got, built
 
+    def settled(self, plan, tokens, next_plan, *args, **kwargs):  # type: ignore[no-untyped-def]
+        changed = settle(self, plan, tokens, next_plan, *args, **kwargs)
+        if id(next_plan) in launched_first:
+            _, got, block_size = launched_first.pop(id(next_plan))
+            same(got, next_plan, block_size)
+        return changed
+
     monkeypatch.setattr(InputsAhead, "take", checked)
+    monkeypatch.setattr(Scheduler, "settle", settled)
+    yield
+    assert not launched_first, "a plan launched before settle was never settled"
 
 
 @pytest.fixture

@@ -50,12 +50,16 @@ class PlanEdits:
     reshaped or withdrawn. Every change to a scheduled, unlaunched row is logged here: a fed token, or the row named
     as reshaped or withdrawn. Applying an entry twice, or to a read made after it, changes nothing. A fed row is
     named by its index in `requests` (mapping ~230 fed rows from their objects took 0.04-0.1 ms of the launch):
-    valid while no row is withdrawn, and a plan with rows withdrawn is read again."""
+    valid while no row is withdrawn, and a plan with rows withdrawn is read again. With drafts the plan may also be
+    launched before its rows change (`outcome`: what `settle` will change, given to the runner with the plan)."""
 
     # (the row's index in the plan's requests, the index in its input_ids, the token)
     fed: list[tuple[int, int, int]] = field(default_factory=list)
     reshaped: list[ScheduledRequest] = field(default_factory=list)  # start, tokens, drafts or block table changed
     withdrawn: list[ScheduledRequest] = field(default_factory=list)  # taken out of the plan
+    # the plan launched before its rows learn the outcome of the plan before it (`Scheduler.settled_edits`, in
+    # `_Read.edits_flat`'s form): the runner puts it into its read; `settle` puts it into the rows after the launch
+    outcome: list[int] | None = None
 
 
 @dataclass

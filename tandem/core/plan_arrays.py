@@ -98,6 +98,12 @@ class InputsAhead(Generic[Built]):
         # read (optimistic misses), and inputs built for them would only take the host's time
         self.held_share = 1.0
 
+    @property
+    def patches(self) -> bool:
+        """Whether `take` puts a plan's edits into its read (the runner has a `patch`): a plan read may then be
+        launched with the outcome of the plan before it still to come into its rows (`PlanEdits.outcome`)."""
+        return self._patch is not None
+
     def prepare(self, plan: StepPlan, build: bool = True) -> None:
         """Read `plan` now (and build its inputs, given `build` and a builder, while most reads hold)."""
         rows = list(plan.requests)
@@ -109,10 +115,11 @@ class InputsAhead(Generic[Built]):
     def take(self, plan: StepPlan) -> tuple[PlanRows, Built | None]:
         """`plan_rows(plan.requests)`, and the inputs built from them when the read ahead built them (else None),
         from the read `prepare` made of `plan` if it holds (then forgotten): fed tokens put in; rows reshaped since
-        put in by `patch` where the runner has one (which may build the inputs too); the plan read again when rows
-        were withdrawn."""
+        put in by `patch` where the runner has one (which may build the inputs too), as is the outcome of the plan
+        before when `plan` is launched before its `settle`; the plan read again when rows were withdrawn."""
         ahead, self._ahead = self._ahead, None
         if ahead is None or ahead.plan is not plan:
+            assert plan.edits.outcome is None, "a plan launched before settle needs its read and a patch"
             return plan_rows(plan.requests, self.block_size), None
         ids = ahead.fed_ids(plan)
         self.held_share += HELD_RATE * ((ids is not None) - self.held_share)
@@ -124,6 +131,7 @@ class InputsAhead(Generic[Built]):
         edits = ahead.edits_flat(plan) if patch is not None else None
         if patch is not None and edits is not None:
             return patch(ahead.arrays, edits)
+        assert plan.edits.outcome is None, "a plan launched before settle needs its read and a patch"
         return plan_rows(plan.requests, self.block_size), None
 
 
@@ -141,7 +149,7 @@ class _Read(Generic[Built]):
         """[T] int64: the input ids with the tokens `plan.edits` fed; None when rows were reshaped or withdrawn
         since this read (see `edits_flat`)."""
         edits = plan.edits
-        if edits.reshaped or edits.withdrawn or len(plan.requests) != len(self.rows):
+        if edits.reshaped or edits.withdrawn or edits.outcome is not None or len(plan.requests) != len(self.rows):
             return None
         ids = self.arrays.input_ids
         if edits.fed:
@@ -154,11 +162,14 @@ class _Read(Generic[Built]):
         """`plan.edits` since this read as one list of ints (what a runner's `patch` takes: csrc/plan_ops.cpp's
         `plan_patch`): the fed count, the fed (row, index, token), then each reshaped row, ascending, as (row, start,
         tokens, logits rows, blocks used, its ids, its used blocks); None when rows were withdrawn or a reshaped row
-        is not one read. (The same patch in NumPy, ~40 calls after the host's sampling has flushed the caches, took
+        is not one read; `edits.outcome` as it is when the plan is launched before `settle`. (The same patch in NumPy, ~40 calls after the host's sampling has flushed the caches, took
         the launch 0.38-0.43 ms, more than reading the plan again: AMD EPYC, 2026-12-06.)"""
         edits = plan.edits
         if edits.withdrawn or len(plan.requests) != len(self.rows):
             return None
+        if edits.outcome is not None:  # launched before `settle`: its rows unchanged since the read but for that
+            assert not edits.fed and not edits.reshaped, "a plan launched before settle was changed before it"
+            return edits.outcome
         index, bs = self.index, self.arrays.block_size
         reshaped: dict[int, ScheduledRequest] = {}
         for r in edits.reshaped:

@@ -373,6 +373,34 @@ class Scheduler:
                 reshaped.append(nxt)
         return changed
 
+    def settled_edits(self, plan: StepPlan, tokens: Mapping[str, Sequence[int]], next_plan: StepPlan,
+                      keep: Collection[str], pairs: RowPairs | None = None) -> list[int]:
+        """What `settle(plan, tokens, next_plan, keep, pairs)` will change in `next_plan`'s rows, changing nothing:
+        the edits a runner puts into its read of `next_plan` (`_Read.edits_flat`'s form: the fed count, the fed (row,
+        0, token), then each reshaped row as (row, start, 1, logits rows, blocks used, its token, its blocks)), so
+        that `next_plan` is launched first and settled after (`PlanEdits.outcome`). Rows must not be withdrawn
+        from `next_plan` between the two calls."""
+        if pairs is None or next_plan.edits.withdrawn:
+            pairs = pair_rows(plan, next_plan)
+        requests, running, bs = self._requests, RequestStatus.RUNNING, self.block_manager.block_size
+        fed: list[int] = []
+        reshaped: list[int] = []
+        for rid, sr, every, i, nxt in pairs:  # `settle`'s walk, its choices only
+            toks = tokens.get(rid)
+            if not toks or nxt is None:
+                continue
+            if len(toks) == every and (not nxt.num_draft_tokens or rid in keep):
+                fed += (i, 0, toks[-1])
+                continue
+            req = requests.get(rid)
+            if req is None or req.status is not running:
+                continue
+            start = nxt.start_pos if len(toks) == every else sr.start_pos + sr.num_tokens - sr.num_draft_tokens + len(toks) - 1
+            used = start // bs + 1  # (one token at `start`)
+            reshaped += (i, start, 1, int(nxt.needs_logits or nxt.all_logits), used, toks[-1])
+            reshaped += nxt.block_table[:used]
+        return [len(fed) // 3, *fed, *reshaped]
+
     def confirm(self, request_ids: Collection[str] | None = None) -> None:
         """The outcome `settle` put into the next plan's rows goes into the requests (`request_ids`, default all of
         them): their token lists, positions and blocks. After the launch, or before a request is read (a redraft)."""

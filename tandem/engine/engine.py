@@ -388,12 +388,7 @@ class LLMEngine:
             # their tokens come during the next forward (or never: the request failed): they sit it out
             if not all(tokens.values()):
                 self.scheduler.withdraw(nxt, [rid for rid, toks in tokens.items() if not toks])
-            if speculative:
-                self._settle_ahead(cur.plan, tokens, nxt, frozenset(late), pairs)
-            else:
-                self.scheduler.feed(tokens, nxt)
-            self._inflight = self._launch_ahead(nxt, fill_now=False)
-            timer.mark("launched")
+            self._inflight = self._launch_next(cur.plan, tokens, nxt, frozenset(late), pairs, timer)
         self._idle_since(cur.handle.finished_at, timer.at("launched"))
         self._learn_fed(cur.plan, tokens, speculative)
         self._check_late(cur, logits, tokens, nxt, late)
@@ -416,6 +411,30 @@ class LLMEngine:
         if self._inflight is not None and not any(sr.request_id in self._seqs for sr in nxt.requests):
             self._drop_inflight()  # every request of it has ended: nothing to collect
         return outputs + self._drain_errors()
+
+    def _launch_next(self, plan: StepPlan, tokens: Mapping[str, list[int]], nxt: StepPlan, unchecked: frozenset[str],
+                     pairs: RowPairs | None, timer: StepTimer) -> _InFlight | None:
+        """Launch `nxt` (marks 'launched') with `plan`'s outcome `tokens` in it: fed into its rows (no drafts); with
+        drafts, given to the runner beside nxt and settled into its rows after the launch (`PlanEdits.outcome`: the
+        device waits for no change to the rows; the rows that missed get drafts again from the next `draft_ahead`),
+        or, where a redraft pays (`_redraft_budget`), the runner cannot take it or rows were withdrawn, settled and
+        redrafted first (`_settle_ahead`; `unchecked`, `pairs`: as there)."""
+        if not self.speculation.active:
+            self.scheduler.feed(tokens, nxt)
+        elif (self.runner.launches_unsettled and not nxt.edits.withdrawn and not nxt.is_empty()
+              and self._redraft_budget(len(nxt.requests)) <= 0.0):
+            keep = self.speculation.still_valid(tokens)
+            nxt.edits.outcome = self.scheduler.settled_edits(plan, tokens, nxt, keep, pairs)
+            flight = self._launch_ahead(nxt, fill_now=False)
+            timer.mark("launched")
+            self.speculation.missed(len(self.scheduler.settle(plan, tokens, nxt, keep, pairs)))
+            self.stats.steps_launched_before_settle += 1
+            return flight
+        else:
+            self._settle_ahead(plan, tokens, nxt, unchecked, pairs)
+        flight = self._launch_ahead(nxt, fill_now=False)
+        timer.mark("launched")
+        return flight
 
     def _learn_fed(self, plan: StepPlan, tokens: Mapping[str, list[int]], speculative: bool) -> None:
         """After the next launch: the requests (their token lists; with drafts their positions and blocks too) learn

@@ -44,6 +44,7 @@ class EngineStats:
     late_sample_s: float = 0.0
     steps_scheduled_ahead: int = 0  # steps whose plan was scheduled while the previous forward ran
     steps_ahead_with_drafts: int = 0  # ... that verified drafts
+    steps_launched_before_settle: int = 0  # ... whose next plan was launched before its rows learned their outcome
     # from one forward's end (as the runner reports it) to the next launch: the device had nothing to do
     device_idle_s: float = 0.0
 

@@ -40,6 +40,13 @@ class Runner(ABC):
         """The forward runs on the host's CPU cores (a CPU device): host work beside it competes for them."""
         return self.device.type == "cpu"
 
+    @property
+    def launches_unsettled(self) -> bool:
+        """Scheduling ahead with drafts: `launch` takes a plan whose rows still lack the outcome of the plan before
+        it, given as `plan.edits.outcome` (put into the plan's read ahead; the rows learn it after the launch), and
+        reads nothing else of the plan's rows."""
+        return False
+
     def prepare(self, plan: StepPlan) -> None:  # noqa: B027 - a runner that reads nothing ahead ignores it
         """Scheduling ahead: `plan` was just scheduled and will be launched next, after the plan in flight ends (its
         rows may still be fed, moved back or drop out): read what of it can be read now (its block tables)."""

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from tandem.core.plan import StepPlan
 
 
@@ -53,6 +55,11 @@ class DeviceModel:
             context += end
             attended += n * sr.start_pos + n * (n + 1) // 2
         return self.step_s(tokens, context, attended)
+
+    def rows_s(self, starts: np.ndarray, counts: np.ndarray) -> float:
+        """`plan_s` from a plan's arrays: its rows' first positions and tokens [B] int64 (core/plan_arrays.py)."""
+        attended = int((counts * starts + counts * (counts + 1) // 2).sum())
+        return self.step_s(int(counts.sum()), int((starts + counts).sum()), attended)
 
     @property
     def batch1_tokens_per_s(self) -> float:

@@ -285,14 +285,19 @@ class ModelRunner(Runner):
     def prepare(self, plan: StepPlan) -> None:
         self._launch_inputs.prepare(plan)
 
+    @property
+    def launches_unsettled(self) -> bool:
+        return self._launch_inputs.ahead.patches
+
     def launch(self, plan: StepPlan) -> ForwardHandle:
         """Start the forward of `plan` and return at once; the CPU is free until `collect`."""
-        _, inputs = self._launch_inputs(plan)
+        rows, inputs = self._launch_inputs(plan)
         self._capturing = self._launch_inputs.captures(inputs)
+        num_rows = int(rows.wanted.sum())  # (not the plan's rows: they may learn the outcome before it after this)
         if inputs.graph is not None:
-            return ForwardHandle(self._host.submit(self._replay, inputs.graph), plan.num_logits_rows)
+            return ForwardHandle(self._host.submit(self._replay, inputs.graph), num_rows)
         assert inputs.eager is not None
-        return ForwardHandle(self._host.submit(self._forward, *inputs.eager), plan.num_logits_rows)
+        return ForwardHandle(self._host.submit(self._forward, *inputs.eager), num_rows)
 
     def _may_build_ahead(self) -> bool:
         """Whether the next launch's inputs may be built now, beside the forward in flight (see `LaunchInputs`)."""

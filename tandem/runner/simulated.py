@@ -179,9 +179,15 @@ class SimulatedRunner(Runner):
     def forward_uses_host_cores(self) -> bool:
         return False  # the simulated device sleeps
 
-    def forward_s(self, plan: StepPlan) -> float:
-        """This plan's forward time: the device model's, else the fixed step."""
-        return self.device_model.plan_s(plan) if self.device_model is not None else self.step_s
+    def forward_s(self, plan: StepPlan, rows: PlanRows | None = None) -> float:
+        """This plan's forward time (from its arrays `rows` when given): the device model's, else the fixed step."""
+        if self.device_model is None:
+            return self.step_s
+        return self.device_model.plan_s(plan) if rows is None else self.device_model.rows_s(rows.starts, rows.counts)
+
+    @property
+    def launches_unsettled(self) -> bool:
+        return self.launch_inputs is not None and self.launch_inputs.ahead.patches
 
     def prepare(self, plan: StepPlan) -> None:
         if self.launch_inputs is not None:
@@ -191,10 +197,10 @@ class SimulatedRunner(Runner):
         """The forward 'runs' from now for its step time (once its inputs are built, with `launch_inputs`); its
         logits rows are built meanwhile (or at collect)."""
         if self.launch_inputs is not None:  # the row keys come from its arrays, off the launch's path
-            keys = partial(_keys_of, self.launch_inputs(plan)[0])
-        else:
-            keys = partial(list, _row_keys(plan))  # (the plan's rows change after the launch)
-        seconds = self.forward_s(plan)
+            rows = self.launch_inputs(plan)[0]
+            keys, seconds, num_rows = partial(_keys_of, rows), self.forward_s(plan, rows), int(rows.wanted.sum())
+        else:  # (the plan's rows change after the launch)
+            keys, seconds, num_rows = partial(list, _row_keys(plan)), self.forward_s(plan), plan.num_logits_rows
         with self._lock:
             self.num_forwards += 1
             self.device_s += seconds
@@ -202,7 +208,7 @@ class SimulatedRunner(Runner):
         # the device runs from here; the handle's bookkeeping is host work beside it, as after a real runner's
         # submit (the logits rows counted over ~256 rows took ~0.05 ms of the wait when counted before)
         ready_at = time.perf_counter() + seconds
-        return _SimulatedHandle(Future(), plan.num_logits_rows, ready_at=ready_at, keys=keys, built=built)
+        return _SimulatedHandle(Future(), num_rows, ready_at=ready_at, keys=keys, built=built)
 
     def collect(self, handle: ForwardHandle) -> torch.Tensor:
         """Sleep until the forward is done (at once if it is already), then its logits [R, V] bf16."""

@@ -7,6 +7,7 @@ back."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,31 @@ SUFFIX = {"method": "suffix", "num_speculative_tokens": 4, "adaptive": False}
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False}
 
 
+@pytest.fixture(params=["settled-first", "launched-first"])
+def launch_order(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A test twice: with redrafts where they pay (at these few rows most steps settle the next plan's rows, and
+    redraft, before its launch), and without (every step with drafts launches the next plan first, its rows
+    settled after: `PlanEdits.outcome`); there it must have happened. tests/conftest.py checks each such launch's
+    arrays against the rows once settled."""
+    import tandem.engine.engine as engine_module
+    from tandem.core.scheduler import Scheduler
+
+    if request.param == "settled-first":
+        yield request.param
+        return
+    monkeypatch.setattr(engine_module, "REDRAFT_YIELD", 0.0)  # no redraft pays
+    calls = []
+    edits = Scheduler.settled_edits
+
+    def counted(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        return edits(self, *args, **kwargs)
+
+    monkeypatch.setattr(Scheduler, "settled_edits", counted)
+    yield request.param
+    assert calls, "no plan was launched before settle"
+
+
 def _tokens(outs: dict[str, RequestOutput]) -> dict[str, list[list[int]]]:
     return {rid: [list(c.token_ids) for c in o.outputs] for rid, o in outs.items()}
 
@@ -39,6 +65,7 @@ def _texts(outs: dict[str, RequestOutput]) -> dict[str, list[tuple[str, str | No
     return {rid: [(c.text, c.finish_reason, c.stop_reason) for c in o.outputs] for rid, o in outs.items()}
 
 
+@pytest.mark.usefixtures("launch_order")
 @pytest.mark.parametrize("config", [NGRAM, SUFFIX], ids=["ngram", "suffix"])
 @pytest.mark.parametrize("batch", [1, 7])
 def test_greedy_tokens_are_the_targets(stories_engine_factory, config: dict, batch: int) -> None:  # type: ignore[no-untyped-def,type-arg]
@@ -54,6 +81,7 @@ def test_greedy_tokens_are_the_targets(stories_engine_factory, config: dict, bat
     assert ahead.block_manager.num_free_blocks == ahead.runner.num_blocks
 
 
+@pytest.mark.usefixtures("launch_order")
 def test_stop_strings_lengths_logprobs_and_penalties_match(stories_engine_factory) -> None:  # type: ignore[no-untyped-def]
     """Greedy requests with stop strings, max_tokens, logprobs, a repetition penalty (its history must be the
     confirmed tokens, never a tentative draft or placeholder), min_tokens and n = 2."""
@@ -83,6 +111,7 @@ def test_stop_strings_lengths_logprobs_and_penalties_match(stories_engine_factor
     assert ahead.get_stats()["spec_num_accepted"] > 0
 
 
+@pytest.mark.usefixtures("launch_order")
 def test_intermediate_outputs_hold_no_tentative_token(stories_engine_factory) -> None:  # type: ignore[no-untyped-def]
     """Every cumulative output while running is a prefix of the final one: no placeholder, no unverified draft."""
     ahead = stories_engine_factory(async_scheduling=True, speculative_config=SUFFIX)
@@ -99,6 +128,7 @@ def test_intermediate_outputs_hold_no_tentative_token(stories_engine_factory) ->
         assert all(final[: len(h)] == h for h in history), rid
 
 
+@pytest.mark.usefixtures("launch_order")
 def test_preemption_and_prefix_cache_under_a_tiny_kv_cache(stories_engine_factory) -> None:  # type: ignore[no-untyped-def]
     kv = {"num_kv_blocks": 14, "block_size": 8, "max_num_batched_tokens": 48}
     base = stories_engine_factory(async_scheduling=False, **kv)
@@ -109,6 +139,7 @@ def test_preemption_and_prefix_cache_under_a_tiny_kv_cache(stories_engine_factor
     assert ahead.block_manager.num_free_blocks == 14  # every block came back, rolled-back drafts' included
 
 
+@pytest.mark.usefixtures("launch_order")
 def test_guided_requests_with_drafts(stories_engine_factory) -> None:  # type: ignore[no-untyped-def]
     """Grammar masks of verified rows are filled from the real outcome during the next forward; drafts the grammar
     rejects are cut by those masks (lossless). Same tokens as the engine without drafts."""
@@ -134,6 +165,7 @@ def test_guided_requests_with_drafts(stories_engine_factory) -> None:  # type: i
     assert ahead.block_manager.num_free_blocks == ahead.runner.num_blocks
 
 
+@pytest.mark.usefixtures("launch_order")
 def test_aborts_mid_flight_return_every_block(stories_engine_factory) -> None:  # type: ignore[no-untyped-def]
     ahead = stories_engine_factory(async_scheduling=True, speculative_config=SUFFIX)
     prompts = _story_prompts(ahead, 6)
@@ -174,6 +206,7 @@ def test_llm_schedules_ahead_with_speculation(stories_dir: Path) -> None:
         llm.shutdown()
 
 
+@pytest.mark.usefixtures("launch_order")
 def test_sampled_distribution_is_preserved_scheduled_ahead(tiny_vocab_dir: Path, cycle_method: str) -> None:  # noqa: F811
     """The joint law of two sampled tokens, the second from verifying a draft proposed past the first (kept when
     the first came out as guessed, else dropped and drafted again): the target's (chi-square, 3,000 samples)."""
@@ -208,6 +241,7 @@ def test_draft_model_overlap_ways_are_lossless(stories_engine_factory, stories_d
     assert ahead.block_manager.num_free_blocks == ahead.runner.num_blocks
 
 
+@pytest.mark.usefixtures("launch_order")
 def test_a_request_that_ends_while_its_drafted_row_is_in_flight(stories_engine_factory, cycle_method: str) -> None:  # type: ignore[no-untyped-def]  # noqa: F811
     """Requests stopped by a stop string while the next plan already holds their drafted row (a proposer that
     always drafts), beside always-masked guided rows (so the step has bitmasks): that row is verified and thrown
@@ -271,17 +305,19 @@ def test_a_redraft_reads_the_real_outcome(stories_engine_factory) -> None:  # ty
     assert seen and set(seen) == {1}
 
 
+@pytest.mark.usefixtures("launch_order")
 def test_plans_read_ahead_equal_the_plans_at_each_launch(stories_engine_factory, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Scheduling ahead with drafts (rows moved back, redrafted, withdrawn, fed between the read and the launch), the
     runner's arrays from its read ahead and the plan's edits (`Runner.prepare`, `StepPlan.edits`) equal what reading
     the rows at each launch gives (tests/conftest.py checks this at every launch of every test; here it must have
-    happened, with rows reshaped)."""
+    happened, with rows reshaped; launched first, the rows are reshaped after the launch and checked then)."""
     from tandem.core.plan_arrays import InputsAhead
 
     take, checked = InputsAhead.take, []
 
     def spy(self, plan):  # type: ignore[no-untyped-def]
-        checked.append(len(plan.edits.reshaped))
+        outcome = plan.edits.outcome  # (launched first: the rows it reshapes come after its fed tokens)
+        checked.append(len(plan.edits.reshaped) or int(outcome is not None and len(outcome) > 1 + 3 * outcome[0]))
         return take(self, plan)
 
     monkeypatch.setattr(InputsAhead, "take", spy)

@@ -201,3 +201,65 @@ def test_a_plan_patch_refuses_edits_that_do_not_fit_the_read() -> None:
     with pytest.raises(RuntimeError, match="cut short"):
         patched_rows(read, [0, 1, 5, 1])  # a record cut short
     assert np.array_equal(patched_rows(read, [0]).input_ids, read.input_ids)  # no edits: the read
+
+
+def _decoding_ahead(rng: random.Random, n: int):  # type: ignore[no-untyped-def]
+    """`n` requests in steady decode with 0-4 drafts each: `cur` reserved (its forward in flight), `nxt` scheduled
+    past it with 0-4 drafts a row (reserved, not launched; the last request sits it out), 4-token blocks."""
+    from tandem.config import SchedulerConfig
+    from tandem.core.kv_blocks import BlockManager
+    from tandem.core.scheduler import Scheduler
+    from tandem.params import SamplingParams
+    from tandem.request import Request
+
+    sched = Scheduler(SchedulerConfig(max_num_seqs=n, max_num_batched_tokens=1024, max_model_len=128),
+                      BlockManager(512, 4, enable_prefix_caching=False))
+    reqs = [Request(f"r{i}", list(range(1, 3 + rng.randrange(9))), SamplingParams(max_tokens=64)) for i in range(n)]
+    for req in reqs:
+        sched.add(req)
+    sched.reserve(pre := sched.schedule())  # the prefills, each sampled 9
+    sched.settle(pre, {req.request_id: [9] for req in reqs}, StepPlan(99), [])
+    sched.confirm()
+    for first in (20, 30):
+        for req in reqs:
+            req.draft_token_ids = [first + j for j in range(rng.randrange(5))]
+        running = frozenset(req.request_id for req in reqs)
+        # the last request sits the next plan out (alternating groups): its row has no next row
+        sched.reserve(plan := sched.schedule(running, frozenset({reqs[-1].request_id})) if first == 30 else sched.schedule())
+        cur, nxt = (plan, None) if first == 20 else (cur, plan)  # noqa: F821 - cur set on the first pass
+    return sched, cur, nxt
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_outcome_given_to_a_launch_before_settle_is_what_settle_makes(seed: int) -> None:
+    """A plan launched before its rows learn the outcome of the plan before it (`PlanEdits.outcome`): the edits
+    `Scheduler.settled_edits` gives its launch, put into its read ahead by the op library's patch, equal reading
+    its rows after `settle` has changed them. Every kind of row: fed (all drafts accepted, its drafts kept or it
+    has none), stripped of drafts that assumed another outcome, moved back after a rejected draft, no token (a
+    request that ended), a reshaped row whose request finished meanwhile (left as it is), a row without a next
+    one."""
+    from tandem.core.scheduler import pair_rows
+    from tandem.layers.kernels import load_cpu_kernels
+    from tandem.request import RequestStatus
+    from tandem.runner.launch_inputs import patched_rows
+
+    assert load_cpu_kernels()  # (the op library is loaded in the test environment)
+    rng = random.Random(seed)
+    sched, cur, nxt = _decoding_ahead(rng, 24)
+    read = plan_rows(nxt.requests, 4)
+    tokens: dict[str, list[int]] = {}
+    for sr in cur.requests:
+        k = sr.num_draft_tokens
+        emitted = rng.randint(1, k + 1)  # the drafts accepted, then one sampled token
+        if rng.random() > 0.1:
+            tokens[sr.request_id] = [*sr.input_ids[len(sr.input_ids) - k :][: emitted - 1], 40 + rng.randrange(9)]
+    keep = {rid for rid in tokens if rng.random() < 0.5}
+    sched.finish(cur.requests[seed].request_id, RequestStatus.FINISHED_ABORTED)
+    pairs = pair_rows(cur, nxt) if seed % 2 else None  # (taken during the forward, or in the call)
+    edits = sched.settled_edits(cur, tokens, nxt, keep, pairs)
+    assert plan_rows(nxt.requests, 4).input_ids.tolist() == read.input_ids.tolist()  # nothing changed yet
+    changed = sched.settle(cur, tokens, nxt, keep, pairs)
+    got, want = patched_rows(read, edits), plan_rows(nxt.requests, 4)
+    for name in ("starts", "counts", "wanted", "used", "input_ids", "blocks"):
+        assert np.array_equal(getattr(got, name), getattr(want, name)), name
+    assert changed and edits[0] == len(nxt.edits.fed) > 0  # rows of every kind were there
