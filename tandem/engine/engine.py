@@ -97,8 +97,12 @@ DRAFT_SHARE = 0.6
 TIDY_SHARE = 0.9
 # Scheduling ahead with a cheap proposer, rows whose drafts were dropped (their assumed outcome did not happen) are
 # drafted again between sampling and the launch, up to REDRAFT_CHUNK requests at a time, while this share of the
-# shortest recent forward has not been spent and the next request's measured cost still fits in it
-REDRAFT_SHARE = 0.02
+# shortest recent forward has not been spent and the next request's measured cost still fits in it. 0.02 held most
+# redrafts that pay back: `tandem bench simulated --step-ms 20 --logits replay`, suffix / guided + suffix, tok/s at
+# 0.05 against 0.02: 32 rows +6.7 / +6.5 %, 64 rows +1.6-5.5 / +7.9-9.7 %, 128 rows -0.3 / +2.6 %, 256 rows
+# +0.9-2.0 / -2.2-+0.9 %, 8-16 rows the same (the device waits ~1.5 ms a step at 64 rows instead of ~1.0: for
+# 6-8 % more tokens; 0.1 gave what 0.05 did); AMD EPYC, 2 cores, 2026-12-06 (docs/benchmarks.md)
+REDRAFT_SHARE = 0.05
 REDRAFT_CHUNK = 8
 # ... and only while one redraft, which delays every row of the launch, costs the plan less than this many tokens of
 # a step (cost x rows / forward). A redraft yields its row ~0-0.2 accepted tokens on replayed MT-Bench outputs: 256
