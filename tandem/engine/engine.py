@@ -111,7 +111,13 @@ REDRAFT_CHUNK = 8
 # redraft is its next step's drafts: copy tasks) it stays on: 40 us x 1 row against 0.25 x a 17 ms forward.
 # With the C++ suffix trie a redraft takes ~15 us and fits at 256 rows too: there, off / on in four alternating
 # pairs, guided + suffix waited 8.1-9.2 / 7.0-8.4 % of the step at 8,480-8,802 / 8,703-9,195 tok/s (docs).
-REDRAFT_YIELD = 0.25
+# Where no redraft is made the next plan is launched before its rows are settled (`_launch_next`), so a redraft
+# must also pay for the walk that settling first puts before the launch: at 0.25 (REDRAFT_SHARE 0.05), 128-256
+# rows redrafted (~30 us each, cold) for no more tokens (tok/s 0.15 / 0.25: 128 rows 6,212-6,218 / 6,198-6,200
+# suffix, 4,993-5,046 / 5,024-5,087 guided + suffix; 256 rows 12,256-12,479 / 12,618-12,632, 9,347-9,493 /
+# 9,232-9,571) while the device waited 0.4-0.9 ms a step more; at 64 rows 0.25 gave guided + suffix 3 % more
+# (2,985-2,996 / 2,886-2,895) at 4 points more wait. AMD EPYC, 2 cores, 2026-12-06 (docs/benchmarks.md).
+REDRAFT_YIELD = 0.15
 IDLE_GAP_S = 1.0  # a longer gap between two forwards is an engine without work, not a device waiting for the host
 UNMASKED_CANDIDATES = 16  # top logits tried, in order, for an unmasked greedy row whose argmax the grammar rejected
 TIED_LIMIT = 64  # tokens tied at the 16th value walked before giving up (filling the mask)
