@@ -315,7 +315,8 @@ def _row(mode: str, level: int, n: int, tokens: int, times: tuple[float, float, 
     the part of the wait between sampling and the next launch (the rest: the host's work outlasting a forward, and
     the run's start before its first launch); cores_for_step: how
     many cores that demand needs to fit in one device step, i.e. the host to size for no waiting. accept: drafts
-    accepted / drafted; scheduled_ahead_share: steps scheduled while the previous ran."""
+    accepted / drafted; scheduled_ahead_share: steps scheduled while the previous ran; launched_first_share: steps
+    whose next plan was launched before its rows took their outcome (drafts, no redraft paying)."""
     def d(key: str) -> float:
         return float(after.get(key, 0.0)) - float(before.get(key, 0.0))
 
@@ -341,6 +342,7 @@ def _row(mode: str, level: int, n: int, tokens: int, times: tuple[float, float, 
         "accept": round(d("spec_num_accepted") / drafted, 3) if drafted else None,
         "tokens/step": round(tokens / steps, 2),
         "scheduled_ahead_share": round(d("steps_scheduled_ahead") / steps, 3),
+        "launched_first_share": round(d("steps_launched_before_settle") / steps, 3),
         "optimistic_misses/step": round(d("spec_optimistic_misses") / steps, 2),
         "draft_ms/step": round(1e3 * (d("draft_s") or d("spec_draft_wait_s")) / steps, 2),  # (sync or redrafts)
         "grammar_exposed_ms/step": round(1e3 * d("grammar_exposed_s") / steps, 2),

@@ -100,8 +100,8 @@ TIDY_SHARE = 0.9
 # shortest recent forward has not been spent and the next request's measured cost still fits in it. 0.02 held most
 # redrafts that pay back: `tandem bench simulated --step-ms 20 --logits replay`, suffix / guided + suffix, tok/s at
 # 0.05 against 0.02: 32 rows +6.7 / +6.5 %, 64 rows +1.6-5.5 / +7.9-9.7 %, 128 rows -0.3 / +2.6 %, 256 rows
-# +0.9-2.0 / -2.2-+0.9 %, 8-16 rows the same (the device waits ~1.5 ms a step at 64 rows instead of ~1.0: for
-# 6-8 % more tokens; 0.1 gave what 0.05 did); AMD EPYC, 2 cores, 2026-12-06 (docs/benchmarks.md)
+# +1.0-2.0 / -2.2-+0.9 %, 8-16 rows the same (at 64 rows the device waited ~1.5 ms a step instead of ~1.0, for
+# 5-13 % more tokens a step; 0.1 gave what 0.05 did); AMD EPYC, 2 cores, 2026-12-06 (docs/benchmarks.md)
 REDRAFT_SHARE = 0.05
 REDRAFT_CHUNK = 8
 # ... and only while one redraft, which delays every row of the launch, costs the plan less than this many tokens of
@@ -112,11 +112,12 @@ REDRAFT_CHUNK = 8
 # With the C++ suffix trie a redraft takes ~15 us and fits at 256 rows too: there, off / on in four alternating
 # pairs, guided + suffix waited 8.1-9.2 / 7.0-8.4 % of the step at 8,480-8,802 / 8,703-9,195 tok/s (docs).
 # Where no redraft is made the next plan is launched before its rows are settled (`_launch_next`), so a redraft
-# must also pay for the walk that settling first puts before the launch: at 0.25 (REDRAFT_SHARE 0.05), 128-256
-# rows redrafted (~30 us each, cold) for no more tokens (tok/s 0.15 / 0.25: 128 rows 6,212-6,218 / 6,198-6,200
-# suffix, 4,993-5,046 / 5,024-5,087 guided + suffix; 256 rows 12,256-12,479 / 12,618-12,632, 9,347-9,493 /
-# 9,232-9,571) while the device waited 0.4-0.9 ms a step more; at 64 rows 0.25 gave guided + suffix 3 % more
-# (2,985-2,996 / 2,886-2,895) at 4 points more wait. AMD EPYC, 2 cores, 2026-12-06 (docs/benchmarks.md).
+# must also pay for the walk that settling first puts before the launch. A trade, measured (REDRAFT_SHARE 0.05,
+# two rounds, tok/s 0.15 / 0.25): guided + suffix at 128-256 rows within noise (4,993-5,046 / 5,024-5,087;
+# 9,347-9,493 / 9,232-9,571) with the device waiting 0.3-1.0 ms a step less (256 rows: 4.8-5.4 / 6.7-7.2 % of the
+# step), suffix at 64-128 rows the same with less wait (64: 2.6-3.0 / 6.4-7.4 %); but guided + suffix at 64 rows
+# 3 % fewer (2,886-2,895 / 2,985-2,996) and suffix at 256 rows 1-3 % fewer (12,256-12,479 / 12,618-12,632). AMD
+# EPYC, 2 cores, 2026-12-06 (docs/benchmarks.md).
 REDRAFT_YIELD = 0.15
 IDLE_GAP_S = 1.0  # a longer gap between two forwards is an engine without work, not a device waiting for the host
 UNMASKED_CANDIDATES = 16  # top logits tried, in order, for an unmasked greedy row whose argmax the grammar rejected
@@ -433,17 +434,23 @@ class LLMEngine:
             self.scheduler.feed(tokens, nxt)
         elif (self.runner.launches_unsettled and not nxt.edits.withdrawn and not nxt.is_empty()
               and self._redraft_budget(len(nxt.requests)) <= 0.0):
-            keep = self.speculation.still_valid(tokens)
-            nxt.edits.outcome = self.scheduler.settled_edits(plan, tokens, nxt, keep, pairs)
-            flight = self._launch_ahead(nxt, fill_now=False)
-            timer.mark("launched")
-            self.speculation.missed(len(self.scheduler.settle(plan, tokens, nxt, keep, pairs)))
-            self.stats.steps_launched_before_settle += 1
-            return flight
+            return self._launch_before_settle(plan, tokens, nxt, pairs, timer)
         else:
             self._settle_ahead(plan, tokens, nxt, unchecked, pairs)
         flight = self._launch_ahead(nxt, fill_now=False)
         timer.mark("launched")
+        return flight
+
+    def _launch_before_settle(self, plan: StepPlan, tokens: Mapping[str, list[int]], nxt: StepPlan,
+                              pairs: RowPairs | None, timer: StepTimer) -> _InFlight | None:
+        """Launch `nxt` with `plan`'s outcome given beside it (`PlanEdits.outcome`: what `settle` will make of its
+        rows), then settle its rows (marks 'launched' between the two)."""
+        keep = self.speculation.still_valid(tokens)
+        nxt.edits.outcome = self.scheduler.settled_edits(plan, tokens, nxt, keep, pairs)
+        flight = self._launch_ahead(nxt, fill_now=False)
+        timer.mark("launched")
+        self.speculation.missed(len(self.scheduler.settle(plan, tokens, nxt, keep, pairs)))
+        self.stats.steps_launched_before_settle += 1
         return flight
 
     def _learn_fed(self, plan: StepPlan, tokens: Mapping[str, list[int]], speculative: bool) -> None:

@@ -37,6 +37,9 @@ _KNOWN_STATS: dict[str, tuple[str, str]] = {
     "prefix_cache_queries": ("tandem_prefix_cache_queries", "Prompt blocks looked up in the prefix cache (cumulative)"),
     "prefix_cache_hits": ("tandem_prefix_cache_hits", "Prompt blocks found in the prefix cache (cumulative)"),
     "steps_scheduled_ahead": ("tandem_steps_scheduled_ahead", "Steps scheduled while the previous forward ran (cumulative)"),
+    "steps_launched_before_settle": ("tandem_steps_launched_before_settle",
+                                     "Steps with drafts whose next plan was launched before its rows took their outcome "
+                                     "(cumulative)"),
     "spec_optimistic_misses": ("tandem_spec_optimistic_misses",
                                "Drafts made past a forward's outcome that it did not match (cumulative)"),
     "device_idle_ms_per_step": ("tandem_device_idle_ms_per_step",

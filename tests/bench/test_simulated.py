@@ -60,4 +60,6 @@ def test_replayed_run_reports_the_checked_fields(tmp_path: Path, demo_model_dir:
     assert rows["text"]["speedup"] == 1.0 and rows["text"]["accept"] is None
     assert rows["suffix"]["scheduled_ahead_share"] == 1.0  # drafts and scheduling ahead together
     assert rows["draft-sequential[q4_1]"]["scheduled_ahead_share"] == 0.0
+    # a draft model never redrafts: every step with drafts launches its next plan before settling it
+    assert rows["draft[q4_1]"]["launched_first_share"] > 0.0 and rows["text"]["launched_first_share"] == 0.0
     assert report["device"] == "llama2-7b-rtx4090" and report["logits"] == "replay"
