@@ -162,8 +162,9 @@ class _Read(Generic[Built]):
         """`plan.edits` since this read as one list of ints (what a runner's `patch` takes: csrc/plan_ops.cpp's
         `plan_patch`): the fed count, the fed (row, index, token), then each reshaped row, ascending, as (row, start,
         tokens, logits rows, blocks used, its ids, its used blocks); None when rows were withdrawn or a reshaped row
-        is not one read; `edits.outcome` as it is when the plan is launched before `settle`. (The same patch in NumPy, ~40 calls after the host's sampling has flushed the caches, took
-        the launch 0.38-0.43 ms, more than reading the plan again: AMD EPYC, 2026-12-06.)"""
+        is not one read; `edits.outcome` as it is when the plan is launched before `settle`. (The same patch in
+        NumPy, ~40 calls after the host's sampling has flushed the caches, took the launch 0.38-0.43 ms, more than
+        reading the plan again: AMD EPYC, 2026-12-06.)"""
         edits = plan.edits
         if edits.withdrawn or len(plan.requests) != len(self.rows):
             return None

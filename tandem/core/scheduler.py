@@ -395,7 +395,10 @@ class Scheduler:
             req = requests.get(rid)
             if req is None or req.status is not running:
                 continue
-            start = nxt.start_pos if len(toks) == every else sr.start_pos + sr.num_tokens - sr.num_draft_tokens + len(toks) - 1
+            if len(toks) == every:  # stripped of its drafts where it starts
+                start = nxt.start_pos
+            else:  # moved back to where the accepted tokens end
+                start = sr.start_pos + sr.num_tokens - sr.num_draft_tokens + len(toks) - 1
             used = start // bs + 1  # (one token at `start`)
             reshaped += (i, start, 1, int(nxt.needs_logits or nxt.all_logits), used, toks[-1])
             reshaped += nxt.block_table[:used]
