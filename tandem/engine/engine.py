@@ -430,13 +430,13 @@ class LLMEngine:
         device waits for no change to the rows; the rows that missed get drafts again from the next `draft_ahead`),
         or, where a redraft pays (`_redraft_budget`), the runner cannot take it or rows were withdrawn, settled and
         redrafted first (`_settle_ahead`; `unchecked`, `pairs`: as there)."""
+        budget = self._redraft_budget(len(nxt.requests)) if self.speculation.active else 0.0
         if not self.speculation.active:
             self.scheduler.feed(tokens, nxt)
-        elif (self.runner.launches_unsettled and not nxt.edits.withdrawn and not nxt.is_empty()
-              and self._redraft_budget(len(nxt.requests)) <= 0.0):
+        elif self.runner.launches_unsettled and not nxt.edits.withdrawn and not nxt.is_empty() and budget <= 0.0:
             return self._launch_before_settle(plan, tokens, nxt, pairs, timer)
         else:
-            self._settle_ahead(plan, tokens, nxt, unchecked, pairs)
+            self._settle_ahead(plan, tokens, nxt, unchecked, budget, pairs)
         flight = self._launch_ahead(nxt, fill_now=False)
         timer.mark("launched")
         return flight
@@ -491,16 +491,15 @@ class LLMEngine:
         return pair_rows(plan, nxt) if self.speculation.active else None
 
     def _settle_ahead(self, plan: StepPlan, tokens: Mapping[str, list[int]], nxt: StepPlan,
-                      unchecked: frozenset[str], pairs: RowPairs | None = None) -> None:
+                      unchecked: frozenset[str], budget: float, pairs: RowPairs | None = None) -> None:
         """Before nxt's launch, with drafts: `plan`'s outcome into nxt's rows (rows whose drafts assumed another
         outcome lose them, rows after a rejected draft move back; the requests learn it after the launch, in
         `_learn_fed`), then drafts again, from the real outcome, for as many of those rows as a small share of a
         forward's time allows (cheap proposers; those requests learn their outcome first); none for the
-        `unchecked` (their argmax is checked after the launch: their rows stay without drafts). `pairs`: plan's rows
-        with nxt's (`pair_rows`), taken while plan ran."""
+        `unchecked` (their argmax is checked after the launch: their rows stay without drafts); `budget`: seconds the
+        redrafts may take (`_redraft_budget`). `pairs`: plan's rows with nxt's (`pair_rows`), taken while plan ran."""
         changed = self.scheduler.settle(plan, tokens, nxt, self.speculation.still_valid(tokens), pairs)
         self.speculation.missed(len(changed))
-        budget = self._redraft_budget(len(nxt.requests))
         if budget <= 0.0:
             return
         # those that lost their drafts first, then the other rows without any (their proposal past the outcome in
