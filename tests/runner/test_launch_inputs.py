@@ -220,13 +220,15 @@ def _decoding_ahead(rng: random.Random, n: int):  # type: ignore[no-untyped-def]
     sched.reserve(pre := sched.schedule())  # the prefills, each sampled 9
     sched.settle(pre, {req.request_id: [9] for req in reqs}, StepPlan(99), [])
     sched.confirm()
-    for first in (20, 30):
+    def drafted_plan(first: int, running: frozenset[str] = frozenset(), parked: frozenset[str] = frozenset()):  # type: ignore[no-untyped-def]
         for req in reqs:
             req.draft_token_ids = [first + j for j in range(rng.randrange(5))]
-        running = frozenset(req.request_id for req in reqs)
-        # the last request sits the next plan out (alternating groups): its row has no next row
-        sched.reserve(plan := sched.schedule(running, frozenset({reqs[-1].request_id})) if first == 30 else sched.schedule())
-        cur, nxt = (plan, None) if first == 20 else (cur, plan)  # noqa: F821 - cur set on the first pass
+        sched.reserve(plan := sched.schedule(running, parked))
+        return plan
+
+    cur = drafted_plan(20)
+    # the last request sits the next plan out (alternating groups): its row has no next row
+    nxt = drafted_plan(30, frozenset(req.request_id for req in reqs), frozenset({reqs[-1].request_id}))
     return sched, cur, nxt
 
 
