@@ -104,6 +104,11 @@ class InputsAhead(Generic[Built]):
         launched with the outcome of the plan before it still to come into its rows (`PlanEdits.outcome`)."""
         return self._patch is not None
 
+    @property
+    def read(self) -> PlanRows | None:
+        """The arrays of the plan read ahead (None: none held)."""
+        return self._ahead.arrays if self._ahead is not None else None
+
     def prepare(self, plan: StepPlan, build: bool = True) -> None:
         """Read `plan` now (and build its inputs, given `build` and a builder, while most reads hold)."""
         rows = list(plan.requests)
