@@ -143,6 +143,7 @@ def simulated_engine(tok: Tokenizer, step_s: float, max_num_seqs: int, backend: 
     config = EngineConfig(model="simulated", model_config=model, cache=cache, scheduler=sched)
     runner = SimulatedRunner(vocab, num_blocks=num_blocks, step_s=step_s, rows_by_token=rows_by_token,
                              device_model=timing, logits=logits, launch_inputs=inputs)
+    runner.logits.reserve(max_num_seqs * (1 + (speculative.num_speculative_tokens if speculative else 0)))
     draft = speculative is not None and speculative.method == "draft_model"
     budget = plan_cpu_budget(device="cuda", draft_on_cpu=draft)  # beside an accelerator: the forward needs no cores
     structured = StructuredOutputConfig(backend=backend, num_threads=max(2, budget.grammar_threads),

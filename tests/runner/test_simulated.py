@@ -61,15 +61,19 @@ def test_replayed_logits_put_the_recorded_token_on_top() -> None:
     runner.shutdown()
 
 
-def test_replayed_rows_stay_as_built_until_the_ring_comes_back_round() -> None:
+@pytest.mark.parametrize("reserved", [0, 9])
+def test_replayed_rows_stay_as_built_until_the_ring_comes_back_round(reserved: int) -> None:
     """The replayed rows are written into a ring of `REPLAY_BUFFERS` buffers, only the marked cells touched a time:
     every build's argmax is its targets, whatever the row counts before, and a forward's rows stay as they were
-    while the next two are built (the engine reads them during the next forward)."""
+    while the next two are built (the engine reads them during the next forward). With room reserved for the most
+    rows ahead, no buffer is made again."""
     import torch
 
     from tandem.runner.simulated import REPLAY_BUFFERS, ReplayLogits
 
     replay = ReplayLogits(vocab_size=300, end_token=2, noise_rows=4)
+    replay.reserve(reserved)
+    memory = {b[0].data_ptr() for b in replay._buffers if b is not None}
     g = torch.Generator().manual_seed(0)
     kept: list[tuple[torch.Tensor, torch.Tensor]] = []
     for rows in (5, 3, 9, 9, 2, 7, 7, 1):
@@ -79,6 +83,8 @@ def test_replayed_rows_stay_as_built_until_the_ring_comes_back_round() -> None:
         kept.append((out, out.clone()))
         for logits, copy in kept[-REPLAY_BUFFERS:]:  # this build and the two before it: untouched
             assert torch.equal(logits, copy)
+    if reserved:
+        assert len(memory) == REPLAY_BUFFERS and {b[0].data_ptr() for b in replay._buffers if b is not None} == memory
 
 
 def test_a_device_model_times_each_forward_by_its_plan() -> None:
