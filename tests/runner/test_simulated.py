@@ -87,6 +87,33 @@ def test_replayed_rows_stay_as_built_until_the_ring_comes_back_round(reserved: i
         assert len(memory) == REPLAY_BUFFERS and {b[0].data_ptr() for b in replay._buffers if b is not None} == memory
 
 
+def test_replayed_targets_from_a_plans_arrays_are_those_of_its_keys() -> None:
+    """The recorded tokens looked up from a plan's arrays (`prepare_rows`) equal those looked up row by row from its
+    keys: requests with and without recordings, verify and decode rows, positions past a recording's end, a
+    recording forgotten, one added after the first lookup."""
+    import random
+
+    from tandem.core.plan_arrays import plan_rows
+    from tandem.runner.simulated import ReplayLogits, _keys_of
+
+    rng = random.Random(0)
+    replay = ReplayLogits(vocab_size=300, end_token=2)
+    for i in range(12):
+        replay.expect(f"r{i}", [rng.randrange(300) for _ in range(rng.randint(1, 40))])
+    for round_ in range(20):
+        if round_ == 5:
+            replay.forget("r3")
+        if round_ == 10:
+            replay.expect("r12", [rng.randrange(300) for _ in range(30)])
+        plan = StepPlan(step_id=round_)
+        for j in range(rng.randint(1, 10)):
+            n, start = rng.randint(1, 5), rng.randint(0, 45)
+            plan.requests.append(ScheduledRequest(f"r{rng.randrange(14)}", [rng.randrange(300) for _ in range(n)],
+                                                  start, [j], num_draft_tokens=rng.randint(0, n - 1)))
+        rows = plan_rows(plan.requests, 16)
+        assert replay._targets_of(rows).tolist() == replay._targets(_keys_of(rows)).tolist()
+
+
 def test_a_device_model_times_each_forward_by_its_plan() -> None:
     from tandem.runner.device_model import device_model
 
