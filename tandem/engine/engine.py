@@ -205,6 +205,8 @@ class LLMEngine:
         # grammar masks filled while the forward runs, unless the forward runs on these same cores: a fill beside it
         # preempts a thread of its OpenMP team and the whole team waits at the next barrier (measured: docs/benchmarks.md)
         self.overlap_masks = not runner.forward_uses_host_cores
+        if self.overlap_masks:  # beside an accelerator: a burst's compiles run during the forward it launches
+            self.guidance.hold_compiles()
 
     def warm_up_grammars(self) -> None:
         """Build the default grammar backend(s) now instead of on the first guided request."""
@@ -343,6 +345,7 @@ class LLMEngine:
             return self._idle()
         handle, masks = self._launch(plan)  # this step's grammar masks: while the forward runs, or before it
         timer.mark("launched")
+        self.guidance.start_compiles()  # the grammars of requests that arrived since: during this forward
         self._idle_since(self._forward_end, timer.at("launched"))
         self.speculation.start_lookahead(self._verifying(plan))  # CPU work while the forward runs: next drafts
         timer.mark("overlapped")
@@ -375,6 +378,7 @@ class LLMEngine:
         timer = StepTimer()
         self._poll_grammars()
         cur = self._inflight or self._launch_ahead(self._schedule_ahead(frozenset()), fill_now=True)
+        self.guidance.start_compiles()  # the grammars of requests that arrived since: during the forward in flight
         if cur is None:
             return self._idle()
         # drafts for nxt, past cur's outcome (those that assumed another outcome are dropped once it is known);
@@ -831,6 +835,7 @@ class LLMEngine:
 
     def _idle(self) -> list[RequestOutput]:
         """Nothing could be scheduled this step."""
+        self.guidance.start_compiles()
         self.speculation.tidy(None)
         if self.guidance.has_pending:
             time.sleep(0.002)  # only grammar compiles are outstanding: let them run

@@ -149,6 +149,7 @@ class Guidance:
         self.unmasked_greedy = unmasked_greedy
         self.probe_tokens = probe_tokens if unmasked_greedy else ()
         self._manager: StructuredOutputManager | None = None
+        self._hold_compiles = False  # see `hold_compiles`
         self.vocab_size = vocab_size
         self.words = bitmask_words(vocab_size)
         self.stats = GuidanceStats()
@@ -166,7 +167,21 @@ class Guidance:
     def manager(self) -> StructuredOutputManager:
         if self._manager is None:
             self._manager = self._make_manager()
+            if self._hold_compiles:
+                self._manager.hold_compiles()
         return self._manager
+
+    def hold_compiles(self) -> None:
+        """New grammars compile once `start_compiles` is called, not at `submit` (which still refuses what it
+        refused: `StructuredOutputManager.hold_compiles`)."""
+        self._hold_compiles = True
+        if self._manager is not None:
+            self._manager.hold_compiles()
+
+    def start_compiles(self) -> None:
+        """Start the compiles held since the last call (none before the first guided request)."""
+        if self._manager is not None:
+            self._manager.start_compiles()
 
     def guided(self, request_id: str) -> bool:
         return request_id in self._ready or request_id in self._pending

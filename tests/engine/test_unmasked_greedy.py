@@ -6,6 +6,7 @@ drafts being verified."""
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -254,3 +255,39 @@ def test_masked_argmax_among_candidates() -> None:
     assert masked_argmax_among([5.0, 2.0, 2.0], [1, 9, 2], first) is None  # ties the k-th value: may lose outside
     assert masked_argmax_among([5.0, 4.0], [1, 2], first) is None  # nothing allowed among the k
     assert masked_argmax_among([float("-inf")] * 3, [7, 9, 3], first) is None
+
+
+def test_a_burst_of_new_grammars_compiles_during_the_forward_it_launches(gpt2: Tokenizer) -> None:
+    """Beside an accelerator the grammars of arriving requests are registered at once (a refusal stays
+    synchronous) but compile only once the engine has launched the next forward: none before the first step, all
+    after; every document valid, the tokens those of an engine whose grammars compile from each arrival."""
+    import json
+
+    import jsonschema
+
+    requests = _schema_requests(8, max_tokens=24)
+    engine = simulated_engine(gpt2, 0.002, 8, "llguidance", None, rows_by_token=True)
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, prompt, params)
+    time.sleep(0.05)
+    assert engine.guidance.manager.stats()["compiles"] == 0
+    engine.step()  # the first forward launched: the compiles run beside it
+    deadline = time.monotonic() + 10
+    while engine.guidance.manager.stats()["compiles"] < 8 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.guidance.manager.stats()["compiles"] == 8
+    done = run_all(engine, {})
+    engine.shutdown()
+    for rid, (_, params) in requests.items():
+        assert done[rid].error is None
+        so = params.structured_outputs
+        assert so is not None and so.json is not None
+        if done[rid].outputs[0].finish_reason == "stop":
+            jsonschema.validate(json.loads(done[rid].outputs[0].text), so.json)
+    at_once = simulated_engine(gpt2, 0.002, 8, "llguidance", None, rows_by_token=True)
+    for rid, (prompt, params) in requests.items():  # each grammar compiling from its arrival, as on a CPU device
+        at_once.add_request(rid, prompt, params)
+        at_once.guidance.start_compiles()
+    tokens = {rid: o.outputs[0].token_ids for rid, o in run_all(at_once, {}).items()}
+    at_once.shutdown()
+    assert {rid: o.outputs[0].token_ids for rid, o in done.items()} == tokens

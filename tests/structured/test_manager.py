@@ -323,6 +323,40 @@ def test_time_queued_does_not_count_against_the_timeout(tokenizer: Any) -> None:
     manager.shutdown()
 
 
+def test_held_compiles_run_only_once_started(tokenizer: Any) -> None:
+    """`hold_compiles`: a submitted grammar is registered, coalesced and counted against the queue at once, but
+    compiles only after `start_compiles` (an engine beside an accelerator starts them with the forward it
+    launches); jobs still held at shutdown never run."""
+    fake = _GatedBackend(len(tokenizer), size=10)
+    fake.gate.set()
+    compiled: list[str] = []
+    compile = fake.compile
+    fake.compile = lambda spec: (compiled.append(spec.text), compile(spec))[1]  # type: ignore[method-assign]
+    manager = StructuredOutputManager(
+        tokenizer, len(tokenizer), [tokenizer.eos_token_id],
+        StructuredOutputConfig(backend="xgrammar", max_queued_compiles=2, num_threads=1),
+        backend_factories={"xgrammar": lambda: fake},  # type: ignore[dict-item,return-value]
+    )
+    manager.hold_compiles()
+    manager.submit("a", StructuredOutputsParams(regex="a+"))
+    manager.submit("b", StructuredOutputsParams(regex="b+"))
+    manager.submit("a2", StructuredOutputsParams(regex="a+"))  # joins a's job
+    with pytest.raises(GrammarQueueFull, match="already compiling"):
+        manager.submit("c", StructuredOutputsParams(regex="c+"))  # two distinct jobs held: the queue is full
+    time.sleep(0.05)
+    assert compiled == [] and manager.poll("a") == manager.poll("b") == "pending" and manager.num_compiling == 0
+    manager.start_compiles()
+    assert wait(manager, "a") == wait(manager, "b") == wait(manager, "a2") == "ready"
+    assert sorted(compiled) == ["a+", "b+"]
+    manager.submit("c", StructuredOutputsParams(regex="c+"))  # held again until started
+    manager.submit("d", StructuredOutputsParams(regex="d+"))
+    time.sleep(0.05)
+    assert manager.poll("c") == "pending" and sorted(compiled) == ["a+", "b+"]
+    manager.shutdown()
+    time.sleep(0.05)
+    assert sorted(compiled) == ["a+", "b+"]
+
+
 def test_compile_queue_is_bounded(tokenizer: Any) -> None:
     fake = _GatedBackend(len(tokenizer), size=10)
     manager = StructuredOutputManager(
