@@ -278,21 +278,27 @@ def test_disconnect_mid_stream_frees_blocks(server: Server) -> None:
     assert after - before < 300  # aborted: it did not run to max_tokens
 
 
+async def read_stream(stream: Any) -> tuple[str, str | None, int | None]:
+    """A streamed chat completion's text, finish reason and completion tokens (its usage chunk), from the deltas."""
+    text, finish, usage = "", None, None
+    async for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+            finish = chunk.choices[0].finish_reason or finish
+        if chunk.usage:
+            usage = chunk.usage.completion_tokens
+    return text, finish, usage
+
+
 @demo
 def test_32_concurrent_streams_all_complete(server: Server) -> None:
     async def one(client: openai.AsyncOpenAI, i: int) -> tuple[str, int]:
         stream = await client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": f"Say the number {i}."}], max_tokens=6, stream=True,
             stream_options={"include_usage": True})
-        text, finish, usage = "", None, 0
-        async for chunk in stream:
-            if chunk.choices:
-                text += chunk.choices[0].delta.content or ""
-                finish = chunk.choices[0].finish_reason or finish
-            if chunk.usage:
-                usage = chunk.usage.completion_tokens
+        text, finish, usage = await read_stream(stream)
         assert finish in ("stop", "length")
-        return text, usage
+        return text, usage or 0
 
     async def main() -> list[tuple[str, int]]:
         client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=300.0)

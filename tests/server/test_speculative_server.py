@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.server.launch import running_server
 
-from .test_server import MODEL, demo
+from .test_server import MODEL, demo, read_stream
 
 ARGS = ["--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "32", "--num-kv-blocks", "400",
         "--max-queue", "128", "--log-level", "warning", "--async-scheduling"]
@@ -74,13 +74,7 @@ async def _one(client: openai.AsyncOpenAI, kind: str, body: dict[str, Any]) -> d
     if kind == "stream":
         stream = await client.chat.completions.create(model=MODEL, temperature=0, stream=True,
                                                       stream_options={"include_usage": True}, **body)
-        text, finish, tokens = "", None, None
-        async for chunk in stream:
-            if chunk.choices:
-                text += chunk.choices[0].delta.content or ""
-                finish = chunk.choices[0].finish_reason or finish
-            if chunk.usage:
-                tokens = chunk.usage.completion_tokens
+        text, finish, tokens = await read_stream(stream)
         return {"text": text, "finish": finish, "tokens": tokens}
     r = await client.chat.completions.create(model=MODEL, temperature=0, **body)
     return {"texts": [c.message.content for c in r.choices], "finish": [c.finish_reason for c in r.choices],
