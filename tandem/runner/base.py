@@ -23,7 +23,6 @@ class ForwardHandle:
     """A launched forward; `collect` turns it into logits."""
 
     future: Future[tuple[torch.Tensor, float]]
-    num_rows: int
     finished_at: float = 0.0  # perf_counter() when the forward finished (set by collect)
 
 

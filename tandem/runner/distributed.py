@@ -226,7 +226,7 @@ class TensorParallelRunner(ModelRunner):
 
     def launch(self, plan: StepPlan) -> ForwardHandle:
         fut = self._host.submit(self._send_and_forward, plan, *self._inputs(plan))
-        return ForwardHandle(fut, plan.num_logits_rows)
+        return ForwardHandle(fut)
 
     def stats_dict(self) -> dict[str, float]:
         """Ranks, and bytes rank 0 handed to each kind of collective so far (`tp_bytes_<op>`, cumulative)."""

@@ -291,13 +291,12 @@ class ModelRunner(Runner):
 
     def launch(self, plan: StepPlan) -> ForwardHandle:
         """Start the forward of `plan` and return at once; the CPU is free until `collect`."""
-        rows, inputs = self._launch_inputs(plan)
+        inputs = self._launch_inputs(plan)[1]
         self._capturing = self._launch_inputs.captures(inputs)
-        num_rows = int(rows.wanted.sum())  # (not the plan's rows: they may learn the outcome before it after this)
         if inputs.graph is not None:
-            return ForwardHandle(self._host.submit(self._replay, inputs.graph), num_rows)
+            return ForwardHandle(self._host.submit(self._replay, inputs.graph))
         assert inputs.eager is not None
-        return ForwardHandle(self._host.submit(self._forward, *inputs.eager), num_rows)
+        return ForwardHandle(self._host.submit(self._forward, *inputs.eager))
 
     def _may_build_ahead(self) -> bool:
         """Whether the next launch's inputs may be built now, beside the forward in flight (see `LaunchInputs`)."""
