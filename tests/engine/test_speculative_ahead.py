@@ -84,17 +84,24 @@ def test_greedy_tokens_are_the_targets(stories_engine_factory, config: dict, bat
 @pytest.mark.usefixtures("launch_order")
 def test_stop_strings_lengths_logprobs_and_penalties_match(stories_engine_factory) -> None:  # type: ignore[no-untyped-def]
     """Greedy requests with stop strings, max_tokens, logprobs, a repetition penalty (its history must be the
-    confirmed tokens, never a tentative draft or placeholder), min_tokens and n = 2."""
+    confirmed tokens, never a tentative draft or placeholder), min_tokens and n = 2; prompt logprobs, a logit bias,
+    allowed token ids, a presence penalty with a stop string kept in the output, and stop token ids."""
     kinds = [
         SamplingParams(temperature=0.0, max_tokens=30, stop=["park", "."]),
         SamplingParams(temperature=0.0, max_tokens=25, logprobs=2),
         SamplingParams(temperature=0.0, max_tokens=40, repetition_penalty=1.3, frequency_penalty=0.2),
         SamplingParams(temperature=0.0, max_tokens=3 + 1, ignore_eos=True),
         SamplingParams(temperature=0.0, max_tokens=20, min_tokens=12, n=2),
+        SamplingParams(temperature=0.0, max_tokens=20, prompt_logprobs=2),
+        SamplingParams(temperature=0.0, max_tokens=30, logit_bias={i: 3.0 for i in range(300, 320)}),
+        SamplingParams(temperature=0.0, max_tokens=30, allowed_token_ids=tuple(range(1, 400))),
+        SamplingParams(temperature=0.0, max_tokens=30, presence_penalty=0.7, stop=[" the"],
+                       include_stop_str_in_output=True),
+        SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=(426, 346)),  # (ids these stories emit)
     ]
     base = stories_engine_factory(async_scheduling=False)
     ahead = stories_engine_factory(async_scheduling=True, speculative_config=NGRAM)
-    prompts = _story_prompts(base, 10)
+    prompts = _story_prompts(base, 20)
     got, want = {}, {}
     for engine, out in ((base, want), (ahead, got)):
         for i, (rid, p) in enumerate(prompts.items()):
@@ -105,9 +112,12 @@ def test_stop_strings_lengths_logprobs_and_penalties_match(stories_engine_factor
                     out[o.request_id] = o
     assert _tokens(got) == _tokens(want) and _texts(got) == _texts(want)
     for rid in prompts:
+        assert str(got[rid].prompt_logprobs) == str(want[rid].prompt_logprobs)
         for a, b in zip(want[rid].outputs, got[rid].outputs, strict=True):
             if a.logprobs is not None:
                 assert b.logprobs is not None and [list(d) for d in a.logprobs] == [list(d) for d in b.logprobs]
+    assert sum(o.prompt_logprobs is not None for o in got.values()) == 2
+    assert {426, " the"} <= {c.stop_reason for o in got.values() for c in o.outputs}  # the stop rules did end some
     assert ahead.get_stats()["spec_num_accepted"] > 0
 
 
