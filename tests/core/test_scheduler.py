@@ -8,6 +8,7 @@ into a block that is shared or in the prefix cache. So a lost, stale or wrongly 
 
 from __future__ import annotations
 
+import pickle
 import random
 from collections import Counter
 from collections.abc import Callable
@@ -218,6 +219,16 @@ def entry(plan: StepPlan, rid: str):  # noqa: ANN201 - test helper
 
 
 # ------------------------------------------------------------------------------------------------------ tests
+def test_request_statuses_say_whether_they_ended() -> None:
+    """`finished` (a plain attribute of each member) and `finish_reason`, also after a pickle round trip."""
+    ended = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
+             RequestStatus.FINISHED_ABORTED: "abort", RequestStatus.FINISHED_ERROR: "error"}
+    for status in RequestStatus:
+        assert status.finished is (status in ended)
+        assert status.finish_reason == ended.get(status)
+        assert pickle.loads(pickle.dumps(status)).finished is status.finished
+
+
 def test_single_request_decodes_expected_tokens() -> None:
     eng = FakeEngine(num_blocks=16, block_size=4)
     req = eng.add("a", [5, 6, 7], max_tokens=6)
