@@ -35,8 +35,9 @@ from tandem.request import Request, RequestStatus
 
 PLACEHOLDER = -1  # a token sampled by a plan still running (scheduling ahead); never a real token id
 # a plan's rows that sample, each as (request id, row, its tokens when every draft is accepted, its request's row
-# index in the next plan (-1: none), that row): `pair_rows`
-RowPairs = list[tuple[str, ScheduledRequest, int, int, "ScheduledRequest | None"]]
+# index in the next plan (-1: none), that row, and of that row (0 without one): its drafts, its start, whether it
+# wants a logits row (0 / 1)), then where the row's accepted tokens end before its first draft: `pair_rows`
+RowPairs = list[tuple[str, ScheduledRequest, int, int, "ScheduledRequest | None", int, int, int, int]]
 
 
 class KVCacheTooSmallError(RuntimeError):
@@ -354,7 +355,7 @@ class Scheduler:
         requests, running, changed = self._requests, RequestStatus.RUNNING, []
         unconfirmed, unsettled = self._unconfirmed, self._unsettled
         fed, reshaped = next_plan.edits.fed, next_plan.edits.reshaped
-        for rid, sr, every, i, nxt in pairs:
+        for rid, sr, every, i, nxt, *_ in pairs:
             toks = tokens.get(rid)
             if not toks:
                 continue
@@ -377,31 +378,32 @@ class Scheduler:
                       keep: Collection[str], pairs: RowPairs | None = None) -> list[int]:
         """What `settle(plan, tokens, next_plan, keep, pairs)` will change in `next_plan`'s rows, changing nothing:
         the edits a runner puts into its read of `next_plan` (`_Read.edits_flat`'s form: the fed count, the fed (row,
-        0, token), then each reshaped row as (row, start, 1, logits rows, blocks used, its token, its blocks)), so
-        that `next_plan` is launched first and settled after (`PlanEdits.outcome`). Rows must not be withdrawn
-        from `next_plan` between the two calls."""
+        0, token), then each reshaped row as (row, start, 1, logits rows, -blocks used, its token): it keeps the
+        first of the blocks it was read with), so that `next_plan` is launched first and settled after
+        (`PlanEdits.outcome`). Rows must not be withdrawn from `next_plan` between the two calls, nor changed since
+        `pairs` was taken."""
         if pairs is None or next_plan.edits.withdrawn:
             pairs = pair_rows(plan, next_plan)
-        requests, running, bs = self._requests, RequestStatus.RUNNING, self.block_manager.block_size
+        requests, running, bs, get = self._requests, RequestStatus.RUNNING, self.block_manager.block_size, tokens.get
         fed: list[int] = []
         reshaped: list[int] = []
-        for rid, sr, every, i, nxt in pairs:  # `settle`'s walk, its choices only
-            toks = tokens.get(rid)
-            if not toks or nxt is None:
+        # `settle`'s walk, its choices only, on the launch's path after the host's sampling has flushed the caches:
+        # from the pairs' numbers (taken while plan ran), the rows' objects not read; a reshaped row keeps the first
+        # of the blocks it was read with (csrc/plan_ops.cpp: a record with -u)
+        for rid, _, every, i, _, drafts, nxt_start, wants, accepted_end in pairs:
+            toks = get(rid)
+            if not toks or i < 0:
                 continue
-            if len(toks) == every and (not nxt.num_draft_tokens or rid in keep):
+            n = len(toks)
+            if n == every and (not drafts or rid in keep):
                 fed += (i, 0, toks[-1])
                 continue
             req = requests.get(rid)
             if req is None or req.status is not running:
                 continue
-            if len(toks) == every:  # stripped of its drafts where it starts
-                start = nxt.start_pos
-            else:  # moved back to where the accepted tokens end
-                start = sr.start_pos + sr.num_tokens - sr.num_draft_tokens + len(toks) - 1
-            used = start // bs + 1  # (one token at `start`)
-            reshaped += (i, start, 1, int(nxt.needs_logits or nxt.all_logits), used, toks[-1])
-            reshaped += nxt.block_table[:used]
+            # stripped of its drafts where it starts, or moved back to where the accepted tokens end
+            start = nxt_start if n == every else accepted_end + n
+            reshaped += (i, start, 1, wants, -(start // bs + 1), toks[-1])  # (one token at `start`)
         return [len(fed) // 3, *fed, *reshaped]
 
     def confirm(self, request_ids: Collection[str] | None = None) -> None:
@@ -585,8 +587,10 @@ def _shrink(sr: ScheduledRequest, toks: Sequence[int], nxt: ScheduledRequest | N
 def pair_rows(plan: StepPlan, next_plan: StepPlan) -> RowPairs:
     """`plan`'s rows that sample, each with its request's row of `next_plan` (what `settle` walks; taken while
     `plan` runs). Both plans list the running requests in admission order (`_schedule_running`): `next_plan`'s rows
-    are walked in step with `plan`'s, a map of them built only for a row out of step."""
-    nxt_rows, pairs = next_plan.requests, []
+    are walked in step with `plan`'s, a map of them built only for a row out of step. The numbers of each pair are
+    the rows' as they are now (`settled_edits` reads those, not the rows)."""
+    nxt_rows = next_plan.requests
+    pairs: RowPairs = []
     j, num_next, index = 0, len(nxt_rows), None
     for sr in plan.requests:
         rid = sr.request_id
@@ -597,6 +601,13 @@ def pair_rows(plan: StepPlan, next_plan: StepPlan) -> RowPairs:
             index = index if index is not None else {r.request_id: k for k, r in enumerate(nxt_rows)}
             i = index.get(rid, -1)
             j = i + 1 if i >= 0 else j
-        if sr.needs_logits:
-            pairs.append((rid, sr, sr.num_draft_tokens + 1, i, nxt_rows[i] if i >= 0 else None))
+        if not sr.needs_logits:
+            continue
+        end = sr.start_pos + len(sr.input_ids) - sr.num_draft_tokens - 1
+        if i < 0:
+            pairs.append((rid, sr, sr.num_draft_tokens + 1, i, None, 0, 0, 0, end))
+        else:
+            nxt = nxt_rows[i]
+            wants = int(nxt.needs_logits or nxt.all_logits)
+            pairs.append((rid, sr, sr.num_draft_tokens + 1, i, nxt, nxt.num_draft_tokens, nxt.start_pos, wants, end))
     return pairs

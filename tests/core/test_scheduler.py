@@ -865,7 +865,7 @@ def test_settle_walks_the_pairs_taken_while_the_plan_ran_unless_rows_were_withdr
 
     sched, cur, nxt = _three_ahead()
     pairs = pair_rows(cur, nxt)
-    assert [(rid, every, i) for rid, _, every, i, _ in pairs] == [("a", 1, 0), ("b", 1, 1), ("c", 1, 2)]
+    assert [(rid, every, i) for rid, _, every, i, *_ in pairs] == [("a", 1, 0), ("b", 1, 1), ("c", 1, 2)]
     sched.withdraw(nxt, ["a"])  # its token came too late: b and c move up a row
     assert sched.settle(cur, {"b": [11], "c": [12]}, nxt, set("abc"), pairs) == []
     assert [r.input_ids[0] for r in nxt.requests] == [11, 12] and sorted(nxt.edits.fed) == [(0, 0, 11), (1, 0, 12)]

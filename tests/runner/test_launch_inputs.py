@@ -201,6 +201,28 @@ def test_a_plan_patch_refuses_edits_that_do_not_fit_the_read() -> None:
     with pytest.raises(RuntimeError, match="cut short"):
         patched_rows(read, [0, 1, 5, 1])  # a record cut short
     assert np.array_equal(patched_rows(read, [0]).input_ids, read.input_ids)  # no edits: the read
+    with pytest.raises(RuntimeError, match="keeps more blocks"):
+        patched_rows(read, [0, 1, 0, 1, 1, -int(read.used[1]) - 1, 7])  # more of its blocks than it was read with
+
+
+def test_a_reshaped_row_may_keep_the_first_of_the_blocks_it_was_read_with() -> None:
+    """A record (row, start, n, wanted, -u, its n ids) keeps the row's first u blocks as read (`settled_edits`'
+    form: no block ids read from the rows at the launch): the same arrays as the record that lists them."""
+    from tandem.layers.kernels import load_cpu_kernels
+    from tandem.runner.launch_inputs import patched_rows
+
+    assert load_cpu_kernels()
+    plan = _plan(random.Random(7), 6, 40)
+    read = plan_rows(plan.requests, 16)
+    row = int(np.argmax(read.used))  # a row of several blocks
+    first = int(np.cumsum(read.used)[row] - read.used[row])
+    start = int(read.starts[row]) - 16  # moved back a block
+    used = start // 16 + 1
+    listed = patched_rows(read, [0, row, start, 1, 1, used, 77, *read.blocks[first : first + used].tolist()])
+    kept = patched_rows(read, [0, row, start, 1, 1, -used, 77])
+    for name in ("starts", "counts", "wanted", "used", "input_ids", "blocks"):
+        assert np.array_equal(getattr(kept, name), getattr(listed, name)), name
+    assert kept.used[row] == used < read.used[row] and kept.starts[row] == start
 
 
 def _decoding_ahead(rng: random.Random, n: int):  # type: ignore[no-untyped-def]

@@ -13,7 +13,9 @@
 //   plan_patch   a plan's arrays as read ahead (starts, counts, wanted, used [B], ids [T], blocks [sum(used)]) and
 //                its edits since (core/plan_arrays.InputsAhead): `edits` [F * 3 + sum(5 + n + u)] int64, F then the
 //                fed (row, index in its ids, token) and the reshaped rows read again, ascending, each (row, start,
-//                n, wanted, u, its n ids, its u blocks) -> the six arrays of the plan now. A plan read again in
+//                n, wanted, u, its n ids, its u blocks), or (row, start, n, wanted, -u, its n ids) for a row that
+//                keeps the first u of the blocks it was read with (a row settled to one token: its record has no
+//                block ids to read from Python objects at the launch) -> the six arrays of the plan now. A plan read again in
 //                Python took 0.2-0.3 ms of the launch (its rows' objects and ~10 NumPy calls after the host's
 //                sampling had flushed the caches).
 //   plan_patch_step  plan_patch, then step_inputs on the patched arrays, and the CUDA graph's q of the
@@ -147,9 +149,12 @@ std::vector<at::Tensor> plan_patch(const at::Tensor& starts_in, const at::Tensor
   int64_t T = ids.size(0), H = blocks.size(0);
   for (int64_t q = 1 + 3 * F; q < E;) {
     TORCH_CHECK(q + 5 <= E, "edits: a record cut short");
-    const int64_t i = e[q], n = e[q + 2], rows_used = e[q + 4];
-    TORCH_CHECK(i >= 0 && i < B && record[i] < 0 && n >= 1 && rows_used >= 1 && q + 5 + n + rows_used <= E,
+    const int64_t i = e[q], n = e[q + 2];
+    const bool kept = e[q + 4] < 0;  // the row's first blocks as read, none in the record
+    const int64_t rows_used = kept ? -e[q + 4] : e[q + 4], listed = kept ? 0 : rows_used;
+    TORCH_CHECK(i >= 0 && i < B && record[i] < 0 && n >= 1 && rows_used >= 1 && q + 5 + n + listed <= E,
                 "edits: row ", i);
+    TORCH_CHECK(!kept || rows_used <= u[i], "edits: row ", i, " keeps more blocks than it was read with");
     record[i] = q;
     T += n - c[i];
     H += rows_used - u[i];
@@ -157,7 +162,7 @@ std::vector<at::Tensor> plan_patch(const at::Tensor& starts_in, const at::Tensor
     c2[i] = n;
     w2[i] = e[q + 3];
     u2[i] = rows_used;
-    q += 5 + n + rows_used;
+    q += 5 + n + listed;
   }
   const auto i64 = at::TensorOptions().dtype(at::kLong);
   at::Tensor out_ids = at::empty({T}, i64), out_blocks = at::empty({H}, i64);
@@ -173,7 +178,8 @@ std::vector<at::Tensor> plan_patch(const at::Tensor& starts_in, const at::Tensor
       std::copy(old_blocks + b_old, old_blocks + b_old + u[i], bl2 + b_new);
     } else {
       std::copy(e + q + 5, e + q + 5 + c2[i], id2 + t_new);
-      std::copy(e + q + 5 + c2[i], e + q + 5 + c2[i] + u2[i], bl2 + b_new);
+      const int64_t* from = e[q + 4] < 0 ? old_blocks + b_old : e + q + 5 + c2[i];
+      std::copy(from, from + u2[i], bl2 + b_new);
     }
     t_old += c[i];
     b_old += u[i];
