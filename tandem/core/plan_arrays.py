@@ -128,7 +128,8 @@ class InputsAhead(Generic[Built]):
             return plan_rows(plan.requests, self.block_size), None
         ids = ahead.fed_ids(plan)
         self.held_share += HELD_RATE * ((ids is not None) - self.held_share)
-        if ids is not None:
+        # an outcome that only feeds tokens takes the inputs built ahead; none built, the patch builds them in one call
+        if ids is not None and (plan.edits.outcome is None or ahead.built is not None):
             rows = replace(ahead.arrays, input_ids=ids)
             built = ahead.built
             return rows, (self._with_ids(built, rows) if built is not None and self._with_ids is not None else None)
@@ -151,14 +152,18 @@ class _Read(Generic[Built]):
     built: Built | None
 
     def fed_ids(self, plan: StepPlan) -> np.ndarray | None:
-        """[T] int64: the input ids with the tokens `plan.edits` fed; None when rows were reshaped or withdrawn
-        since this read (see `edits_flat`)."""
-        edits = plan.edits
-        if edits.reshaped or edits.withdrawn or edits.outcome is not None or len(plan.requests) != len(self.rows):
+        """[T] int64: the input ids with the tokens `plan.edits` fed (or its outcome, launched before `settle`,
+        feeds); None when rows were reshaped or withdrawn since this read, or are by the outcome (see
+        `edits_flat`). (An outcome that only feeds: every request's drafts accepted and kept, or none drafted.)"""
+        edits, outcome = plan.edits, plan.edits.outcome
+        if edits.reshaped or edits.withdrawn or len(plan.requests) != len(self.rows):
+            return None
+        if outcome is not None and len(outcome) != 1 + 3 * outcome[0]:  # rows reshaped by it
             return None
         ids = self.arrays.input_ids
-        if edits.fed:
-            row_a, at_a, tok_a = np.array(edits.fed, dtype=np.int64).T  # [3, F]
+        fed = np.array(outcome[1:], dtype=np.int64).reshape(-1, 3) if outcome is not None else edits.fed  # [F, 3]
+        if len(fed):
+            row_a, at_a, tok_a = np.array(fed, dtype=np.int64).T  # [3, F]
             ids = ids.copy()
             ids[self.arrays.offsets[row_a] + at_a] = tok_a
         return ids

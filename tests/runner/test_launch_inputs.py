@@ -60,6 +60,40 @@ def test_inputs_built_ahead_then_fed_equal_the_inputs_built_at_the_launch(rows: 
     assert np.array_equal(rows_now.input_ids, plan_rows(plan.requests, 16).input_ids)
 
 
+@pytest.mark.raw_inputs_ahead  # (outcomes given by hand: no `settle` follows the launch)
+@pytest.mark.parametrize(("rows", "q"), [(3, 1), (40, 3), (300, 1)])
+def test_an_outcome_that_only_feeds_takes_the_inputs_built_ahead(rows: int, q: int) -> None:
+    """A plan launched before `settle` with an outcome that only feeds tokens (`PlanEdits.outcome` without reshaped
+    rows: every draft accepted and kept, or none drafted) takes the inputs built while the forward before it ran,
+    the fed ids put in: the same inputs as those built at the launch for the rows `settle` then makes; an outcome
+    that reshapes a row goes through the patch."""
+    plan = _plan(random.Random(rows + q), rows, q)
+    inputs = CudaLaunchInputs(16, 4096, 4096)
+    inputs.prepare(plan)
+    held = inputs.ahead._ahead
+    assert held is not None and held.built is not None
+    patched: list[int] = []  # the patch's calls
+    patch = inputs.ahead._patch
+    assert patch is not None
+    inputs.ahead._patch = lambda read, edits: (patched.append(len(edits)), patch(read, edits))[1]
+    plan.edits.outcome = [rows, *(v for i in range(rows) for v in (i, 0, 50 + i))]
+    rows_now, got = inputs(plan)
+    assert not patched and (got.graph is not None) == (rows < 300)
+    for i, r in enumerate(plan.requests):  # what `settle` makes of the rows after the launch
+        r.input_ids[0] = 50 + i
+    want = inputs.build(plan, plan_rows(plan.requests, 16))
+    for a, b in zip(_tensors(got), _tensors(want), strict=True):
+        assert torch.equal(a, b)
+    assert np.array_equal(rows_now.input_ids, plan_rows(plan.requests, 16).input_ids)
+    assert inputs.ahead.held_share == 1.0  # (counted as a read that held)
+    reshaping = _plan(random.Random(9), 4, 1)
+    inputs.prepare(reshaping)
+    r = reshaping.requests[2]
+    reshaping.edits.outcome = [0, 2, r.start_pos, 1, 1, -(r.start_pos // 16 + 1), 61]  # (a record: one token)
+    rows_now, _ = inputs(reshaping)
+    assert patched == [7] and rows_now.starts[2] == r.start_pos and rows_now.input_ids[2] == 61
+
+
 def test_a_reshaped_plan_is_built_again_and_no_build_ahead_beside_a_capture() -> None:
     plan = _plan(random.Random(1), 3, 1)
     inputs = CudaLaunchInputs(16, 4096, 4096)
