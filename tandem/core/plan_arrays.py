@@ -126,11 +126,11 @@ class InputsAhead(Generic[Built]):
         if ahead is None or ahead.plan is not plan:
             assert plan.edits.outcome is None, "a plan launched before settle needs its read and a patch"
             return plan_rows(plan.requests, self.block_size), None
-        ids = ahead.fed_ids(plan)
-        self.held_share += HELD_RATE * ((ids is not None) - self.held_share)
+        fed = ahead.fed(plan)
+        self.held_share += HELD_RATE * ((fed is not None) - self.held_share)
         # an outcome that only feeds tokens takes the inputs built ahead; none built, the patch builds them in one call
-        if ids is not None and (plan.edits.outcome is None or ahead.built is not None):
-            rows = replace(ahead.arrays, input_ids=ids)
+        if fed is not None and (plan.edits.outcome is None or ahead.built is not None):
+            rows = replace(ahead.arrays, input_ids=ahead.ids_with(fed))
             built = ahead.built
             return rows, (self._with_ids(built, rows) if built is not None and self._with_ids is not None else None)
         patch = self._patch
@@ -151,21 +151,23 @@ class _Read(Generic[Built]):
     arrays: PlanRows
     built: Built | None
 
-    def fed_ids(self, plan: StepPlan) -> np.ndarray | None:
-        """[T] int64: the input ids with the tokens `plan.edits` fed (or its outcome, launched before `settle`,
-        feeds); None when rows were reshaped or withdrawn since this read, or are by the outcome (see
+    def fed(self, plan: StepPlan) -> np.ndarray | None:
+        """[F, 3] int64: the (row, index, token) that `plan.edits` fed (or its outcome, launched before `settle`,
+        feeds) since this read; None when rows were reshaped or withdrawn since, or are by the outcome (see
         `edits_flat`). (An outcome that only feeds: every request's drafts accepted and kept, or none drafted.)"""
         edits, outcome = plan.edits, plan.edits.outcome
         if edits.reshaped or edits.withdrawn or len(plan.requests) != len(self.rows):
             return None
         if outcome is not None and len(outcome) != 1 + 3 * outcome[0]:  # rows reshaped by it
             return None
-        ids = self.arrays.input_ids
-        fed = np.array(outcome[1:], dtype=np.int64).reshape(-1, 3) if outcome is not None else edits.fed  # [F, 3]
-        if len(fed):
-            row_a, at_a, tok_a = np.array(fed, dtype=np.int64).T  # [3, F]
-            ids = ids.copy()
-            ids[self.arrays.offsets[row_a] + at_a] = tok_a
+        return np.array(outcome[1:] if outcome is not None else edits.fed, dtype=np.int64).reshape(-1, 3)
+
+    def ids_with(self, fed: np.ndarray) -> np.ndarray:
+        """[T] int64: the read's input ids with the `fed` [F, 3] tokens put in (the read's own array when none)."""
+        if not len(fed):
+            return self.arrays.input_ids
+        ids = self.arrays.input_ids.copy()
+        ids[self.arrays.offsets[fed[:, 0]] + fed[:, 1]] = fed[:, 2]
         return ids
 
     def edits_flat(self, plan: StepPlan) -> list[int] | None:

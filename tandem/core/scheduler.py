@@ -355,7 +355,7 @@ class Scheduler:
         requests, running, changed = self._requests, RequestStatus.RUNNING, []
         unconfirmed, unsettled = self._unconfirmed, self._unsettled
         fed, reshaped = next_plan.edits.fed, next_plan.edits.reshaped
-        for rid, sr, every, i, nxt, *_ in pairs:
+        for rid, sr, every, i, nxt, _, _, _, _ in pairs:
             toks = tokens.get(rid)
             if not toks:
                 continue
