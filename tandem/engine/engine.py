@@ -30,7 +30,7 @@ from tandem.cpu_budget import CpuBudget
 from tandem.engine.guidance import PendingMasks, StepMasks, make_guidance
 from tandem.engine.sequences import RequestGroup, SequenceState
 from tandem.engine.speculation import NoSpeculation, Speculation, make_speculation
-from tandem.engine.step_sampler import StagedMasks, StepSampler, plain_rows
+from tandem.engine.step_sampler import SampleRows, StagedMasks, StepSampler, plain_rows
 from tandem.engine.stop import StopChecker, StopDecision
 from tandem.engine.thinking import Thinking
 from tandem.engine.timing import EngineStats, StepTimer
@@ -61,6 +61,7 @@ class _InFlight:
     fill: PendingMasks | None = None
     garbage: set[str] = field(default_factory=set)  # requests whose row was fed a retracted token: thrown away
     verify_late: bool = False  # its drafts verified without masks are checked after the next launch
+    sampling: SampleRows | None = None  # its rows as sampling takes them, made while it runs
 
     @property
     def has_drafts(self) -> bool:
@@ -389,6 +390,7 @@ class LLMEngine:
         nxt_tokens, pairs = nxt.num_tokens, self._pairs(cur.plan, nxt)  # (for the launch's path, taken now)
         timer.mark("scheduled")
         self._join_fill(cur)
+        cur.sampling = self.step_sampler.prepare(cur.plan, self._seqs)  # (the requests change only after sampling)
         self.speculation.tidy(self._slack_deadline(cur, TIDY_SHARE))  # deferred work, while the forward still runs
         with gc_deferred():  # the device waits from here to the launch
             logits = self.runner.collect(cur.handle)  # [R, V]
@@ -470,7 +472,8 @@ class LLMEngine:
         """The tokens of `cur`'s rows `logits` [R, V], those of rows fed a retracted token left out; marks
         'sampled', then checks the drafts verified without masks (`_check_unmasked_verify`: host work), unless
         `verify_checks` moves that check past the launch of the next plan (`nxt_tokens` tokens; `cur.verify_late`)."""
-        tokens = self.runner.on_tensor_thread(self.step_sampler.sample, cur.plan, logits, cur.masks.staged, self._seqs)
+        tokens = self.runner.on_tensor_thread(self.step_sampler.sample, cur.plan, logits, cur.masks.staged, self._seqs,
+                                              cur.sampling)
         for rid in cur.garbage:
             tokens.pop(rid, None)
         self.thinking.limit(tokens, self._seqs)

@@ -91,6 +91,7 @@ def rejection_sample(
     rows: Sequence[SamplingRow],
     drafts: Sequence[DraftRows],
     bitmask: Tensor | None = None,
+    all_greedy: bool | None = None,
 ) -> list[Verified]:
     """Verify each request's drafts; returns per request the emitted tokens (accepted drafts + one more), or, when
     its walk reaches a row where nothing is allowed (see `Sampler.dead_rows`), the drafts accepted before it and
@@ -99,12 +100,13 @@ def rejection_sample(
     target_logits [sum(k_i + 1), V]: request i owns k_i + 1 consecutive rows (its last real token's position, then
     each draft's); `rows` and `bitmask` match those rows one to one. Seeded requests draw, in order, k uniforms,
     k residual noise vectors and one bonus noise vector from their own generator; greedy requests draw nothing.
+    `all_greedy`: `only_greedy(rows)` when the caller made it ahead (sampling/sampler.py).
     """
     sizes = [len(d.draft_token_ids) + 1 for d in drafts]
     if sum(sizes) != target_logits.shape[0] or len(rows) != target_logits.shape[0]:
         raise ValueError(f"{target_logits.shape[0]} target rows, {len(rows)} sampling rows, drafts need {sum(sizes)}")
     starts = [0, *accumulate(sizes)][:-1]  # first row of each request
-    fused = sampler.greedy_tokens(target_logits, rows, bitmask)  # every row greedy, on the host: [N], -1 = dead
+    fused = sampler.greedy_tokens(target_logits, rows, bitmask, all_greedy)  # all greedy, on the host: [N], -1 = dead
     if fused is not None:
         return _greedy_verify(drafts, fused, starts)
     p = sampler.probs(target_logits, rows, bitmask)  # [N, V]

@@ -132,8 +132,9 @@ def apply_logit_bias_(logits: Tensor, rows: Sequence[SamplingRow]) -> None:
     logits.index_put_((_index(row_ids, dev), _index(tok_ids, dev)), values, accumulate=True)
 
 
-def _only_greedy(rows: Sequence[SamplingRow]) -> bool:
-    """Every row greedy, with no allowed ids, logit bias, penalty or pending min_tokens to change its logits."""
+def only_greedy(rows: Sequence[SamplingRow]) -> bool:
+    """Every row greedy, with no allowed ids, logit bias, penalty or pending min_tokens to change its logits (what
+    the sampling calls' `all_greedy` argument says, when the caller knows it ahead)."""
     for r in rows:
         p = r.params
         if not p.greedy or p.allowed_token_ids is not None or p.logit_bias or _has_penalty(p):
@@ -417,13 +418,16 @@ class Sampler:
             out[_index(dead, x.device)] = 0.0
         return out
 
-    def sample(self, logits: Tensor, rows: Sequence[SamplingRow], bitmask: Tensor | None = None) -> SamplerOutput:
+    def sample(self, logits: Tensor, rows: Sequence[SamplingRow], bitmask: Tensor | None = None,
+               all_greedy: bool | None = None) -> SamplerOutput:
         """One token per row (greedy: argmax; otherwise an exponential race over the final distribution), plus
-        logprobs of the raw logits where requested. Seeded rows consume V exponentials from their generator."""
-        if self._plain_greedy(logits, rows, bitmask):  # nothing changes the logits: argmax of them, no copy
+        logprobs of the raw logits where requested. Seeded rows consume V exponentials from their generator.
+        `all_greedy`: `only_greedy(rows)`, when the caller made it ahead (None: asked here)."""
+        all_greedy = only_greedy(rows) if all_greedy is None else all_greedy
+        if all_greedy and self._plain_greedy(logits, bitmask):  # nothing changes the logits: argmax of them, no copy
             tokens = logits.argmax(dim=-1)
             return SamplerOutput(token_ids=tokens.tolist(), logprobs=self._logprobs(logits, tokens, rows))
-        fused = self.greedy_tokens(logits, rows, bitmask)
+        fused = self.greedy_tokens(logits, rows, bitmask, all_greedy)
         if fused is not None:
             dead = [i for i, t in enumerate(fused) if t < 0]
             tokens = torch.tensor([max(t, 0) for t in fused], dtype=torch.long)  # a dead row's token is 0
@@ -446,28 +450,29 @@ class Sampler:
                 tokens.index_copy_(0, _index(greedy, x.device), _select_rows(x, greedy).argmax(dim=-1))
         return SamplerOutput(token_ids=tokens.tolist(), logprobs=self._logprobs(logits, tokens, rows), dead_rows=dead)
 
-    def _plain_greedy(self, logits: Tensor, rows: Sequence[SamplingRow], bitmask: Tensor | None) -> bool:
-        """True when every row is greedy and no processing step of `processed_logits` would change a value."""
-        if bitmask is not None or logits.shape[-1] > self.vocab_size or logits.dtype != torch.float32:
-            return False
-        return _only_greedy(rows)
+    def _plain_greedy(self, logits: Tensor, bitmask: Tensor | None) -> bool:
+        """For rows all greedy (`only_greedy`): True when no processing step of `processed_logits` would change a
+        value."""
+        return bitmask is None and logits.shape[-1] <= self.vocab_size and logits.dtype == torch.float32
 
-    def _fused_greedy_applies(self, logits: Tensor, rows: Sequence[SamplingRow], bitmask: Tensor | None) -> bool:
-        """True when every row is greedy, nothing but a grammar bitmask and the vocabulary's end changes the logits,
-        and they are on the host, where `torch.ops.tandem.greedy_tokens` (tandem's CPU kernels) is loaded."""
+    def _fused_greedy_applies(self, logits: Tensor, bitmask: Tensor | None) -> bool:
+        """For rows all greedy (`only_greedy`): True when nothing but a grammar bitmask and the vocabulary's end
+        changes the logits, and they are on the host, where `torch.ops.tandem.greedy_tokens` (tandem's CPU kernels)
+        is loaded."""
         if logits.device.type != "cpu" or logits.dim() != 2 or logits.stride(-1) != 1 or not greedy_kernel_loaded():
             return False
-        if bitmask is not None and (bitmask.device.type != "cpu" or bitmask.dtype != torch.int32
-                                    or bitmask.shape[0] != logits.shape[0]):
-            return False
-        return _only_greedy(rows)
+        return bitmask is None or (bitmask.device.type == "cpu" and bitmask.dtype == torch.int32
+                                   and bitmask.shape[0] == logits.shape[0])
 
-    def greedy_tokens(self, logits: Tensor, rows: Sequence[SamplingRow], bitmask: Tensor | None = None) -> list[int] | None:
+    def greedy_tokens(self, logits: Tensor, rows: Sequence[SamplingRow], bitmask: Tensor | None = None,
+                      all_greedy: bool | None = None) -> list[int] | None:
         """Each row's greedy token, -1 where no token is allowed, in one fused pass over the logits when
         `_fused_greedy_applies` (else None: the caller takes the general path). The same tokens and dead rows as
         processed_logits + argmax, without the [R, V] float32 copy and unpacked mask (256 rows x 200k tokens:
-        ~0.2-0.5 s -> 6 ms a step on 2 cores, docs/benchmarks.md)."""
-        if not self._fused_greedy_applies(logits, rows, bitmask):
+        ~0.2-0.5 s -> 6 ms a step on 2 cores, docs/benchmarks.md). `all_greedy`: as in `sample`."""
+        if not (only_greedy(rows) if all_greedy is None else all_greedy):
+            return None
+        if not self._fused_greedy_applies(logits, bitmask):
             return None
         mask = bitmask.contiguous() if bitmask is not None else None
         out: list[int] = torch.ops.tandem.greedy_tokens(logits, mask, min(self.vocab_size, logits.shape[-1])).tolist()

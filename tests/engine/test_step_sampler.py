@@ -47,3 +47,50 @@ def test_penalties_and_min_tokens_read_an_output_history_as_the_list() -> None:
     assert torch.equal(sampler.processed_logits(logits, in_place), want)
     assert not torch.equal(want, logits.float())  # (the cases do change the logits)
     assert sampler.sample(logits, in_place).token_ids == sampler.sample(logits, copied).token_ids
+
+
+def _row_view(row: SamplingRow) -> tuple[object, ...]:
+    return (id(row.params), list(row.prompt_token_ids), list(row.output_token_ids), row.generator)
+
+
+def test_rows_made_while_the_forward_runs_are_those_made_at_sampling(stories_engine_factory,  # type: ignore[no-untyped-def]
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Scheduling ahead with drafts, the engine makes a step's sampling rows (`StepSampler.prepare`) before its
+    forward ends: at each sampling they must equal rows made then (the split, each row's params, prompt, history
+    and generator; prompt logprobs recorded as before), and be used."""
+    from tandem.engine.step_sampler import SampleRows, StepSampler
+
+    from .test_engine import run_all
+    from .test_speculative import _story_prompts
+
+    sample, used = StepSampler.sample, []
+
+    def checked(self: StepSampler, plan, logits, masks, seqs, prepared: SampleRows | None = None):  # type: ignore[no-untyped-def]
+        if prepared is not None:
+            now = self.prepare(plan, seqs)
+            assert prepared.plan is plan
+            assert [(s and s.request_id, r, k) for s, r, k in prepared.plain] == [(s and s.request_id, r, k) for s, r, k in now.plain]
+            assert [(s and s.request_id, r, d, k) for s, r, d, k in prepared.verify] == \
+                   [(s and s.request_id, r, d, k) for s, r, d, k in now.verify]
+            for made, want in ((prepared.plain_group, now.plain_group), (prepared.verify_group, now.verify_group)):
+                assert made.index == want.index and made.all_greedy == want.all_greedy
+                assert [_row_view(r) for r in made.rows] == [_row_view(r) for r in want.rows]
+            assert [(s.request_id, f) for s, f, _ in prepared.record] == [(s.request_id, f) for s, f, _ in now.record]
+            used.append(bool(prepared.verify))
+        return sample(self, plan, logits, masks, seqs, prepared)
+
+    monkeypatch.setattr(StepSampler, "sample", checked)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, repetition_penalty=1.1, min_tokens=6,
+                            logprobs=2, prompt_logprobs=1)
+    base = stories_engine_factory(async_scheduling=False)
+    ahead = stories_engine_factory(async_scheduling=True, speculative_config={"method": "suffix", "num_speculative_tokens": 3})
+    prompts = _story_prompts(base, 5)
+    got, want = run_all(ahead, prompts, params), run_all(base, prompts, params)
+    assert used and any(used)  # prepared rows were sampled, verify rows among them
+    for rid, out in want.items():
+        assert list(got[rid].outputs[0].token_ids) == list(out.outputs[0].token_ids)
+        assert got[rid].prompt_logprobs == out.prompt_logprobs
+        # (a verify row's forward batches other rows than the synchronous step's: the values agree to float noise)
+        for a, b in zip(got[rid].outputs[0].logprobs or [], out.outputs[0].logprobs or [], strict=True):
+            assert a.keys() == b.keys()
+            assert all(a[t].rank == b[t].rank and a[t].logprob == pytest.approx(b[t].logprob, abs=1e-4) for t in a)

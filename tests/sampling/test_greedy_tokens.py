@@ -11,7 +11,7 @@ import torch
 from tandem.layers.kernels import load_cpu_kernels
 from tandem.params import SamplingParams
 from tandem.sampling.bitmask import bitmask_words
-from tandem.sampling.sampler import Sampler, SamplingRow
+from tandem.sampling.sampler import Sampler, SamplingRow, only_greedy
 
 pytestmark = pytest.mark.skipif(not load_cpu_kernels(), reason="tandem CPU kernels could not be built here")
 
@@ -58,15 +58,18 @@ def test_sampler_takes_the_fused_path_for_greedy_rows_and_not_for_others() -> No
     mask = _masks(8, bitmask_words(4096), g)
     greedy = [SamplingRow(SamplingParams(temperature=0.0), [1], [], None) for _ in range(8)]
     s = Sampler(4000, [0])
-    assert s._fused_greedy_applies(logits, greedy, mask)
+    assert only_greedy(greedy) and s._fused_greedy_applies(logits, mask)
     out = s.sample(logits, greedy, mask)
     want_tokens, want_dead = _reference(logits, mask, 4000)
     assert out.token_ids == want_tokens and out.dead_rows == want_dead
+    ahead = s.sample(logits, greedy, mask, all_greedy=True)  # the rows' greediness told, as StepSampler.prepare does
+    assert ahead.token_ids == want_tokens and ahead.dead_rows == want_dead
     biased = [SamplingRow(SamplingParams(temperature=0.0, logit_bias={3: 5.0}), [1], [], None)] + greedy[1:]
-    assert not s._fused_greedy_applies(logits, biased, mask)  # logit bias changes the logits: the torch path
+    assert not only_greedy(biased)  # logit bias changes the logits: the torch path
+    assert s.greedy_tokens(logits, biased, mask) is None and s.greedy_tokens(logits, greedy, mask, all_greedy=False) is None
     sampled = [SamplingRow(SamplingParams(temperature=0.7), [1], [], None)] + greedy[1:]
-    assert not s._fused_greedy_applies(logits, sampled, mask)
-    assert not s._fused_greedy_applies(logits[:, ::2], greedy, mask)  # strided columns: the torch path
+    assert not only_greedy(sampled)
+    assert not s._fused_greedy_applies(logits[:, ::2], mask)  # strided columns: the torch path
 
 
 def test_greedy_verification_matches_the_general_rejection_sampler() -> None:
