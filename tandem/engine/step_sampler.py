@@ -186,7 +186,8 @@ class StepSampler:
                 self._no_token(seq, 0)
                 continue
             tokens[seq.request_id] = [tok]
-            self._add_logprobs(seq, [lp] if lp is not None else [])
+            if lp is not None:
+                self._add_logprobs(seq, [lp])
         return tokens
 
     def sample_masked(self, rows: Mapping[str, int], logits: torch.Tensor, mask: np.ndarray,

@@ -426,12 +426,13 @@ class Sampler:
         all_greedy = only_greedy(rows) if all_greedy is None else all_greedy
         if all_greedy and self._plain_greedy(logits, bitmask):  # nothing changes the logits: argmax of them, no copy
             tokens = logits.argmax(dim=-1)
-            return SamplerOutput(token_ids=tokens.tolist(), logprobs=self._logprobs(logits, tokens, rows))
+            ids = tokens.tolist()
+            return SamplerOutput(token_ids=ids, logprobs=self._logprobs(logits, ids, rows))
         fused = self.greedy_tokens(logits, rows, bitmask, all_greedy)
         if fused is not None:
             dead = [i for i, t in enumerate(fused) if t < 0]
-            tokens = torch.tensor([max(t, 0) for t in fused], dtype=torch.long)  # a dead row's token is 0
-            return SamplerOutput(token_ids=tokens.tolist(), logprobs=self._logprobs(logits, tokens, rows), dead_rows=dead)
+            ids = [max(t, 0) for t in fused]  # a dead row's token is 0
+            return SamplerOutput(token_ids=ids, logprobs=self._logprobs(logits, ids, rows), dead_rows=dead)
         x = self.processed_logits(logits, rows, bitmask)
         dead = self.dead_rows(x)
         greedy = [i for i, r in enumerate(rows) if r.params.greedy]
@@ -448,7 +449,8 @@ class Sampler:
                 tokens = torch.empty(len(rows), dtype=torch.long, device=x.device)
                 tokens.index_copy_(0, _index(rand, x.device), drawn)
                 tokens.index_copy_(0, _index(greedy, x.device), _select_rows(x, greedy).argmax(dim=-1))
-        return SamplerOutput(token_ids=tokens.tolist(), logprobs=self._logprobs(logits, tokens, rows), dead_rows=dead)
+        ids = tokens.tolist()
+        return SamplerOutput(token_ids=ids, logprobs=self._logprobs(logits, ids, rows), dead_rows=dead)
 
     def _plain_greedy(self, logits: Tensor, bitmask: Tensor | None) -> bool:
         """For rows all greedy (`only_greedy`): True when no processing step of `processed_logits` would change a
@@ -478,14 +480,15 @@ class Sampler:
         out: list[int] = torch.ops.tandem.greedy_tokens(logits, mask, min(self.vocab_size, logits.shape[-1])).tolist()
         return out
 
-    def _logprobs(self, logits: Tensor, tokens: Tensor, rows: Sequence[SamplingRow]) -> list[RowLogprobs | None]:
-        """Logprobs of the raw logits (log_softmax before any processing) for rows that asked for them."""
+    def _logprobs(self, logits: Tensor, token_ids: list[int], rows: Sequence[SamplingRow]) -> list[RowLogprobs | None]:
+        """Logprobs of the raw logits (log_softmax before any processing) for rows that asked for them (`token_ids`:
+        each row's token)."""
         want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         out: list[RowLogprobs | None] = [None] * len(rows)
         if not want:
             return out
         raw = _select_rows(logits[:, : self.vocab_size], want).float().log_softmax(dim=-1)  # [n, V]
-        chosen = _select_rows(tokens.unsqueeze(1), want).squeeze(1)  # [n]
+        chosen = torch.tensor([token_ids[i] for i in want], dtype=torch.long, device=logits.device)  # [n]
         top_ns = [rows[i].params.logprobs or 0 for i in want]
         for i, lp in zip(want, _row_logprobs(raw, chosen, top_ns), strict=True):
             out[i] = lp
