@@ -100,8 +100,7 @@ def rejection_sample(
     target_logits [sum(k_i + 1), V]: request i owns k_i + 1 consecutive rows (its last real token's position, then
     each draft's); `rows` and `bitmask` match those rows one to one. Seeded requests draw, in order, k uniforms,
     k residual noise vectors and one bonus noise vector from their own generator; greedy requests draw nothing.
-    `all_greedy`: `only_greedy(rows)` when the caller made it ahead (sampling/sampler.py).
-    """
+    `all_greedy`: `only_greedy(rows)` when the caller made it ahead (sampling/sampler.py)."""
     sizes = [len(d.draft_token_ids) + 1 for d in drafts]
     if sum(sizes) != target_logits.shape[0] or len(rows) != target_logits.shape[0]:
         raise ValueError(f"{target_logits.shape[0]} target rows, {len(rows)} sampling rows, drafts need {sum(sizes)}")
