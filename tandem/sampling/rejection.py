@@ -147,6 +147,19 @@ def rejection_sample(
     return [Verified(e[:-1], True) if dead[s + len(e) - 1] else Verified(e) for e, s in zip(emitted, starts, strict=True)]
 
 
+def greedy_verify(sampler: Sampler, logits: Tensor, index: Tensor, rows: Sequence[SamplingRow],
+                  drafts: Sequence[DraftRows], bitmask: Tensor | None = None,
+                  all_greedy: bool | None = None) -> list[Verified] | None:
+    """`rejection_sample` of the rows `index` (int64 [N]) of `logits`, read where they are, when every row is greedy
+    and the sampler's fused greedy kernel applies (`Sampler.greedy_tokens`); None otherwise (the caller copies the
+    rows out for `rejection_sample`)."""
+    sizes = [len(d.draft_token_ids) + 1 for d in drafts]
+    if sum(sizes) != index.numel() or len(rows) != index.numel():
+        raise ValueError(f"{index.numel()} target rows, {len(rows)} sampling rows, drafts need {sum(sizes)}")
+    fused = sampler.greedy_tokens(logits, rows, bitmask, all_greedy, index)
+    return None if fused is None else _greedy_verify(drafts, fused, [0, *accumulate(sizes)][:-1])
+
+
 def _greedy_verify(drafts: Sequence[DraftRows], targets: list[int], starts: list[int]) -> list[Verified]:
     """`rejection_sample` when every row is greedy, from each row's greedy token (-1: nothing allowed): a draft is
     accepted iff it is its row's token; a dead row accepts nothing and ends its request's walk as dead."""

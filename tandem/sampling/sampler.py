@@ -144,6 +144,10 @@ def only_greedy(rows: Sequence[SamplingRow]) -> bool:
     return True
 
 
+def _wants_logprobs(rows: Sequence[SamplingRow]) -> bool:
+    return any(r.params.logprobs is not None for r in rows)
+
+
 def greedy_kernel_loaded() -> bool:
     """Whether `torch.ops.tandem.greedy_tokens` is registered in this process (tandem/layers/kernels.py loads it)."""
     if _GREEDY_KERNEL:
@@ -419,20 +423,25 @@ class Sampler:
         return out
 
     def sample(self, logits: Tensor, rows: Sequence[SamplingRow], bitmask: Tensor | None = None,
-               all_greedy: bool | None = None) -> SamplerOutput:
+               all_greedy: bool | None = None, index: Tensor | None = None) -> SamplerOutput:
         """One token per row (greedy: argmax; otherwise an exponential race over the final distribution), plus
         logprobs of the raw logits where requested. Seeded rows consume V exponentials from their generator.
-        `all_greedy`: `only_greedy(rows)`, when the caller made it ahead (None: asked here)."""
+        `all_greedy`: `only_greedy(rows)`, when the caller made it ahead (None: asked here). `index` (int64 [R]):
+        the rows of `logits` to sample, in order (None: all of them): read where they are by the fused greedy path
+        when no row wants logprobs, else copied out first."""
         all_greedy = only_greedy(rows) if all_greedy is None else all_greedy
+        if index is not None:
+            fused = None if _wants_logprobs(rows) else self.greedy_tokens(logits, rows, bitmask, all_greedy, index)
+            if fused is not None:
+                return self._from_fused(fused, logits, rows)  # (no logprobs: the logits are not read again)
+            logits = logits.index_select(0, index)
         if all_greedy and self._plain_greedy(logits, bitmask):  # nothing changes the logits: argmax of them, no copy
             tokens = logits.argmax(dim=-1)
             ids = tokens.tolist()
             return SamplerOutput(token_ids=ids, logprobs=self._logprobs(logits, ids, rows))
         fused = self.greedy_tokens(logits, rows, bitmask, all_greedy)
         if fused is not None:
-            dead = [i for i, t in enumerate(fused) if t < 0]
-            ids = [max(t, 0) for t in fused]  # a dead row's token is 0
-            return SamplerOutput(token_ids=ids, logprobs=self._logprobs(logits, ids, rows), dead_rows=dead)
+            return self._from_fused(fused, logits, rows)
         x = self.processed_logits(logits, rows, bitmask)
         dead = self.dead_rows(x)
         greedy = [i for i, r in enumerate(rows) if r.params.greedy]
@@ -452,32 +461,39 @@ class Sampler:
         ids = tokens.tolist()
         return SamplerOutput(token_ids=ids, logprobs=self._logprobs(logits, ids, rows), dead_rows=dead)
 
+    def _from_fused(self, fused: list[int], logits: Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        """The output of `greedy_tokens`' tokens `fused` (-1: a dead row, given token 0) for `rows` of `logits`."""
+        dead = [i for i, t in enumerate(fused) if t < 0]
+        ids = [max(t, 0) for t in fused]
+        return SamplerOutput(token_ids=ids, logprobs=self._logprobs(logits, ids, rows), dead_rows=dead)
+
     def _plain_greedy(self, logits: Tensor, bitmask: Tensor | None) -> bool:
         """For rows all greedy (`only_greedy`): True when no processing step of `processed_logits` would change a
         value."""
         return bitmask is None and logits.shape[-1] <= self.vocab_size and logits.dtype == torch.float32
 
-    def _fused_greedy_applies(self, logits: Tensor, bitmask: Tensor | None) -> bool:
-        """For rows all greedy (`only_greedy`): True when nothing but a grammar bitmask and the vocabulary's end
-        changes the logits, and they are on the host, where `torch.ops.tandem.greedy_tokens` (tandem's CPU kernels)
-        is loaded."""
+    def _fused_greedy_applies(self, logits: Tensor, bitmask: Tensor | None, num_rows: int) -> bool:
+        """For `num_rows` rows of `logits`, all greedy (`only_greedy`): True when nothing but a grammar bitmask and
+        the vocabulary's end changes the logits, and they are on the host, where `torch.ops.tandem.greedy_tokens`
+        (tandem's CPU kernels) is loaded."""
         if logits.device.type != "cpu" or logits.dim() != 2 or logits.stride(-1) != 1 or not greedy_kernel_loaded():
             return False
         return bitmask is None or (bitmask.device.type == "cpu" and bitmask.dtype == torch.int32
-                                   and bitmask.shape[0] == logits.shape[0])
+                                   and bitmask.shape[0] == num_rows)
 
     def greedy_tokens(self, logits: Tensor, rows: Sequence[SamplingRow], bitmask: Tensor | None = None,
-                      all_greedy: bool | None = None) -> list[int] | None:
+                      all_greedy: bool | None = None, index: Tensor | None = None) -> list[int] | None:
         """Each row's greedy token, -1 where no token is allowed, in one fused pass over the logits when
         `_fused_greedy_applies` (else None: the caller takes the general path). The same tokens and dead rows as
         processed_logits + argmax, without the [R, V] float32 copy and unpacked mask (256 rows x 200k tokens:
-        ~0.2-0.5 s -> 6 ms a step on 2 cores, docs/benchmarks.md). `all_greedy`: as in `sample`."""
+        ~0.2-0.5 s -> 6 ms a step on 2 cores, docs/benchmarks.md). `all_greedy`, `index` (the rows read, in place): as in `sample`."""
         if not (only_greedy(rows) if all_greedy is None else all_greedy):
             return None
-        if not self._fused_greedy_applies(logits, bitmask):
+        if not self._fused_greedy_applies(logits, bitmask, logits.shape[0] if index is None else index.numel()):
             return None
         mask = bitmask.contiguous() if bitmask is not None else None
-        out: list[int] = torch.ops.tandem.greedy_tokens(logits, mask, min(self.vocab_size, logits.shape[-1])).tolist()
+        vocab = min(self.vocab_size, logits.shape[-1])
+        out: list[int] = torch.ops.tandem.greedy_tokens(logits, mask, vocab, index).tolist()
         return out
 
     def _logprobs(self, logits: Tensor, token_ids: list[int], rows: Sequence[SamplingRow]) -> list[RowLogprobs | None]:

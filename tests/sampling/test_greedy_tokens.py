@@ -58,7 +58,7 @@ def test_sampler_takes_the_fused_path_for_greedy_rows_and_not_for_others() -> No
     mask = _masks(8, bitmask_words(4096), g)
     greedy = [SamplingRow(SamplingParams(temperature=0.0), [1], [], None) for _ in range(8)]
     s = Sampler(4000, [0])
-    assert only_greedy(greedy) and s._fused_greedy_applies(logits, mask)
+    assert only_greedy(greedy) and s._fused_greedy_applies(logits, mask, 8)
     out = s.sample(logits, greedy, mask)
     want_tokens, want_dead = _reference(logits, mask, 4000)
     assert out.token_ids == want_tokens and out.dead_rows == want_dead
@@ -69,13 +69,45 @@ def test_sampler_takes_the_fused_path_for_greedy_rows_and_not_for_others() -> No
     assert s.greedy_tokens(logits, biased, mask) is None and s.greedy_tokens(logits, greedy, mask, all_greedy=False) is None
     sampled = [SamplingRow(SamplingParams(temperature=0.7), [1], [], None)] + greedy[1:]
     assert not only_greedy(sampled)
-    assert not s._fused_greedy_applies(logits[:, ::2], mask)  # strided columns: the torch path
+    assert not s._fused_greedy_applies(logits[:, ::2], mask, 8)  # strided columns: the torch path
+    assert not s._fused_greedy_applies(logits, mask, 5)  # a mask row for each row read
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_read_in_place_are_the_rows_copied_out(dtype: torch.dtype) -> None:
+    """`rows` (the op) and `index` (the sampler): rows picked from the logits, repeated and out of order, read where
+    they are, give the tokens of those rows copied out; a row outside the logits is refused."""
+    g = torch.Generator().manual_seed(11)
+    logits = (torch.randn(12, 3008, generator=g) * 3).to(dtype)
+    picked = torch.tensor([7, 0, 11, 3, 3, 9, 2], dtype=torch.long)
+    mask = _masks(len(picked), bitmask_words(3008), g)
+    copied = logits.index_select(0, picked)
+    for m in (mask, None):
+        assert torch.equal(torch.ops.tandem.greedy_tokens(logits, m, 3000, picked),
+                           torch.ops.tandem.greedy_tokens(copied, m, 3000))
+    with pytest.raises(RuntimeError, match="outside"):
+        torch.ops.tandem.greedy_tokens(logits, None, 3000, torch.tensor([0, 12]))
+    s = Sampler(3000, [0])
+    greedy = [SamplingRow(SamplingParams(temperature=0.0), [1], [], None) for _ in range(len(picked))]
+    want = s.sample(copied, greedy, mask)
+    got = s.sample(logits, greedy, mask, index=picked)
+    assert (got.token_ids, got.dead_rows) == (want.token_ids, want.dead_rows)
+    # rows that want logprobs, or sample at a temperature, take the copy: the same output as the copied rows'
+    lp = [SamplingRow(SamplingParams(temperature=0.0, logprobs=2), [1], [], None)] + greedy[1:]
+    got, want = s.sample(logits, lp, mask, index=picked), s.sample(copied, lp, mask)
+    assert (got.token_ids, got.dead_rows, got.logprobs) == (want.token_ids, want.dead_rows, want.logprobs)
+    seeded = [SamplingRow(SamplingParams(temperature=0.8, seed=1), [1], [], torch.Generator().manual_seed(5))
+              for _ in range(len(picked))]
+    got = s.sample(logits, seeded, None, index=picked)
+    for r in seeded:
+        r.generator.manual_seed(5)
+    assert got.token_ids == s.sample(copied, seeded, None).token_ids
 
 
 def test_greedy_verification_matches_the_general_rejection_sampler() -> None:
     """Drafts that match their rows' greedy tokens for a while, then not; all accepted; a dead row in the middle of
     a walk and one past a rejection (which must not matter)."""
-    from tandem.sampling.rejection import DraftRows, rejection_sample
+    from tandem.sampling.rejection import DraftRows, greedy_verify, rejection_sample
 
     g = torch.Generator().manual_seed(3)
     vocab, sizes = 3000, [4, 1, 3, 5, 2]
@@ -103,5 +135,11 @@ def test_greedy_verification_matches_the_general_rejection_sampler() -> None:
 
     general = rejection_sample(General(vocab, [0]), logits, rows, drafts, mask)
     assert fused == general
+    # the rows read in place from a larger batch (`greedy_verify`): the same walk; a general sampler declines
+    spread = torch.randperm(n + 5, generator=g)[:n]
+    batch = torch.zeros(n + 5, 3008, dtype=logits.dtype)
+    batch[spread] = logits
+    assert greedy_verify(s, batch, spread, rows, drafts, mask) == fused
+    assert greedy_verify(General(vocab, [0]), batch, spread, rows, drafts, mask) is None
     assert fused[2].dead and fused[2].tokens == drafts[2].draft_token_ids[:2]
     assert len(fused[3].tokens) == 3 and not fused[3].dead
