@@ -101,10 +101,7 @@ def rejection_sample(
     each draft's); `rows` and `bitmask` match those rows one to one. Seeded requests draw, in order, k uniforms,
     k residual noise vectors and one bonus noise vector from their own generator; greedy requests draw nothing.
     `all_greedy`: `only_greedy(rows)` when the caller made it ahead (sampling/sampler.py)."""
-    sizes = [len(d.draft_token_ids) + 1 for d in drafts]
-    if sum(sizes) != target_logits.shape[0] or len(rows) != target_logits.shape[0]:
-        raise ValueError(f"{target_logits.shape[0]} target rows, {len(rows)} sampling rows, drafts need {sum(sizes)}")
-    starts = [0, *accumulate(sizes)][:-1]  # first row of each request
+    sizes, starts = _request_rows(drafts, target_logits.shape[0], len(rows))
     fused = sampler.greedy_tokens(target_logits, rows, bitmask, all_greedy)  # all greedy, on the host: [N], -1 = dead
     if fused is not None:
         return _greedy_verify(drafts, fused, starts)
@@ -153,11 +150,17 @@ def greedy_verify(sampler: Sampler, logits: Tensor, index: Tensor, rows: Sequenc
     """`rejection_sample` of the rows `index` (int64 [N]) of `logits`, read where they are, when every row is greedy
     and the sampler's fused greedy kernel applies (`Sampler.greedy_tokens`); None otherwise (the caller copies the
     rows out for `rejection_sample`)."""
-    sizes = [len(d.draft_token_ids) + 1 for d in drafts]
-    if sum(sizes) != index.numel() or len(rows) != index.numel():
-        raise ValueError(f"{index.numel()} target rows, {len(rows)} sampling rows, drafts need {sum(sizes)}")
+    starts = _request_rows(drafts, index.numel(), len(rows))[1]
     fused = sampler.greedy_tokens(logits, rows, bitmask, all_greedy, index)
-    return None if fused is None else _greedy_verify(drafts, fused, [0, *accumulate(sizes)][:-1])
+    return None if fused is None else _greedy_verify(drafts, fused, starts)
+
+
+def _request_rows(drafts: Sequence[DraftRows], num_targets: int, num_rows: int) -> tuple[list[int], list[int]]:
+    """Each request's rows (k + 1) and its first row; ValueError unless the target and sampling rows are theirs."""
+    sizes = [len(d.draft_token_ids) + 1 for d in drafts]
+    if sum(sizes) != num_targets or num_rows != num_targets:
+        raise ValueError(f"{num_targets} target rows, {num_rows} sampling rows, drafts need {sum(sizes)}")
+    return sizes, [0, *accumulate(sizes)][:-1]
 
 
 def _greedy_verify(drafts: Sequence[DraftRows], targets: list[int], starts: list[int]) -> list[Verified]:
