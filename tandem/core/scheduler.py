@@ -488,11 +488,12 @@ class Scheduler:
             if req is not None and req.status is RequestStatus.RUNNING:
                 self.block_manager.commit(req)
 
-    def withdraw(self, plan: StepPlan, request_ids: Collection[str]) -> None:
+    def withdraw(self, plan: StepPlan, request_ids: Collection[str]) -> int:
         """Take `request_ids` out of `plan`, reserved but not launched, undoing `reserve` for them: their input (the
-        token the running plan sampled) is not known in time. The next `schedule` takes them again once it is."""
+        token the running plan sampled) is not known in time, or it ends them. The next `schedule` takes them again
+        once it is known (a request that ended is gone by then). Returns the rows taken out."""
         if not request_ids:
-            return
+            return 0
         request_ids = set(request_ids)
         kept = []
         for sr in plan.requests:
@@ -505,7 +506,9 @@ class Scheduler:
                 del req.token_ids[len(req.token_ids) - 1 - sr.num_draft_tokens :]  # its drafts, the token to sample
                 req.num_tentative -= 1 + sr.num_draft_tokens
             req.num_computed_tokens = sr.start_pos
+        taken = len(plan.requests) - len(kept)
         plan.requests = kept
+        return taken
 
     def retract(self, plan: StepPlan, request_id: str, position: int, token: int) -> bool:
         """Scheduling ahead: `plan` (launched) was fed `request_id`'s token at `position`, which turned out wrong

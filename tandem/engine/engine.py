@@ -120,6 +120,10 @@ REDRAFT_CHUNK = 8
 # 3 % fewer (2,886-2,895 / 2,985-2,996) and suffix at 256 rows 1-3 % fewer (12,256-12,479 / 12,618-12,632). AMD
 # EPYC, 2 cores, 2026-12-06 (docs/benchmarks.md).
 REDRAFT_YIELD = 0.15
+# Scheduling ahead on an accelerator, requests that their step's tokens end are taken out of the next plan before
+# its launch only while it has at most this many rows: beside a whole forward saved when every row ends (batch 1:
+# one a request), a row more costs an accelerator's forward little, and the check ~0.4 us a row on the launch's path
+ENDS_CHECKED_ROWS = 16
 IDLE_GAP_S = 1.0  # a longer gap between two forwards is an engine without work, not a device waiting for the host
 UNMASKED_CANDIDATES = 16  # top logits tried, in order, for an unmasked greedy row whose argmax the grammar rejected
 TIED_LIMIT = 64  # tokens tied at the 16th value walked before giving up (filling the mask)
@@ -402,9 +406,7 @@ class LLMEngine:
             now, late = self._split_checks(cur, nxt_tokens)  # unmasked argmaxes checked before / after nxt's launch
             unsettled = self._check_unmasked(cur.plan, logits, cur.masks.filled, tokens, now)
             held = self._rows_of(cur.plan, logits, unsettled) if unsettled else None  # [n, V]: copied before the launch
-            # their tokens come during the next forward (or never: the request failed): they sit it out
-            if not all(tokens.values()):
-                self.scheduler.withdraw(nxt, [rid for rid, toks in tokens.items() if not toks])
+            self._sit_out(cur, tokens, late, nxt)
             self._inflight = self._launch_next(cur.plan, tokens, nxt, frozenset(late), pairs, timer)
         self._idle_since(cur.handle.finished_at, timer.at("launched"))
         self._learn_fed(cur.plan, tokens, speculative)
@@ -428,6 +430,22 @@ class LLMEngine:
         if self._inflight is not None and not any(sr.request_id in self._seqs for sr in nxt.requests):
             self._drop_inflight()  # every request of it has ended: nothing to collect
         return outputs + self._drain_errors()
+
+    def _sit_out(self, cur: _InFlight, tokens: Mapping[str, list[int]], late: Sequence[str], nxt: StepPlan) -> None:
+        """Take out of `nxt` (not launched) the requests of `cur` whose tokens come during its forward (or never: the
+        request failed), and those `tokens` end by a stop token, an EOS or their length (`StopChecker.ends_with`),
+        whose row would be computed and thrown away: at batch 1 a whole forward, before the next request's prefill.
+        Ends are looked for where rows cost the forward: on the host's cores, or in a plan of at most
+        `ENDS_CHECKED_ROWS` rows. Tokens a check after the launch may still change (`late`; with `cur.verify_late`,
+        the drafts verified without masks) are not read for an end."""
+        self.scheduler.withdraw(nxt, [rid for rid, toks in tokens.items() if not toks])
+        if len(nxt.requests) > ENDS_CHECKED_ROWS and not self.runner.forward_uses_host_cores:
+            return
+        unsure = {*late, *(cur.masks.filled.unmasked_verify if cur.verify_late else ())}
+        seqs = self._seqs
+        ended = [rid for rid, toks in tokens.items() if toks and rid not in unsure and rid in seqs
+                 and seqs[rid].stop.ends_with(toks)]
+        self.stats.num_ended_rows_withdrawn += self.scheduler.withdraw(nxt, ended)
 
     def _launch_next(self, plan: StepPlan, tokens: Mapping[str, list[int]], nxt: StepPlan, unchecked: frozenset[str],
                      pairs: RowPairs | None, timer: StepTimer) -> _InFlight | None:

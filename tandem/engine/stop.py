@@ -59,6 +59,7 @@ class StopChecker:
         eos_ids = (*tokenizer.eos_token_ids, *extra_eos_token_ids)
         self._eos_ids = frozenset(() if params.ignore_eos else eos_ids)
         self._stop_ids = frozenset(params.stop_token_ids)
+        self._end_ids = self._stop_ids | self._eos_ids
         self._stops = params.stop
         # the output may grow to max_tokens tokens, and prompt + output to max_model_len tokens
         self._max_output = max_model_len - len(prompt_token_ids)
@@ -118,6 +119,17 @@ class StopChecker:
             if self.finished:
                 return StopDecision(True, self.finish_reason, self.stop_reason, kept)
         return StopDecision(False, None, None, len(token_ids))
+
+    def ends_with(self, token_ids: Sequence[int]) -> bool:
+        """Whether `add_tokens(token_ids)` would end the request by a token id or by its length (rules 1 and 3),
+        changing nothing. A stop string (rule 2) shows only once detokenized: such an end is not foreseen here."""
+        n = self.num_output_tokens
+        if self.finish_reason is not None or n + len(token_ids) >= self._max_output:
+            return True
+        if self._end_ids.isdisjoint(token_ids):
+            return False
+        min_tokens = self._params.min_tokens
+        return any(n + i > min_tokens and t in self._end_ids for i, t in enumerate(token_ids, start=1))
 
     def _check_token(self, token_id: int) -> None:
         """Apply rules 1-3 of the module docstring to one output token; sets finish_reason when it ends."""

@@ -45,6 +45,7 @@ class EngineStats:
     steps_scheduled_ahead: int = 0  # steps whose plan was scheduled while the previous forward ran
     steps_ahead_with_drafts: int = 0  # ... that verified drafts
     steps_launched_before_settle: int = 0  # ... whose next plan was launched before its rows learned their outcome
+    num_ended_rows_withdrawn: int = 0  # ... rows of requests their step's tokens ended, left out of the next plan
     # from one forward's end (as the runner reports it) to the next launch: the device had nothing to do
     device_idle_s: float = 0.0
 

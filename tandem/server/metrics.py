@@ -40,6 +40,9 @@ _KNOWN_STATS: dict[str, tuple[str, str]] = {
     "steps_launched_before_settle": ("tandem_steps_launched_before_settle",
                                      "Steps with drafts whose next plan was launched before its rows took their outcome "
                                      "(cumulative)"),
+    "num_ended_rows_withdrawn": ("tandem_ended_rows_withdrawn",
+                                 "Rows of requests a step's tokens ended, left out of the next plan scheduled ahead "
+                                 "instead of computed and thrown away (cumulative)"),
     "spec_optimistic_misses": ("tandem_spec_optimistic_misses",
                                "Drafts made past a forward's outcome that it did not match (cumulative)"),
     "device_idle_ms_per_step": ("tandem_device_idle_ms_per_step",

@@ -123,3 +123,51 @@ def test_ahead_fill_pending_between_steps_and_an_abort_during_it(stories_engine_
     ref = run_all(stories_engine_factory(async_scheduling=False), {r: prompts[r] for r in ("r0", "r2")}, guided)
     for rid in ref:
         assert ref[rid].outputs[0].token_ids == done[rid].outputs[0].token_ids
+
+
+def _alone(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> tuple[RequestOutput, int, int]:
+    """One request run to its end by itself: its output, the forwards launched and the steps collected."""
+    launched = []
+    launch = engine.runner.launch
+
+    def counted(plan):  # type: ignore[no-untyped-def]
+        launched.append(plan)
+        return launch(plan)
+
+    engine.runner.launch = counted  # type: ignore[method-assign]
+    steps = engine.stats.num_steps
+    out = run_all(engine, {"one": prompt}, params)["one"]
+    del engine.runner.launch
+    return out, len(launched), engine.stats.num_steps - steps
+
+
+@pytest.mark.parametrize("spec", [None, {"method": "suffix", "num_speculative_tokens": 3, "adaptive": False}],
+                         ids=["plain", "suffix"])
+def test_a_request_its_tokens_end_is_not_launched_again(stories_engine_factory, spec) -> None:  # type: ignore[no-untyped-def]
+    """Scheduling ahead, a request that its step's tokens end (its length, a stop token id, EOS; min_tokens holding
+    them back) sits out the next plan: alone, every forward launched is collected, none computed to be thrown
+    away; outputs are the synchronous engine's. A stop string shows only once detokenized: there one forward is
+    still launched and thrown away."""
+    sync = stories_engine_factory(async_scheduling=False)
+    ahead = stories_engine_factory(async_scheduling=True, speculative_config=spec)
+    prompt = sync.tokenizer.encode("Once upon a time")
+    free = run_all(sync, {"free": prompt}, SamplingParams(temperature=0.0, max_tokens=60))["free"].outputs[0]
+    ids, eos = list(free.token_ids), sync.tokenizer.eos_token_ids[0]
+    stop_id = ids[4]  # its first use ends a request asked to stop there; min_tokens past it, a later use
+    cases = [
+        SamplingParams(temperature=0.0, max_tokens=9),
+        SamplingParams(temperature=0.0, max_tokens=60, stop_token_ids=[stop_id]),
+        SamplingParams(temperature=0.0, max_tokens=60, stop_token_ids=[stop_id], min_tokens=ids.index(stop_id) + 1),
+        SamplingParams(temperature=0.0, max_tokens=60),  # to EOS when the model emits one before 60 tokens
+        SamplingParams(temperature=0.0, max_tokens=60, stop=[sync.tokenizer.decode(ids[6:8])]),
+    ]
+    for i, params in enumerate(cases):
+        want = run_all(sync, {"one": prompt}, params)["one"].outputs[0]
+        out, launched, collected = _alone(ahead, prompt, params)
+        got = out.outputs[0]
+        assert (got.token_ids, got.text, got.finish_reason, got.stop_reason) == (
+            want.token_ids, want.text, want.finish_reason, want.stop_reason), params
+        assert launched == collected + (1 if params.stop else 0), (i, launched, collected)
+    assert eos in ids or len(ids) == 60
+    assert ahead.get_stats()["num_ended_rows_withdrawn"] >= len(cases) - 1
+    assert ahead.block_manager.num_free_blocks == ahead.runner.num_blocks

@@ -136,9 +136,9 @@ def tiny_vocab_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return d
 
 
-def _pair_counts(engine: LLMEngine, n: int, seed: int) -> Counter[tuple[int, int]]:
+def _pair_counts(engine: LLMEngine, n: int, seed: int, max_tokens: int = 3) -> Counter[tuple[int, int]]:
     # max_tokens 3: the second token is emitted by verifying one draft (the first comes from the prefill)
-    p = SamplingParams(n=n, temperature=1.0, seed=seed, max_tokens=3, ignore_eos=True)
+    p = SamplingParams(n=n, temperature=1.0, seed=seed, max_tokens=max_tokens, ignore_eos=True)
     out = run_all(engine, {"s": [0, 1, 2]}, p)["s"]
     return Counter(tuple(o.token_ids[:2]) for o in out.outputs)  # type: ignore[misc]
 

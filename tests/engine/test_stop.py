@@ -218,3 +218,31 @@ def test_a_deferred_text_that_fails_to_decode_is_reported_once(gpt2: Tokenizer, 
     with pytest.raises(RuntimeError, match="decode failed"):
         sc.decode_deferred()
     assert sc.text == ""  # reading it afterwards never raises
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_ends_with_foresees_what_add_tokens_decides(gpt2: Tokenizer, seed: int) -> None:
+    """`ends_with` (read before a launch, changing nothing) says True exactly when `add_tokens` of the same ids then
+    ends the request by a token id or its length (EOS, stop ids, min_tokens, ignore_eos, max_tokens, the model's
+    length), step after step of 1-5 ids; with stop strings it may miss such an end, never invent one."""
+    import random
+
+    rng = random.Random(seed)
+    eos = gpt2.eos_token_ids[0]
+    pool = [eos, 11, 13, 198, 262, 290, 318, 340, 383, 612]  # EOS, ",", ".", "\n", " the", " and", ...
+    for case in range(60):
+        most = rng.choice([None, 3, 8, 20])
+        params: dict[str, object] = {"max_tokens": most, "min_tokens": min(most or 99, rng.choice([0, 0, 2, 6])),
+                                     "ignore_eos": rng.random() < 0.3, "stop_token_ids": rng.sample(pool[1:], rng.randint(0, 2))}
+        if case % 3 == 0:
+            params["stop"] = [" the and"]
+        sc = checker(gpt2, prompt=[262] * rng.choice([1, 4000]), max_model_len=4020, **params)
+        while not sc.finished:
+            ids = [rng.choice(pool) for _ in range(rng.randint(1, 5))]
+            foreseen = sc.ends_with(ids)
+            decision = sc.add_tokens(ids)
+            if "stop" in params:
+                assert decision.finished or not foreseen, (params, ids)
+            else:
+                assert foreseen == decision.finished, (params, ids)
+        assert sc.ends_with([290])  # an ended request stays ended
