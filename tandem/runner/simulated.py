@@ -226,6 +226,7 @@ class SimulatedRunner(Runner):
         self.num_forwards = 0
         self.device_s = 0.0  # the forwards' modelled time, summed
         self.late_s = 0.0  # how much later than modelled the logits were built, summed
+        self._free_at = 0.0  # when the last forward launched ends: a device runs its forwards one after another
         self.launch_inputs = launch_inputs  # the host's part of a real launch, built and dropped (see the module doc)
 
     @property
@@ -247,8 +248,9 @@ class SimulatedRunner(Runner):
             self.launch_inputs.prepare(plan)
 
     def launch(self, plan: StepPlan) -> ForwardHandle:
-        """The forward 'runs' from now for its step time (once its inputs are built, with `launch_inputs`); its
-        logits rows are built meanwhile (or at collect)."""
+        """The forward 'runs' for its step time from now, or from the end of the forward before it when that one
+        still runs (one thrown away uncollected: a stream runs its kernels in order), once its inputs are built (with
+        `launch_inputs`); its logits rows are built meanwhile (or at collect)."""
         if self.launch_inputs is not None:  # the row keys come from its arrays, off the launch's path
             rows = self.launch_inputs(plan)[0]
             keys, seconds = partial(_keys_of, rows), self.forward_s(plan, rows)
@@ -261,7 +263,7 @@ class SimulatedRunner(Runner):
             self.device_s += seconds
         built = self._builder.submit(_timed, build()) if self._builder is not None else None
         # the device runs from here; the handle's bookkeeping is host work beside it, as after a real runner's submit
-        ready_at = time.perf_counter() + seconds
+        ready_at = self._free_at = max(time.perf_counter(), self._free_at) + seconds
         return _SimulatedHandle(Future(), ready_at=ready_at, keys=keys, built=built)
 
     def collect(self, handle: ForwardHandle) -> torch.Tensor:

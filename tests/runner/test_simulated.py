@@ -34,6 +34,18 @@ def test_the_forward_ends_on_time_and_a_late_host_is_not_the_device() -> None:
     assert time.perf_counter() - handle.finished_at >= 0.03
 
 
+def test_a_forward_launched_while_another_runs_starts_at_its_end() -> None:
+    """One forward after another, as a stream runs its kernels: a forward launched before the one before it ended
+    (that one thrown away uncollected) ends a step after it, not a step after its own launch."""
+    runner = SimulatedRunner(vocab_size=64, num_blocks=4, step_s=0.04)
+    t0 = time.perf_counter()
+    runner.launch(_plan([1]))  # never collected
+    handle = runner.launch(_plan([2]))
+    runner.collect(handle)
+    assert handle.finished_at - t0 >= 0.08 - 1e-3
+    assert runner.device_s == pytest.approx(0.08)
+
+
 def test_rows_by_token_follow_the_input_token_not_the_batch() -> None:
     runner = SimulatedRunner(vocab_size=32, num_blocks=4, step_s=0.0, table_rows=16, rows_by_token=True)
     alone = runner.collect(runner.launch(_plan([7])))
