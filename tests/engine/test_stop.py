@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -225,8 +226,6 @@ def test_ends_with_foresees_what_add_tokens_decides(gpt2: Tokenizer, seed: int) 
     """`ends_with` (read before a launch, changing nothing) says True exactly when `add_tokens` of the same ids then
     ends the request by a token id or its length (EOS, stop ids, min_tokens, ignore_eos, max_tokens, the model's
     length), step after step of 1-5 ids; with stop strings it may miss such an end, never invent one."""
-    import random
-
     rng = random.Random(seed)
     eos = gpt2.eos_token_ids[0]
     pool = [eos, 11, 13, 198, 262, 290, 318, 340, 383, 612]  # EOS, ",", ".", "\n", " the", " and", ...
