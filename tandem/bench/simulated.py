@@ -290,13 +290,17 @@ def _run_mode(tok: Tokenizer, mode: Mode, level: int, n: int, args: argparse.Nam
         freeze_startup_heap()  # as the engine core does: full GC passes skip the tokenizer tables (50-190 ms each)
     drive(engine, prompts[:2], params[:2], 2, "warmup")
     before, (device0, late0) = engine.get_stats(), _device_s(engine)
+    if hasattr(engine.runner, "first_launch_at"):
+        engine.runner.first_launch_at = None  # the run's first launch is taken next
     t0, cpu0 = time.perf_counter(), time.process_time()
     with GcPauses() as pauses:
         res = drive(engine, prompts, params, level, mode.name)
     wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     after, (device, late) = engine.get_stats(), _device_s(engine)
     engine.shutdown()
-    row = _row(mode.name, level, n, res.output_tokens, (wall, cpu, device - device0, late - late0), before, after)
+    first = getattr(engine.runner, "first_launch_at", None)
+    start = max(0.0, first - t0) if first is not None else 0.0
+    row = _row(mode.name, level, n, res.output_tokens, (wall, cpu, device - device0, late - late0, start), before, after)
     row["gc_ms/step"] = round(1e3 * pauses.seconds / max(1, row["steps"]), 2)
     return row
 
@@ -307,21 +311,21 @@ def _device_s(engine: LLMEngine) -> tuple[float, float]:
     return float(getattr(engine.runner, "device_s", 0.0)), float(getattr(engine.runner, "late_s", 0.0))
 
 
-def _row(mode: str, level: int, n: int, tokens: int, times: tuple[float, float, float, float], before: dict[str, Any],
-         after: dict[str, Any]) -> dict[str, Any]:
+def _row(mode: str, level: int, n: int, tokens: int, times: tuple[float, float, float, float, float],
+         before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     """One run's row. tok/s: on the simulated accelerator's clock (its forwards, sampling included as on a real
     one, and the time it waited for the host); wall_tok/s: on this machine's, where sampling runs on the host.
     host_cpu_ms/step: this process's CPU time per step (every thread), sampling excluded (device work on a real
     accelerator; on one thread here, so its CPU time is its wall time): the CPU side's demand; launch_gap_ms/step:
     the part of the wait between sampling and the next launch (the rest: the host's work outlasting a forward, and
-    the run's start before its first launch); cores_for_step: how
+    the run's start before its first launch, `run_start_ms`: device_wait_after_start_% leaves it out); cores_for_step: how
     many cores that demand needs to fit in one device step, i.e. the host to size for no waiting. accept: drafts
     accepted / drafted; scheduled_ahead_share: steps scheduled while the previous ran; launched_first_share: steps
     whose next plan was launched before its rows took their outcome (drafts, no redraft paying)."""
     def d(key: str) -> float:
         return float(after.get(key, 0.0)) - float(before.get(key, 0.0))
 
-    wall, cpu, forwards, late = times
+    wall, cpu, forwards, late, start = times
     steps = max(1.0, d("num_steps"))
     step_s = forwards / steps  # the device's mean step
     # forwards + sampling: device work on a real accelerator (the late rows' sampling overlaps a forward: not
@@ -338,6 +342,9 @@ def _row(mode: str, level: int, n: int, tokens: int, times: tuple[float, float, 
         "device_step_ms": round(1e3 * step_s, 2),
         "device_wait_ms/step": round(1e3 * wait / steps, 2),
         "device_wait_%_of_step": round(100 * wait / steps / step_s, 1) if step_s else None,
+        # of it, the run's start (every request admitted, the first plan scheduled): a longer run pays less of it
+        "run_start_ms": round(1e3 * start, 1),
+        "device_wait_after_start_%": round(100 * max(0.0, wait - start) / steps / step_s, 1) if step_s else None,
         "launch_gap_ms/step": round(1e3 * d("launch_gap_s") / steps, 2),  # of it: sampled -> next launch (host)
         "sim_late_ms/step": round(1e3 * late / steps, 2),
         "accept": round(d("spec_num_accepted") / drafted, 3) if drafted else None,

@@ -227,6 +227,7 @@ class SimulatedRunner(Runner):
         self.device_s = 0.0  # the forwards' modelled time, summed
         self.late_s = 0.0  # how much later than modelled the logits were built, summed
         self._free_at = 0.0  # when the last forward launched ends: a device runs its forwards one after another
+        self.first_launch_at: float | None = None  # perf_counter() of the first launch since it was last set to None
         self.launch_inputs = launch_inputs  # the host's part of a real launch, built and dropped (see the module doc)
 
     @property
@@ -263,7 +264,10 @@ class SimulatedRunner(Runner):
             self.device_s += seconds
         built = self._builder.submit(_timed, build()) if self._builder is not None else None
         # the device runs from here; the handle's bookkeeping is host work beside it, as after a real runner's submit
-        ready_at = self._free_at = max(time.perf_counter(), self._free_at) + seconds
+        now = time.perf_counter()
+        if self.first_launch_at is None:
+            self.first_launch_at = now
+        ready_at = self._free_at = max(now, self._free_at) + seconds
         return _SimulatedHandle(Future(), ready_at=ready_at, keys=keys, built=built)
 
     def collect(self, handle: ForwardHandle) -> torch.Tensor:

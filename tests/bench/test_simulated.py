@@ -57,6 +57,9 @@ def test_replayed_run_reports_the_checked_fields(tmp_path: Path, demo_model_dir:
                     "scheduled_ahead_share"):
             assert key in row, key
         assert row["concurrency"] == 2 and row["tok/s"] > 0
+        # the run's start is part of the wait: before its first launch the device had nothing to run
+        assert row["run_start_ms"] > 0.0
+        assert row["device_wait_after_start_%"] <= row["device_wait_%_of_step"] + 0.1
     assert rows["text"]["speedup"] == 1.0 and rows["text"]["accept"] is None
     assert rows["suffix"]["scheduled_ahead_share"] == 1.0  # drafts and scheduling ahead together
     assert rows["draft-sequential[q4_1]"]["scheduled_ahead_share"] == 0.0
