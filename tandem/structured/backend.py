@@ -125,7 +125,9 @@ class Matcher(Protocol):
         ...
 
     def validate(self, tokens: Sequence[int]) -> int:
-        """How many leading `tokens` `accept` would take, without changing state (draft checking)."""
+        """How many leading `tokens` the masks would allow one after another, without changing state (drafts and
+        argmaxes checked unmasked): exactly where `validates_as_masks`; else what `accept` would take. (llguidance's
+        masks in a forced run take fewer than its language: see LLGuidanceMatcher.)"""
         ...
 
 

@@ -17,6 +17,8 @@ import pytest
 from tandem.engine.engine import LLMEngine
 from tandem.params import ParamError, SamplingParams, StructuredOutputsParams
 from tandem.request import CompletionOutput
+from tandem.spec_decode.proposer import Drafts, Proposer
+from tandem.spec_decode.registry import register_proposer
 
 from ..structured.oracle import GrammarOracle, check_text, choice_pattern
 from .test_engine import run_all
@@ -333,3 +335,55 @@ def test_guided_request_prefills_while_its_grammar_compiles(stories_engine_facto
         held_compiles.set()
     done = run_all(engine, {})
     assert done["g"].outputs[0].text in ("yes", "no") and done["g"].outputs[0].finish_reason == "stop"
+
+
+CHOICE = ["Lily ran", "Lily sat", "Tom went to the park"]
+STORIES = ["The cat sat on the mat. The dog sat on the mat. The bird ", "Once upon a time", "Lily",
+           "Tom had a big red ball. Tom had a big red ball. Tom had a", "One day, Lily went to the park. One day, Lily"]
+L, IL, Y = 438, 290, 422  # stories260K's "L", "il", "y"
+
+
+class _SpellingProposer(Proposer):
+    """Drafts "il" "y" after "L": the non-canonical spelling of a forced "ily" (and nothing else)."""
+
+    name = "spell"
+
+    def propose(self, batch):  # type: ignore[no-untyped-def]
+        return {r.request_id: Drafts([IL, Y][: r.max_drafts] if r.token_ids[-1] == L else []) for r in batch}
+
+    def on_verified(self, request_id, accepted, num_drafted):  # type: ignore[no-untyped-def]
+        pass
+
+    def release(self, request_id):  # type: ignore[no-untyped-def]
+        pass
+
+
+@pytest.mark.parametrize("backend,answer", [("llguidance", ["L", "ily", "s"]), ("xgrammar", ["L", "il", "y"])])
+def test_a_greedy_answer_is_the_same_on_every_path(stories_engine_factory, backend: str, answer: list[str]) -> None:  # type: ignore[no-untyped-def]
+    """After "L" the choice forces "ily ", and stories260K's argmax after the first prompt is "il" (then "y"), even
+    unmasked: a
+    tokenization the grammar's bytes allow but not their canonical one. llguidance's mask in a forced run allows the
+    canonical token alone ("ily"), xgrammar's every token spelling the bytes. On either backend the answer must not
+    depend on the path: masked rows, argmaxes validated unmasked, drafts ("il" "y" after "L", and suffix drafts)
+    verified unmasked, scheduled ahead or not. (llguidance's validation took "il" where its mask did not; here the
+    unmasked verification's next token, "a", is refused all the same, so the negative control is the backends'
+    `test_validation_takes_exactly_what_the_masks_take`.)"""
+    register_proposer("spell", lambda **_: _SpellingProposer())
+
+    def answers(**engine_args: object) -> list[list[int]]:
+        engine = stories_engine_factory(max_model_len=512, **engine_args)
+        params = SamplingParams(temperature=0.0, max_tokens=12,
+                                structured_outputs=StructuredOutputsParams(choice=CHOICE, backend=backend))
+        prompts = {f"r{i}": text for i, text in enumerate(STORIES)}
+        done = run_all(engine, prompts, params)
+        return [list(done[rid].outputs[0].token_ids) for rid in prompts]
+
+    masked = answers(structured_outputs_config={"unmasked_greedy": False}, async_scheduling=False)
+    tok = stories_engine_factory().tokenizer
+    assert tok.decode(masked[0]) in CHOICE and [tok.decode([t]) for t in masked[0][:3]] == answer
+    cheap = {"unmasked_min_fill_ms": 0.0}  # a 512-token vocabulary: every fill is cheap, skip them all the same
+    spell = {"method": "spell", "num_speculative_tokens": 2, "adaptive": False}
+    suffix = {"method": "suffix", "num_speculative_tokens": 4, "adaptive": False}
+    for ahead in (False, True):
+        assert answers(structured_outputs_config=cheap, async_scheduling=ahead, speculative_config=spell) == masked
+    assert answers(structured_outputs_config=cheap, async_scheduling=True, speculative_config=suffix) == masked

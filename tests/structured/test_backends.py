@@ -534,3 +534,52 @@ def test_structural_tag_json_styles_other_than_json_are_refused(backend: Any) ->
                                                                      "style": "qwen_xml"}}
     with pytest.raises(GrammarError, match="style"):
         backend.compile(_tag_spec(bad))
+
+
+FORCED_RUNS = {  # grammars with forced runs (keys, separators, the rest of a choice)
+    "json": StructuredOutputsParams(json={"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                                                           "orderId": {"type": "integer"},
+                                                                           "orderName": {"enum": ["orderly", "order"]}},
+                                          "required": ["name", "orderId"], "additionalProperties": False}),
+    "choice": StructuredOutputsParams(choice=["Lily ran", "Lily sat", "Tom went to the park", "orderName"]),
+    "regex": StructuredOutputsParams(regex=r"(Lily|Tom) (ran|sat|went)( and (ran|sat|went))*\."),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(FORCED_RUNS))
+def test_validation_takes_exactly_what_the_masks_take(backend: Any, vocab: Vocab, kind: str) -> None:
+    """Random walks through grammars with forced runs: at every state `validate` takes exactly the tokens the mask
+    allows (an argmax or a draft validated unmasked stands for the masked one), also several at a time, where the
+    backend says so (`validates_as_masks`). llguidance's mask in a forced run allows only the forced bytes' first
+    canonical token, where its `validate_tokens` takes every token spelling a prefix of them."""
+    if not backend.validates_as_masks:
+        pytest.skip(f"{backend.name}'s masks may be narrower than its matcher: its rows are always masked")
+    grammar = backend.compile(GrammarSpec.from_params(FORCED_RUNS[kind]))
+    rng = np.random.default_rng(5)
+    ids = np.arange(vocab.vocab_size)
+    mask = allocate_bitmask(1, vocab.vocab_size)
+    states = forced = 0
+    for _ in range(6):
+        m, walked = backend.matcher(grammar), list[int]()
+        while not m.is_terminated() and len(walked) < 40:
+            allowed = set(allowed_tokens(_filled(m, mask), 0, vocab.vocab_size).tolist())
+            some = set(rng.choice(sorted(allowed), 2000, replace=False).tolist()) if len(allowed) > 2000 else allowed
+            others = {int(t) for t in ids[rng.random(vocab.vocab_size) < 0.02]}  # allowed or not
+            assert {t for t in some | others if m.validate([t]) == 1} == some | (others & allowed), vocab.decode(walked)
+            states += 1
+            forced += len(allowed) == 1
+            token = int(rng.choice(sorted(allowed)))
+            # several at a time: this token, then a random one of the next state's (allowed or not)
+            assert m.accept([token]) == 1
+            after = set(allowed_tokens(_filled(m, mask), 0, vocab.vocab_size).tolist()) if not m.is_terminated() else set()
+            m.rollback(1)
+            probe = int(rng.choice(sorted(after))) if after and rng.random() < 0.5 else int(rng.choice(ids))
+            assert m.validate([token, probe]) == 1 + (probe in after), vocab.decode(walked)
+            assert m.accept([token]) == 1
+            walked.append(token)
+    assert states > 30 and forced > 8, (states, forced)
+
+
+def _filled(matcher: Any, bitmask: np.ndarray) -> np.ndarray:
+    matcher.fill_bitmask(bitmask, 0)
+    return bitmask
