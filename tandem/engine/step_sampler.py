@@ -158,12 +158,13 @@ class StepSampler:
                 continue
             if sr.all_logits:
                 record.append((seq, offset, sr))
-            if sr.needs_logits:
+            if sr.needs_logits:  # known: the tokens before the row's drafts (a recomputed prefill's: all it fed)
                 k = sr.num_draft_tokens
+                known = sr.start_pos + sr.num_tokens - k
                 if k:
-                    verify.append((seq, offset + n - 1 - k, sr.input_ids[-k:], sr.start_pos + n - k))
+                    verify.append((seq, offset + n - 1 - k, sr.input_ids[-k:], known))
                 else:
-                    plain.append((seq, offset + n - 1, sr.start_pos + n))
+                    plain.append((seq, offset + n - 1, known))
             offset += n
         return plain, verify, record
 

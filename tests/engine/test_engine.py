@@ -94,6 +94,27 @@ def test_preemption_keeps_outputs(stories_engine_factory) -> None:  # type: igno
         assert got[rid].outputs[0].token_ids == alone.outputs[0].token_ids
 
 
+@pytest.mark.parametrize("ahead", [False, True], ids=["synchronous", "scheduled-ahead"])
+def test_preempted_requests_keep_their_penalties(stories_engine_factory, ahead: bool) -> None:  # type: ignore[no-untyped-def]
+    """A preempted request's first token after its prefill is recomputed reads its whole output so far: repetition,
+    frequency and presence penalties and min_tokens see the same history as without the preemption (its sampling
+    row read the output up to the chunk's first position: none of it; 3 and 2 of these 8 outputs changed)."""
+    penalties = [dict(repetition_penalty=1.5), dict(frequency_penalty=0.8), dict(presence_penalty=1.0),
+                 dict(repetition_penalty=1.5, min_tokens=30)]
+    small = stories_engine_factory(num_kv_blocks=20, block_size=8, max_num_batched_tokens=32, async_scheduling=ahead)
+    prompts = _prompts(small, 8)
+    params = {rid: SamplingParams(temperature=0.0, max_tokens=48, **penalties[i % len(penalties)])
+              for i, rid in enumerate(prompts)}
+    for rid, p in prompts.items():
+        small.add_request(rid, p, params[rid])
+    got = run_all(small, {})
+    assert small.stats.num_preemptions > 0
+    ref = stories_engine_factory(async_scheduling=ahead)
+    for rid, p in prompts.items():
+        alone = run_all(ref, {rid: p}, params[rid])[rid]
+        assert got[rid].outputs[0].token_ids == alone.outputs[0].token_ids, rid
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_prefix_cache_hit_gives_identical_output(stories_engine_factory, dtype: str) -> None:  # type: ignore[no-untyped-def]
     """Also in bf16: a prefix served from the cache and one computed in the same step go through the same math."""
