@@ -958,13 +958,14 @@ class LLMEngine:
             seq.group.error = failure or no_token
             return [], RequestStatus.FINISHED_ERROR
         answer_from, unchecked = self.thinking.feed(seq, toks) if accepted is None else (0, 0)
+        ending = self.guidance.through_end(seq.request_id, toks, answer_from)
         try:
-            decision = seq.stop.add_tokens(toks)
+            decision = seq.stop.add_tokens(ending)
         except Exception as e:  # noqa: BLE001 - one broken request must not take the batch down
             logger.exception("request %s failed while detokenizing", seq.request_id)
             seq.group.error = f"{type(e).__name__}: {e}"
             return toks, RequestStatus.FINISHED_ERROR
-        kept = toks[: decision.num_tokens_kept]
+        kept = ending[: decision.num_tokens_kept]
         drafts = seq.req.draft_token_ids if drafts is None else drafts
         self._learn_drafts(seq, drafts, toks)
         if seq.logprobs is not None and len(kept) < len(toks):

@@ -142,10 +142,11 @@ class Guidance:
     """
 
     def __init__(self, make_manager: Callable[[], StructuredOutputManager], vocab_size: int,
-                 unmasked_greedy: bool = True, probe_tokens: tuple[int, ...] = ()) -> None:
+                 unmasked_greedy: bool = True, probe_tokens: tuple[int, ...] = (), eos: Sequence[int] = ()) -> None:
         """probe_tokens: plain letters' token ids; an argmax-only row whose grammar allows each of them next skips its
-        fill (empty: only rows whose last fill was open and costly do)."""
+        fill (empty: only rows whose last fill was open and costly do). eos: the ids that end a grammar."""
         self._make_manager = make_manager
+        self._eos = frozenset(eos)
         self.unmasked_greedy = unmasked_greedy
         self.probe_tokens = probe_tokens if unmasked_greedy else ()
         self._manager: StructuredOutputManager | None = None
@@ -188,6 +189,17 @@ class Guidance:
 
     def is_ready(self, request_id: str) -> bool:
         return request_id in self._ready
+
+    def through_end(self, request_id: str, tokens: list[int], answer_from: int = 0) -> list[int]:
+        """`tokens` through the first EOS of the answer (from `answer_from`) when the request's grammar applies: an
+        EOS there ends the grammar (its masks allow one only where it can end, and nothing but EOS after it), so
+        with `ignore_eos` the tokens a step verified past it (drafts of EOS, or a row of the plan launched ahead)
+        are not the request's."""
+        if self._eos and self._active(request_id):
+            for i in range(answer_from, len(tokens)):
+                if tokens[i] in self._eos:
+                    return tokens[: i + 1]
+        return tokens
 
     def _active(self, request_id: str) -> bool:
         """Its grammar applies now: compiled, and not waiting for the thinking to end."""
@@ -526,12 +538,15 @@ class Guidance:
 
     def accept_unchecked(self, rid: str, tokens: Sequence[int]) -> bool:
         """Tokens sampled before the grammar started (an implicit end of a thinking block): the grammar takes them
-        if it allows all of them, else none (it then starts after them). Raises what the library raises."""
+        if its language allows all of them, else none (it then starts after them): no mask chose them, so a spelling
+        a mask would not have forced (`{` where llguidance's mask forces `{"`) is taken. Raises what the library
+        raises."""
         m = self.manager
-        if m.validate_draft(rid, tokens) < len(tokens):
+        taken = m.accept(rid, tokens)
+        if taken < len(tokens):
+            m.rollback(rid, taken)
             logger.info("request %s: the grammar does not take the tokens that ended the thinking", rid)
             return False
-        m.consume(rid, tokens)
         return True
 
     def release(self, request_id: str) -> None:
@@ -589,7 +604,7 @@ def _decided_by_argmax(p: SamplingParams) -> bool:
 
 def make_guidance(hf_tokenizer: Any, vocab_size: int, eos: Sequence[int], config: StructuredOutputConfig) -> Guidance:
     return Guidance(lambda: StructuredOutputManager(hf_tokenizer, vocab_size, eos, config), vocab_size,
-                    config.unmasked_greedy, letter_tokens(hf_tokenizer, vocab_size))
+                    config.unmasked_greedy, letter_tokens(hf_tokenizer, vocab_size), eos)
 
 
 def letter_tokens(hf_tokenizer: Any, vocab_size: int) -> tuple[int, ...]:

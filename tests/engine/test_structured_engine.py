@@ -387,3 +387,41 @@ def test_a_greedy_answer_is_the_same_on_every_path(stories_engine_factory, backe
     for ahead in (False, True):
         assert answers(structured_outputs_config=cheap, async_scheduling=ahead, speculative_config=spell) == masked
     assert answers(structured_outputs_config=cheap, async_scheduling=True, speculative_config=suffix) == masked
+
+
+class _EndingProposer(Proposer):
+    """Drafts EOS, again and again."""
+
+    name = "eos"
+
+    def propose(self, batch):  # type: ignore[no-untyped-def]
+        return {r.request_id: Drafts([2] * r.max_drafts) for r in batch}
+
+    def on_verified(self, request_id, accepted, num_drafted):  # type: ignore[no-untyped-def]
+        pass
+
+    def release(self, request_id):  # type: ignore[no-untyped-def]
+        pass
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["synchronous", "scheduled-ahead"])
+def test_a_guided_answer_ends_at_its_grammars_end_despite_ignore_eos(stories_engine_factory, ahead: bool) -> None:  # type: ignore[no-untyped-def]
+    """`ignore_eos` with a grammar: the EOS its grammar ends with is the answer's last token, also where a step
+    verified drafts past it (EOS drafted after EOS: the masks after the grammar's end allow EOS alone) or the plan
+    launched ahead held its row. (The answer ended with two EOS scheduled ahead.)"""
+    register_proposer("eos", lambda **_: _EndingProposer())
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=1,
+                            structured_outputs=StructuredOutputsParams(choice=CHOICE, backend="llguidance"))
+    prompts = {f"r{i}": text for i, text in enumerate(STORIES)}
+    want = run_all(stories_engine_factory(max_model_len=512, async_scheduling=False), prompts, params)
+    engine = stories_engine_factory(max_model_len=512, async_scheduling=ahead,
+                                    speculative_config={"method": "eos", "num_speculative_tokens": 3, "adaptive": False})
+    got = run_all(engine, prompts, params)
+    eos = engine.tokenizer.eos_token_ids
+    for rid in prompts:
+        o, w = got[rid].outputs[0], want[rid].outputs[0]
+        assert (list(o.token_ids), o.text, o.finish_reason) == (list(w.token_ids), w.text, w.finish_reason), rid
+        assert o.token_ids[-1] in eos and sum(t in eos for t in o.token_ids) == 1 and len(o.logprobs) == len(o.token_ids)
+    # scheduled ahead, drafts are proposed past the outcome in flight, before the grammar sees them (synchronously
+    # the grammar cuts EOS drafts first)
+    assert engine.get_stats()["spec_num_accepted"] > 0 or not ahead
