@@ -470,6 +470,9 @@ class SpeculativeDecoder(Speculation):
         if self._pending is not None:
             batch, choice, seconds = self._pending
             self.policy.observe_period(batch, choice, seconds, self._emitted)
+        if not decoding:  # every request prefills (or none runs): no choice to make, no period to measure from here
+            self._pending, self._chosen_at, self._waited_catch_up = None, 0.0, False
+            return frozenset()
         waited = self._waited_catch_up
         self._pending = None if not self._chosen_at or waited else (self._chosen_for, self._choice, now - self._chosen_at)
         self._waited_catch_up = False

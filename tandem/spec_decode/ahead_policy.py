@@ -131,7 +131,10 @@ class AheadPolicy:
 
     def choose(self, batch: int) -> AheadChoice:
         """The best (K, way) for `batch` decoding requests; K = 1 until the drafter was measured. While K = 0 wins,
-        two steps at K = 1 probe it again every so often (the interval doubles, up to 16x, while they agree)."""
+        two steps at K = 1 probe it again every so often (the interval doubles, up to 16x, while they agree). No
+        request decoding (`batch` 0): K = 0, nothing modelled."""
+        if batch <= 0:
+            return AheadChoice(0, False, 0.0)
         best = self._best(batch)
         if best.k or not self.k_max:
             self._off_steps, self._probe_every = 0, PROBE_STEPS

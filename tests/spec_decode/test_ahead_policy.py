@@ -73,3 +73,15 @@ def test_off_is_probed_again_and_less_often_while_it_stays_off() -> None:
     probes = [i for i in range(3 * PROBE_STEPS + 10) if policy.choose(1).probe]
     assert probes[:2] == [PROBE_STEPS, PROBE_STEPS + 1]  # two steps: catch up, then time the drafter
     assert probes[2] - probes[1] > PROBE_STEPS  # then the interval doubled
+
+
+def test_no_request_decoding_chooses_nothing() -> None:
+    """Every request prefilling (after aborts, or a burst of arrivals) with choices already measured: K = 0, no model
+    of a batch of none (it divided by its zero goodput: the engine step raised ZeroDivisionError)."""
+    policy = AheadPolicy(k_max=2)
+    _measured(policy, 1, forward_s=0.017, per_step_s=0.005)
+    for _ in range(8):
+        for k in (0, 1, 2):
+            policy.observe_period(1, AheadChoice(k, False, 0.0), 0.020, 2)
+    assert policy.choose(0) == AheadChoice(0, False, 0.0)
+    assert policy.choose(1).goodput > 0  # a batch of one is modelled and measured as before
