@@ -22,7 +22,14 @@ from tandem.engine.sequences import SequenceState
 from tandem.params import SamplingParams
 from tandem.request import Logprob
 from tandem.sampling.rejection import DraftRows, greedy_verify, rejection_sample
-from tandem.sampling.sampler import RowLogprobs, Sampler, SamplingRow, only_greedy, prompt_logprobs
+from tandem.sampling.sampler import (
+    RowLogprobs,
+    Sampler,
+    SamplingRow,
+    keyed_generator,
+    only_greedy,
+    prompt_logprobs,
+)
 from tandem.tokenizer import Tokenizer
 
 # (sequence, or None when it ended meanwhile; logits row; the number of its tokens before the sampled one)
@@ -346,7 +353,8 @@ def _row(seq: SequenceState, known: int, drafts: Sequence[int]) -> SamplingRow:
     not the tentative tail of plans scheduled ahead (placeholders, drafts not verified yet)."""
     req = seq.req
     history = OutputHistory(req.token_ids, req.num_prompt_tokens, known, drafts)
-    return SamplingRow(req.params, req.prompt_token_ids, history, seq.generator)
+    generator = keyed_generator(seq.generator, len(history)) if seq.generator is not None else None
+    return SamplingRow(req.params, req.prompt_token_ids, history, generator)
 
 
 def _known(seq: SequenceState | None) -> int:

@@ -5,7 +5,10 @@ For a draft d proposed from q at a position where the target's (fully processed)
   on rejection emit a token from norm(max(0, p - q)) and stop;
   when all k drafts are accepted, emit one bonus token from p at the row after the last draft.
 Every emitted token is then distributed exactly as the target's (Leviathan et al. 2023, Chen et al. 2023).
-A deterministic proposer has q = one-hot(d): accept with probability p(d), residual = p with d removed.
+A deterministic proposer has q = one-hot(d): accept with probability p(d), residual = p with d removed. That is the
+law of sampling each row y ~ p and accepting d iff y == d (emitting y at the first mismatch), which is how such drafts
+are verified: each row draws as it would without drafts (a seeded request with its position's generator), so a seeded
+request emits exactly the tokens it emits without drafts, whatever was drafted, scheduled ahead or not, in any batch.
 Greedy rows accept iff d == argmax p and emit argmax p, which is what non-speculative greedy decoding emits.
 """
 
@@ -98,8 +101,9 @@ def rejection_sample(
     `dead`. Rows past the walk's end (after a rejection) do not matter, dead or not.
 
     target_logits [sum(k_i + 1), V]: request i owns k_i + 1 consecutive rows (its last real token's position, then
-    each draft's); `rows` and `bitmask` match those rows one to one. Seeded requests draw, in order, k uniforms,
-    k residual noise vectors and one bonus noise vector from their own generator; greedy requests draw nothing.
+    each draft's); `rows` and `bitmask` match those rows one to one. Each row draws from its own generator (seeded
+    requests: `keyed_generator`, its position's): one-hot drafts' rows and the bonus row one noise vector, a draft
+    model's rows a uniform then one residual noise vector; greedy requests draw nothing.
     `all_greedy`: `only_greedy(rows)` when the caller made it ahead (sampling/sampler.py)."""
     sizes, starts = _request_rows(drafts, target_logits.shape[0], len(rows))
     fused = sampler.greedy_tokens(target_logits, rows, bitmask, all_greedy)  # all greedy, on the host: [N], -1 = dead
@@ -108,7 +112,7 @@ def rejection_sample(
     p = sampler.probs(target_logits, rows, bitmask)  # [N, V]
     dev, vocab = p.device, p.shape[-1]
 
-    heads = [rows[s] for s in starts]  # one request's rows share params and generator
+    heads = [rows[s] for s in starts]  # one request's rows share params
     greedy = [h.params.greedy for h in heads]
     draft_rows = [s + j for s, n in zip(starts, sizes, strict=True) for j in range(n - 1)]  # [D]
     draft_req = [i for i, n in enumerate(sizes) for _ in range(n - 1)]  # [D] owning request
@@ -121,27 +125,43 @@ def rejection_sample(
     p_d = p[_index(draft_rows, dev), draft_ids]  # [D] p(d)
     accept = p_d > 0.5  # greedy: p is one-hot, so this is d == argmax p; random entries are overwritten below
 
-    rand_pos = [j for j, i in enumerate(draft_req) if not greedy[i]]
-    if rand_pos:
-        pos = _index(rand_pos, dev)
-        gens = [heads[draft_req[j]].generator for j in rand_pos]
-        q = _draft_distribution([d for d, g in zip(drafts, greedy, strict=True) if not g], vocab, dev)  # [Dr, V]
-        q_d = q.gather(1, draft_ids[pos].unsqueeze(1)).squeeze(1)  # [Dr] q(d)
-        u = uniforms(gens, dev)  # [Dr]
-        accept[pos] = u * q_d < p_d[pos]  # u < p(d) / q(d), safe for q(d) = 0
-        p_rand = p[_index([draft_rows[j] for j in rand_pos], dev)]  # [Dr, V]
-        recovered[pos] = exponential_race(residual_probs(p_rand, q), gens)
+    given = [d.draft_probs is not None for d in drafts]
+    matched = [j for j, i in enumerate(draft_req) if not greedy[i] and not given[i]]
+    if matched:  # one-hot drafts: each row samples as without drafts; a draft is accepted iff it is its row's sample
+        pos = _index(matched, dev)
+        sampled = _row_samples(p, rows, [draft_rows[j] for j in matched])  # [Dm]
+        accept[pos] = sampled == draft_ids[pos]
+        recovered[pos] = sampled
+    weighed = [j for j, i in enumerate(draft_req) if not greedy[i] and given[i]]
+    if weighed:  # a draft model's q: accept with probability p(d) / q(d), else a token from the residual
+        pos = _index(weighed, dev)
+        q = _draft_distribution([d for d, g, w in zip(drafts, greedy, given, strict=True) if w and not g], vocab, dev)
+        accept[pos], recovered[pos] = _weigh(p, q, rows, [draft_rows[j] for j in weighed], draft_ids[pos])
     rand_req = [i for i, g in enumerate(greedy) if not g]
     if rand_req:
-        idx = _index(rand_req, dev)
-        bonus_p = p[_index([bonus_rows[i] for i in rand_req], dev)]  # [n_rand, V]
-        bonus[idx] = exponential_race(bonus_p, [heads[i].generator for i in rand_req])
+        bonus[_index(rand_req, dev)] = _row_samples(p, rows, [bonus_rows[i] for i in rand_req])
 
     emitted = _accept_walk(drafts, accept.tolist(), recovered.tolist(), bonus.tolist())
     dead = (p.sum(dim=-1) == 0).tolist()  # [N] rows with nothing allowed come out of `probs` all zero
     # a dead row has p(d) = 0, so no draft there is accepted: the walk's last token comes from the first dead row
     # it reaches, and means nothing
     return [Verified(e[:-1], True) if dead[s + len(e) - 1] else Verified(e) for e, s in zip(emitted, starts, strict=True)]
+
+
+def _weigh(p: Tensor, q: Tensor, rows: Sequence[SamplingRow], index: list[int], draft_ids: Tensor) -> tuple[Tensor, Tensor]:
+    """Drafts `draft_ids` [Dw] of a draft model at the rows `index` of `p` [N, V], q [Dw, V] their distributions:
+    (accepted [Dw] with probability min(1, p(d) / q(d)), each row's token from the residual norm(max(0, p - q)))."""
+    gens = [rows[r].generator for r in index]
+    p_rows = p[_index(index, p.device)]  # [Dw, V]
+    q_d = q.gather(1, draft_ids.unsqueeze(1)).squeeze(1)  # [Dw] q(d)
+    p_d = p_rows.gather(1, draft_ids.unsqueeze(1)).squeeze(1)  # [Dw] p(d)
+    accepted = uniforms(gens, p.device) * q_d < p_d  # u < p(d) / q(d), safe for q(d) = 0
+    return accepted, exponential_race(residual_probs(p_rows, q), gens)
+
+
+def _row_samples(p: Tensor, rows: Sequence[SamplingRow], index: list[int]) -> Tensor:
+    """One token from each of the rows `index` of `p` [N, V], with its own generator (seeded rows: their position's)."""
+    return exponential_race(p[_index(index, p.device)], [rows[r].generator for r in index])
 
 
 def greedy_verify(sampler: Sampler, logits: Tensor, index: Tensor, rows: Sequence[SamplingRow],

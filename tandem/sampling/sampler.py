@@ -37,7 +37,7 @@ class SamplingRow:
     params: SamplingParams
     prompt_token_ids: Sequence[int] = ()
     output_token_ids: Sequence[int] = ()  # generated before this row's position (penalties, min_tokens)
-    generator: torch.Generator | None = None  # the request's own generator when params.seed is set
+    generator: torch.Generator | None = None  # seeded requests: this row's own (`keyed_generator`: its position's)
 
 
 @dataclass
@@ -232,6 +232,19 @@ def apply_top_k_top_p(logits: Tensor, top_k: Tensor | None, top_p: Tensor | None
 # ---------------------------------------------------------------------------------------------------------------
 # Randomness
 # ---------------------------------------------------------------------------------------------------------------
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def keyed_generator(generator: torch.Generator, position: int) -> torch.Generator:
+    """A generator for the token at output `position` of the sequence seeded by `generator`, seeded from that seed and
+    the position (splitmix64): the token's draws are the same however the steps before it ran, with drafts or
+    without, verified in any number, in any batch."""
+    z = (generator.initial_seed() * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return torch.Generator(generator.device).manual_seed((z ^ (z >> 31)) >> 1)
 
 
 def exponential_noise(generators: Sequence[torch.Generator | None], vocab_size: int, device: torch.device) -> Tensor:

@@ -197,13 +197,20 @@ def test_sampled_distribution_is_preserved(tiny_vocab_dir: Path, cycle_method: s
     stat, dof = _chi2(counts, probs, n)
     assert stat < _chi2_threshold(dof), (stat, dof)
 
-    # the same check must catch a broken rule: on rejection resample from p instead of norm(max(0, p - q))
-    import tandem.sampling.rejection as rej
-
-    monkeypatch.setattr(rej, "residual_probs", lambda target, draft: target)
+    # the same check must catch a broken rule: every row of a sequence drawing the same noise (its seed's, the
+    # position left out of the key), so a draft is judged by the previous row's draw
+    _noise_without_position(monkeypatch)
     broken = _pair_counts(spec, n, seed=11)
     stat_b, dof_b = _chi2(broken, probs, n)
     assert stat_b > _chi2_threshold(dof_b), (stat_b, dof_b)
+
+
+def _noise_without_position(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Break the draws: every row of a seeded sequence gets its seed's generator, whatever its position."""
+    import tandem.engine.step_sampler as step_sampler
+
+    monkeypatch.setattr(step_sampler, "keyed_generator",
+                        lambda generator, position: torch.Generator(generator.device).manual_seed(generator.initial_seed()))
 
 
 def test_draft_model_worker_process_lossless(stories_engine_factory, stories_dir: Path) -> None:  # type: ignore[no-untyped-def]
@@ -286,7 +293,7 @@ def test_sampled_k3_top_k_top_p_distribution_is_preserved(tiny_vocab_dir: Path, 
     """3,000 samples of one request (n = 3000, seeded) with 3 drafts per step from the real proposer: the joint
     law of its first three tokens (the second and third come out of verifying the drafts) is the target's under
     temperature, top-k and top-p. Negative controls: the same counts against the law without top-k / top-p, and
-    a broken residual rule at K = 3, both fail the test."""
+    the rows drawing without their position in the key at K = 3, both fail the test."""
     from tandem.engine.llm import build_engine
 
     n = 3000
@@ -305,10 +312,8 @@ def test_sampled_k3_top_k_top_p_distribution_is_preserved(tiny_vocab_dir: Path, 
     plain = _exact_triple_probs(spec, CYCLIC_PROMPT, lambda row: reference_filter(row, TEMPERATURE, V, 1.0))
     stat_p, dof_p = _chi2(counts, plain, n)
     assert stat_p > _chi2_threshold(dof_p), (stat_p, dof_p)
-    if method == "ngram":  # and a broken rejection rule at K = 3 is caught
-        import tandem.sampling.rejection as rej
-
-        monkeypatch.setattr(rej, "residual_probs", lambda target, draft: target)
+    if method == "ngram":  # and a broken verification at K = 3 is caught
+        _noise_without_position(monkeypatch)
         broken = _triple_counts(spec, n, seed=21)
         stat_b, dof_b = _chi2(broken, law, n)
         assert stat_b > _chi2_threshold(dof_b), (stat_b, dof_b)

@@ -250,6 +250,38 @@ def test_random_mixed_traffic_gives_the_synchronous_tokens(stories_engine_factor
     assert engines[1].stats.num_preemptions > 0
 
 
+def test_a_seeded_request_samples_the_same_tokens_with_drafts_or_without(stories_engine_factory) -> None:  # type: ignore[no-untyped-def]
+    """Seeded sampled requests (temperature, top-p, top-k, a repetition penalty, n = 2) emit exactly the tokens they
+    emit without drafts: suffix drafts with adaptive K scheduled ahead, a fixed K synchronously, n-gram drafts
+    scheduled ahead, and one request alone. Each row samples with its position's generator and a one-hot draft is
+    accepted iff it is its row's sample, so neither how many drafts a step verified nor the batch moves a draw.
+    (Before: two identical engines disagreed run to run, and a request alone differed from it in a batch.)"""
+    rng = random.Random(3)
+    texts = ["Once upon a time, there was a little girl named Lily.", "Tom had a big red ball. Tom had a",
+             "The cat sat on the mat.", "Lily", "Once upon a time"]
+    requests = {f"r{i}": (rng.choice(texts), SamplingParams(
+        temperature=rng.choice([0.7, 1.0]), top_p=rng.choice([1.0, 0.9]), top_k=rng.choice([0, 20]),
+        repetition_penalty=rng.choice([1.0, 1.2]), seed=rng.randrange(1000), max_tokens=40, n=rng.choice([1, 2])))
+        for i in range(8)}
+
+    def run(engine: LLMEngine, which: dict[str, tuple[str, SamplingParams]]) -> dict[str, list[list[int]]]:
+        for rid, (prompt, params) in which.items():
+            engine.add_request(rid, prompt, params)
+        return {rid: [list(c.token_ids) for c in o.outputs] for rid, o in run_all(engine, {}).items()}
+
+    want = run(stories_engine_factory(async_scheduling=False), requests)
+    accepted = 0
+    for args in ({"async_scheduling": True, "speculative_config": {"method": "suffix", "num_speculative_tokens": 4}},
+                 {"async_scheduling": False, "speculative_config": SUFFIX},
+                 {"async_scheduling": True, "speculative_config": dict(NGRAM, num_speculative_tokens=3)}):
+        engine = stories_engine_factory(**args)
+        assert run(engine, requests) == want, args
+        accepted += engine.get_stats()["spec_num_accepted"]
+    alone = stories_engine_factory(async_scheduling=True, speculative_config=SUFFIX)
+    assert run(alone, {"r7": requests["r7"]}) == {"r7": want["r7"]}
+    assert accepted > 5  # (sampled at temperature 0.7-1, stories260K accepts few)
+
+
 @pytest.mark.usefixtures("launch_order")
 def test_aborts_mid_flight_return_every_block(stories_engine_factory) -> None:  # type: ignore[no-untyped-def]
     ahead = stories_engine_factory(async_scheduling=True, speculative_config=SUFFIX)

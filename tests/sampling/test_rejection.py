@@ -125,15 +125,25 @@ def test_emitted_tokens_follow_the_target(params: SamplingParams, deterministic:
     assert s2 < _chi2_threshold(df2), (s2, df2)
 
 
-@pytest.mark.parametrize("deterministic", [False, True], ids=["q-probs", "q-one-hot"])
-def test_check_detects_resampling_from_p_instead_of_the_residual(
-    deterministic: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_check_detects_resampling_from_p_instead_of_the_residual(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A draft model's q: after a rejection the token must come from the residual."""
     monkeypatch.setattr(rejection, "residual_probs", lambda target, draft: target)
     target = _Target(seed=7, params=SamplingParams())
-    s1, df1, s2, df2 = _lossless_stats(target, n=5_000, deterministic=deterministic, seed=1)
+    s1, df1, s2, df2 = _lossless_stats(target, n=5_000, deterministic=False, seed=1)
     assert s1 > _chi2_threshold(df1)
     assert s2 > _chi2_threshold(df2)
+
+
+def test_check_detects_one_hot_drafts_judged_by_a_shared_sample(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One-hot drafts: each row must draw its own sample; one noise vector shared by all the rows is caught."""
+    def shared(p: torch.Tensor, rows: object, index: list[int]) -> torch.Tensor:
+        q = torch.empty(p.shape[-1]).exponential_()  # [V], the same for every row
+        return (p[torch.tensor(index)] / q).argmax(dim=-1)
+
+    monkeypatch.setattr(rejection, "_row_samples", shared)
+    target = _Target(seed=7, params=SamplingParams())
+    s1, df1, s2, df2 = _lossless_stats(target, n=5_000, deterministic=True, seed=1)
+    assert s1 > _chi2_threshold(df1) or s2 > _chi2_threshold(df2)
 
 
 def test_residual_is_positive_part_of_p_minus_q() -> None:
