@@ -324,7 +324,8 @@ class LLMEngine:
             )
 
     def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
-        """A request's own generator: seeded requests sample the same whatever else is in the batch."""
+        """A sequence's own generator (its seed): seeded requests sample the same tokens whatever else is in the batch
+        and whatever was drafted (each token draws with its position's generator: `keyed_generator`)."""
         if params.seed is None:
             return None
         return torch.Generator(self.runner.device).manual_seed(params.seed + index)
