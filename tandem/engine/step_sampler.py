@@ -353,7 +353,8 @@ def _row(seq: SequenceState, known: int, drafts: Sequence[int]) -> SamplingRow:
     not the tentative tail of plans scheduled ahead (placeholders, drafts not verified yet)."""
     req = seq.req
     history = OutputHistory(req.token_ids, req.num_prompt_tokens, known, drafts)
-    generator = keyed_generator(seq.generator, len(history)) if seq.generator is not None else None
+    # (a greedy row draws nothing: no generator made for it, on the path of every row of every step)
+    generator = keyed_generator(seq.generator, len(history)) if seq.generator is not None and not req.params.greedy else None
     return SamplingRow(req.params, req.prompt_token_ids, history, generator)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import pickle
 import re
+from collections.abc import Callable, Sequence
 
 import jsonschema
 import pytest
@@ -343,19 +344,25 @@ STORIES = ["The cat sat on the mat. The dog sat on the mat. The bird ", "Once up
 L, IL, Y = 438, 290, 422  # stories260K's "L", "il", "y"
 
 
-class _SpellingProposer(Proposer):
-    """Drafts "il" "y" after "L": the non-canonical spelling of a forced "ily" (and nothing else)."""
+class _ScriptedProposer(Proposer):
+    """Test driver: each request's drafts are `script(its token ids, max drafts)`."""
 
-    name = "spell"
+    def __init__(self, name: str, script: Callable[[Sequence[int], int], list[int]]) -> None:
+        self.name, self._script = name, script
 
     def propose(self, batch):  # type: ignore[no-untyped-def]
-        return {r.request_id: Drafts([IL, Y][: r.max_drafts] if r.token_ids[-1] == L else []) for r in batch}
+        return {r.request_id: Drafts(self._script(r.token_ids, r.max_drafts)) for r in batch}
 
     def on_verified(self, request_id, accepted, num_drafted):  # type: ignore[no-untyped-def]
         pass
 
     def release(self, request_id):  # type: ignore[no-untyped-def]
         pass
+
+
+def _spelling(token_ids: Sequence[int], k: int) -> list[int]:
+    """"il" "y" after "L": the non-canonical spelling of a forced "ily" (and nothing else)."""
+    return [IL, Y][:k] if token_ids[-1] == L else []
 
 
 @pytest.mark.parametrize("backend,answer", [("llguidance", ["L", "ily", "s"]), ("xgrammar", ["L", "il", "y"])])
@@ -368,7 +375,7 @@ def test_a_greedy_answer_is_the_same_on_every_path(stories_engine_factory, backe
     verified unmasked, scheduled ahead or not. (llguidance's validation took "il" where its mask did not; here the
     unmasked verification's next token, "a", is refused all the same, so the negative control is the backends'
     `test_validation_takes_exactly_what_the_masks_take`.)"""
-    register_proposer("spell", lambda **_: _SpellingProposer())
+    register_proposer("spell", lambda **_: _ScriptedProposer("spell", _spelling))
 
     def answers(**engine_args: object) -> list[list[int]]:
         engine = stories_engine_factory(max_model_len=512, **engine_args)
@@ -389,27 +396,12 @@ def test_a_greedy_answer_is_the_same_on_every_path(stories_engine_factory, backe
     assert answers(structured_outputs_config=cheap, async_scheduling=True, speculative_config=suffix) == masked
 
 
-class _EndingProposer(Proposer):
-    """Drafts EOS, again and again."""
-
-    name = "eos"
-
-    def propose(self, batch):  # type: ignore[no-untyped-def]
-        return {r.request_id: Drafts([2] * r.max_drafts) for r in batch}
-
-    def on_verified(self, request_id, accepted, num_drafted):  # type: ignore[no-untyped-def]
-        pass
-
-    def release(self, request_id):  # type: ignore[no-untyped-def]
-        pass
-
-
 @pytest.mark.parametrize("ahead", [False, True], ids=["synchronous", "scheduled-ahead"])
 def test_a_guided_answer_ends_at_its_grammars_end_despite_ignore_eos(stories_engine_factory, ahead: bool) -> None:  # type: ignore[no-untyped-def]
     """`ignore_eos` with a grammar: the EOS its grammar ends with is the answer's last token, also where a step
     verified drafts past it (EOS drafted after EOS: the masks after the grammar's end allow EOS alone) or the plan
     launched ahead held its row. (The answer ended with two EOS scheduled ahead.)"""
-    register_proposer("eos", lambda **_: _EndingProposer())
+    register_proposer("eos", lambda **_: _ScriptedProposer("eos", lambda token_ids, k: [2] * k))  # EOS after EOS
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=1,
                             structured_outputs=StructuredOutputsParams(choice=CHOICE, backend="llguidance"))
     prompts = {f"r{i}": text for i, text in enumerate(STORIES)}
