@@ -16,6 +16,7 @@ import contextlib
 import hmac
 import json
 import logging
+import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -976,7 +977,23 @@ class GracefulServer(uvicorn.Server):
                 transport.abort()
 
 
-def run_server(app: FastAPI, host: str, port: int, log_level: str = "info", graceful_timeout_s: int = 5) -> None:
-    """Serve `app` (made by create_app) with uvicorn until a signal; blocks."""
+def bind_listener(host: str, port: int) -> socket.socket:
+    """The server's socket on (`host`, `port`), bound now and listened on once `run_server` starts. Bound before
+    the engine starts: a port an engine's workers pick meanwhile (Ray's, a tensor-parallel group's rendezvous) cannot
+    be this one (it once was, and the server exited after its engine had loaded), and a port in use fails here,
+    before any weights are read. Raises OSError."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a restart reuses its port at once
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def run_server(app: FastAPI, sock: socket.socket, log_level: str = "info", graceful_timeout_s: int = 5) -> None:
+    """Serve `app` (made by create_app) with uvicorn on `sock` (from `bind_listener`) until a signal; blocks."""
+    host, port = sock.getsockname()[:2]
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=graceful_timeout_s)
-    GracefulServer(config, app.state.tandem).run()
+    GracefulServer(config, app.state.tandem).run(sockets=[sock])

@@ -107,7 +107,7 @@ def _check_reasoning_parser(args: argparse.Namespace) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Build the app, start uvicorn, serve until SIGINT / SIGTERM."""
-    from tandem.server.api import ServerConfig, create_app, run_server
+    from tandem.server.api import ServerConfig, bind_listener, create_app, run_server
     from tandem.server.data_parallel import serving_client
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -134,8 +134,12 @@ def run_serve(args: argparse.Namespace) -> int:
     )
     if args.data_parallel_size < 1:
         raise SystemExit("--data-parallel-size must be >= 1")
+    try:
+        sock = bind_listener(args.host, args.port)  # before the engine: see bind_listener
+    except OSError as e:
+        raise SystemExit(f"cannot serve on {args.host}:{args.port}: {e.strerror or e}") from None
     client = serving_client(args.model, engine_kwargs_from_args(args), args.data_parallel_size,
                             args.distributed_executor_backend)
     app = create_app(client, config)
-    run_server(app, args.host, args.port, args.log_level)
+    run_server(app, sock, args.log_level)
     return 0 if client.info is not None else 1

@@ -7,7 +7,9 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -82,6 +84,20 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 def chat(server: Server, content: str = "Say hello.", **kw: Any) -> Any:
     create: Any = server.client().chat.completions.create  # the result's type depends on `stream`
     return create(model=MODEL, messages=[{"role": "user", "content": content}], **kw)
+
+
+def test_a_port_in_use_fails_before_the_engine_starts(tmp_path: Path) -> None:
+    """`tandem serve` binds its port before it builds the engine (a port its workers pick meanwhile cannot be
+    the server's): a port taken fails at once and says so, before the model is looked for (this one does not exist:
+    bound after the engine, the model's error would come first)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "tandem.cli", "serve", str(tmp_path / "no-such-model"),
+                               "--host", "127.0.0.1", "--port", str(port)], capture_output=True, timeout=120)
+    assert proc.returncode != 0
+    assert f"cannot serve on 127.0.0.1:{port}" in proc.stderr.decode()
 
 
 # --------------------------------------------------------------------------------------------------- basics
