@@ -195,7 +195,8 @@ class LLMEngine:
         mask_mode = mask_mode or ("cpu" if runner.device.type == "cpu" else "device")
         if mask_mode not in ("cpu", "device"):
             raise ParamError(f"mask_mode must be 'cpu' or 'device', got {mask_mode!r}")
-        self.step_sampler = StepSampler(Sampler(self.vocab_size, self.eos_token_ids), tokenizer, mask_mode, runner.device)
+        self.step_sampler = StepSampler(Sampler(self.vocab_size, self.eos_token_ids), tokenizer, mask_mode, runner.device,
+                                        self.thinking.limit)
         self.stats = EngineStats()
         self._groups: dict[str, RequestGroup] = {}
         self._seqs: dict[str, SequenceState] = {}
@@ -359,7 +360,6 @@ class LLMEngine:
         logits = self.runner.collect(handle)  # [R, V]
         timer.mark("collected")
         tokens = self.runner.on_tensor_thread(self.step_sampler.sample, plan, logits, masks.staged, self._seqs)
-        self.thinking.limit(tokens, self._seqs)
         timer.mark("sampled")
         self._check_unmasked_verify(plan, logits, masks.filled, tokens)
         unsettled = self._check_unmasked(plan, logits, masks.filled, tokens)
@@ -496,7 +496,6 @@ class LLMEngine:
                                               cur.sampling)
         for rid in cur.garbage:
             tokens.pop(rid, None)
-        self.thinking.limit(tokens, self._seqs)
         timer.mark("sampled")
         cur.verify_late = bool(cur.masks.filled.unmasked_verify) and self.verify_checks.after_launch(
             nxt_tokens, min(self._forward_s, default=0.0))
@@ -969,8 +968,10 @@ class LLMEngine:
         kept = ending[: decision.num_tokens_kept]
         drafts = seq.req.draft_token_ids if drafts is None else drafts
         self._learn_drafts(seq, drafts, toks)
-        if seq.logprobs is not None and len(kept) < len(toks):
-            del seq.logprobs[len(seq.logprobs) - (len(toks) - len(kept)) :]
+        if seq.logprobs is not None and len(kept) < len(toks):  # the entries (and sum) of the tokens dropped
+            dropped = seq.logprobs[len(seq.logprobs) - (len(toks) - len(kept)) :]
+            seq.cumulative_logprob -= sum(entry[t].logprob for entry, t in zip(dropped, toks[len(kept) :]))
+            del seq.logprobs[len(seq.logprobs) - len(dropped) :]
         if accepted is None:
             accepted = self.guidance.accept(seq.req, kept[answer_from:], len(drafts),
                                             unchecked=max(0, min(unchecked, len(kept) - answer_from)))

@@ -8,7 +8,7 @@ runs), so that after the forward only the tensor work and the tokens' bookkeepin
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import islice
 from typing import overload
@@ -37,6 +37,12 @@ PlainRow = tuple[SequenceState | None, int, int]
 _UNUSED = SamplingRow(SamplingParams(temperature=0.0), [], [], None)  # the row of a sequence that ended meanwhile
 # (sequence, or None when it ended meanwhile; first logits row; drafts; tokens before them)
 VerifyRows = tuple[SequenceState | None, int, list[int], int]
+# a sequence's tokens of this step -> those it emits (a prefix, its last one possibly replaced: engine/thinking.py)
+Limit = Callable[[SequenceState, list[int]], list[int]]
+
+
+def _unlimited(seq: SequenceState, tokens: list[int]) -> list[int]:
+    return tokens
 
 
 @dataclass
@@ -76,8 +82,12 @@ class SampleRows:
 class StepSampler:
     """Samples or verifies every sequence of a step that reached the end of its known tokens."""
 
-    def __init__(self, sampler: Sampler, tokenizer: Tokenizer, mask_mode: str, device: torch.device) -> None:
+    def __init__(self, sampler: Sampler, tokenizer: Tokenizer, mask_mode: str, device: torch.device,
+                 limit: Limit = _unlimited) -> None:
+        """`limit`: what a sequence emits of the tokens sampled for it (a thinking's end, a spent budget's forced
+        token), applied before their logprobs are recorded: one entry per emitted token, a forced one's its own."""
         self.sampler = sampler
+        self.limit = limit
         self.tokenizer = tokenizer
         # (a) "device": bitmask copied to the device and applied there; (b) "cpu": logits brought to the host
         self.mask_mode = mask_mode
@@ -184,15 +194,17 @@ class StepSampler:
         out = self.sampler.sample(logits, group.rows, bitmask, group.all_greedy, index)
         tokens: dict[str, list[int]] = {}
         dead = set(out.dead_rows)
-        for i, ((seq, _, _), tok, lp) in enumerate(zip(plain, out.token_ids, out.logprobs)):
+        for i, ((seq, row, _), tok, lp) in enumerate(zip(plain, out.token_ids, out.logprobs)):
             if seq is None:
                 continue
             if i in dead:
                 tokens[seq.request_id] = []
                 self._no_token(seq, 0)
                 continue
-            tokens[seq.request_id] = [tok]
+            toks = tokens[seq.request_id] = self.limit(seq, [tok])
             if lp is not None:
+                if toks[0] != tok:  # forced in its place: the forced token's logprob, from the same row
+                    lp = prompt_logprobs(logits[row : row + 1], toks, seq.req.params.logprobs or 0)[0]
                 self._add_logprobs(seq, [lp])
         return tokens
 
@@ -246,9 +258,9 @@ class StepSampler:
             if seq is None:  # a sequence that ended meanwhile: verified, unused
                 pos += len(drafts) + 1
                 continue
-            tokens[seq.request_id] = toks
             if dead:
                 self._no_token(seq, len(toks))
+            toks = tokens[seq.request_id] = self.limit(seq, toks)
             if toks and seq.logprobs is not None:
                 n = seq.req.params.logprobs or 0
                 self._add_logprobs(seq, prompt_logprobs(target[pos : pos + len(toks)], toks, n))

@@ -1,7 +1,7 @@
 """Reasoning models inside the engine: each sequence's thinking followed token by token (`ThinkingState`), the end
 marker forced when a thinking budget runs out, and the grammar started only once the thinking has ended.
 
-Per step: `limit` right after sampling (the end marker is the last token of its step: later tokens of a verified
+Per step: `limit` as each sequence's tokens are sampled (the end marker is the last token of its step: later tokens of a verified
 draft run are dropped, as a rejected draft's; a spent budget replaces the sampled token by the marker's next one),
 then `feed` where the grammar takes the step's tokens (before the stop checks), which says from which token on the
 grammar takes them. Rollback-safe by construction: the state only ever sees emitted tokens (confirmed, never a
@@ -9,8 +9,6 @@ draft or a tentative tail), so speculation and scheduling ahead need nothing els
 """
 
 from __future__ import annotations
-
-from collections.abc import Mapping
 
 from tandem.engine.guidance import Guidance
 from tandem.engine.sequences import SequenceState
@@ -40,16 +38,13 @@ class Thinking:
             if overlap_compile:
                 seq.req.hold_sampling = False
 
-    def limit(self, tokens: dict[str, list[int]], seqs: Mapping[str, SequenceState]) -> None:
-        """Right after sampling, in place: each thinking sequence's tokens cut after the end of its thinking, or
-        its forced end-marker token in place of the sampled one."""
-        if self.reasoner is None:
-            return
-        decode = self.reasoner.decode
-        for rid, toks in tokens.items():
-            seq = seqs.get(rid)
-            if toks and seq is not None and seq.thinking is not None and seq.thinking.thinking:
-                tokens[rid] = seq.thinking.limit(toks, decode)
+    def limit(self, seq: SequenceState, tokens: list[int]) -> list[int]:
+        """What `seq` emits of the tokens just sampled for it (`StepSampler`'s `limit`, before their logprobs are
+        recorded): while it thinks, cut after the end of its thinking, or its forced end-marker token in place of
+        the sampled one; otherwise `tokens`."""
+        if self.reasoner is None or not tokens or seq.thinking is None or not seq.thinking.thinking:
+            return tokens
+        return seq.thinking.limit(tokens, self.reasoner.decode)
 
     def feed(self, seq: SequenceState, toks: list[int]) -> tuple[int, int]:
         """A sequence's emitted tokens, before its stop checks: (index from which its grammar takes them, how many

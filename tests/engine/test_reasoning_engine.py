@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import shutil
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,9 @@ from tandem import SamplingParams, StructuredOutputsParams
 from tandem.engine.engine import LLMEngine
 from tandem.params import ParamError
 from tandem.request import CompletionOutput, RequestOutput
+from tandem.spec_decode.registry import register_proposer
+
+from .scripted import ScriptedProposer
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
                                           "b": {"enum": ["x", "y"]}},
@@ -124,6 +128,44 @@ def test_every_path_gives_the_same_tokens_and_split(mode: str, reference: dict[s
         want, got = reference[rid].outputs[0], out.outputs[0]
         assert (got.token_ids, got.reasoning, got.content, got.num_reasoning_tokens) == \
                (want.token_ids, want.reasoning, want.content, want.num_reasoning_tokens), (mode, rid)
+
+
+def _logprob_rows(c: CompletionOutput) -> list[tuple[int, float, list[int]]]:
+    """(token, its logprob, the entry's ids) per emitted token; checks one entry per token, each with its token,
+    summing to the cumulative logprob."""
+    assert c.logprobs is not None and len(c.logprobs) == len(c.token_ids)
+    assert all(t in entry for t, entry in zip(c.token_ids, c.logprobs))
+    assert c.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(c.token_ids, c.logprobs)), abs=1e-3)
+    return [(t, round(e[t].logprob, 3), sorted(e)) for t, e in zip(c.token_ids, c.logprobs)]
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["synchronous", "scheduled-ahead"])
+def test_logprobs_follow_the_emitted_tokens_through_a_forced_end(ahead: bool, model_dir: Path,
+                                                                   reference: dict[str, RequestOutput]) -> None:
+    """A spent budget's forced marker tokens have entries of their own (their logprob under the model, as a
+    sampled token's), and drafts verified past the budget (the thinking the model would go on with, drafted and
+    accepted) leave none behind: one entry per emitted token, those of the synchronous step without drafts."""
+    free = list(reference["long"].outputs[0].token_ids)  # the thinking without a budget: 20 greedy tokens
+    prompt_len = len(reference["long"].prompt_token_ids)
+
+    def thinking_on(token_ids: Sequence[int], k: int) -> list[int]:
+        out = list(token_ids[prompt_len:])
+        return free[len(out) : len(out) + k] if free[: len(out)] == out else []
+
+    register_proposer("thinking-on", lambda **_: ScriptedProposer("thinking-on", thinking_on))
+    requests = {"free": (THINK, SamplingParams(max_tokens=24, temperature=0, logprobs=2, thinking_token_budget=4)),
+                "guided": (THINK, guided(logprobs=1, thinking_token_budget=BUDGET))}
+    want = run(sync := engine(model_dir), requests)
+    sync.shutdown()
+    eng = engine(model_dir, async_scheduling=ahead,
+                 speculative_config={"method": "thinking-on", "num_speculative_tokens": 8, "adaptive": False})
+    try:
+        outs = run(eng, requests)
+        assert eng.get_stats()["spec_num_accepted"] > 6  # drafts up to the budget, and past it
+    finally:
+        eng.shutdown()
+    for rid in requests:
+        assert _logprob_rows(outs[rid].outputs[0]) == _logprob_rows(want[rid].outputs[0]), rid
 
 
 def test_a_closed_block_answers_under_the_grammar_from_the_first_token(model_dir: Path) -> None:

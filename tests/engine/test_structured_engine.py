@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import pickle
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import jsonschema
 import pytest
@@ -18,10 +18,10 @@ import pytest
 from tandem.engine.engine import LLMEngine
 from tandem.params import ParamError, SamplingParams, StructuredOutputsParams
 from tandem.request import CompletionOutput
-from tandem.spec_decode.proposer import Drafts, Proposer
 from tandem.spec_decode.registry import register_proposer
 
 from ..structured.oracle import GrammarOracle, check_text, choice_pattern
+from .scripted import ScriptedProposer
 from .test_engine import run_all
 
 SCHEMA = {
@@ -344,22 +344,6 @@ STORIES = ["The cat sat on the mat. The dog sat on the mat. The bird ", "Once up
 L, IL, Y = 438, 290, 422  # stories260K's "L", "il", "y"
 
 
-class _ScriptedProposer(Proposer):
-    """Test driver: each request's drafts are `script(its token ids, max drafts)`."""
-
-    def __init__(self, name: str, script: Callable[[Sequence[int], int], list[int]]) -> None:
-        self.name, self._script = name, script
-
-    def propose(self, batch):  # type: ignore[no-untyped-def]
-        return {r.request_id: Drafts(self._script(r.token_ids, r.max_drafts)) for r in batch}
-
-    def on_verified(self, request_id, accepted, num_drafted):  # type: ignore[no-untyped-def]
-        pass
-
-    def release(self, request_id):  # type: ignore[no-untyped-def]
-        pass
-
-
 def _spelling(token_ids: Sequence[int], k: int) -> list[int]:
     """"il" "y" after "L": the non-canonical spelling of a forced "ily" (and nothing else)."""
     return [IL, Y][:k] if token_ids[-1] == L else []
@@ -375,7 +359,7 @@ def test_a_greedy_answer_is_the_same_on_every_path(stories_engine_factory, backe
     verified unmasked, scheduled ahead or not. (llguidance's validation took "il" where its mask did not; here the
     unmasked verification's next token, "a", is refused all the same, so the negative control is the backends'
     `test_validation_takes_exactly_what_the_masks_take`.)"""
-    register_proposer("spell", lambda **_: _ScriptedProposer("spell", _spelling))
+    register_proposer("spell", lambda **_: ScriptedProposer("spell", _spelling))
 
     def answers(**engine_args: object) -> list[list[int]]:
         engine = stories_engine_factory(max_model_len=512, **engine_args)
@@ -401,7 +385,7 @@ def test_a_guided_answer_ends_at_its_grammars_end_despite_ignore_eos(stories_eng
     """`ignore_eos` with a grammar: the EOS its grammar ends with is the answer's last token, also where a step
     verified drafts past it (EOS drafted after EOS: the masks after the grammar's end allow EOS alone) or the plan
     launched ahead held its row. (The answer ended with two EOS scheduled ahead.)"""
-    register_proposer("eos", lambda **_: _ScriptedProposer("eos", lambda token_ids, k: [2] * k))  # EOS after EOS
+    register_proposer("eos", lambda **_: ScriptedProposer("eos", lambda token_ids, k: [2] * k))  # EOS after EOS
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=1,
                             structured_outputs=StructuredOutputsParams(choice=CHOICE, backend="llguidance"))
     prompts = {f"r{i}": text for i, text in enumerate(STORIES)}
