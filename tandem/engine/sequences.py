@@ -49,7 +49,9 @@ class SequenceState:
                 out.reasoning, out.content = state.split_marked(text, marked)
             else:
                 out.reasoning, out.content = state.split(text, self.req.is_finished)
-            out.num_reasoning_tokens = state.num_reasoning_tokens
+            # the thinking is a prefix of the output: tokens the state was fed and a stop string (or the grammar's
+            # end) then dropped, in a step of several (drafts), are not in the output and not counted
+            out.num_reasoning_tokens = min(state.num_reasoning_tokens, len(out.token_ids))
         return out
 
 

@@ -139,13 +139,10 @@ def _logprob_rows(c: CompletionOutput) -> list[tuple[int, float, list[int]]]:
     return [(t, round(e[t].logprob, 3), sorted(e)) for t, e in zip(c.token_ids, c.logprobs)]
 
 
-@pytest.mark.parametrize("ahead", [False, True], ids=["synchronous", "scheduled-ahead"])
-def test_logprobs_follow_the_emitted_tokens_through_a_forced_end(ahead: bool, model_dir: Path,
-                                                                   reference: dict[str, RequestOutput]) -> None:
-    """A spent budget's forced marker tokens have entries of their own (their logprob under the model, as a
-    sampled token's), and drafts verified past the budget (the thinking the model would go on with, drafted and
-    accepted) leave none behind: one entry per emitted token, those of the synchronous step without drafts."""
-    free = list(reference["long"].outputs[0].token_ids)  # the thinking without a budget: 20 greedy tokens
+def _draft_the_thinking_on(reference: dict[str, RequestOutput]) -> None:
+    """Register "thinking-on": a proposer drafting the thinking the model writes without a budget (the reference's
+    20 greedy tokens), wherever the output so far is a prefix of it: verified, those drafts are all accepted."""
+    free = list(reference["long"].outputs[0].token_ids)
     prompt_len = len(reference["long"].prompt_token_ids)
 
     def thinking_on(token_ids: Sequence[int], k: int) -> list[int]:
@@ -153,6 +150,15 @@ def test_logprobs_follow_the_emitted_tokens_through_a_forced_end(ahead: bool, mo
         return free[len(out) : len(out) + k] if free[: len(out)] == out else []
 
     register_proposer("thinking-on", lambda **_: ScriptedProposer("thinking-on", thinking_on))
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["synchronous", "scheduled-ahead"])
+def test_logprobs_follow_the_emitted_tokens_through_a_forced_end(ahead: bool, model_dir: Path,
+                                                                   reference: dict[str, RequestOutput]) -> None:
+    """A spent budget's forced marker tokens have entries of their own (their logprob under the model, as a
+    sampled token's), and drafts verified past the budget (the thinking the model would go on with, drafted and
+    accepted) leave none behind: one entry per emitted token, those of the synchronous step without drafts."""
+    _draft_the_thinking_on(reference)
     requests = {"free": (THINK, SamplingParams(max_tokens=24, temperature=0, logprobs=2, thinking_token_budget=4)),
                 "guided": (THINK, guided(logprobs=1, thinking_token_budget=BUDGET))}
     want = run(sync := engine(model_dir), requests)
@@ -166,6 +172,30 @@ def test_logprobs_follow_the_emitted_tokens_through_a_forced_end(ahead: bool, mo
         eng.shutdown()
     for rid in requests:
         assert _logprob_rows(outs[rid].outputs[0]) == _logprob_rows(want[rid].outputs[0]), rid
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["synchronous", "scheduled-ahead"])
+def test_a_stop_string_in_the_thinking_counts_the_tokens_kept(ahead: bool, model_dir: Path,
+                                                              reference: dict[str, RequestOutput]) -> None:
+    """A stop string inside the thinking, in a step that verified a run of drafts past it: the tokens after it
+    are dropped, and not counted as reasoning tokens either (they were: 10 for an output of 5)."""
+    _draft_the_thinking_on(reference)
+    free = reference["long"].outputs[0]
+    eng = engine(model_dir, async_scheduling=ahead,
+                 speculative_config={"method": "thinking-on", "num_speculative_tokens": 8, "adaptive": False})
+    pieces = [eng.tokenizer.decode([t]) for t in free.token_ids]
+    at = next(i for i in range(4, len(pieces)) if pieces[i].strip() and pieces[i] not in "".join(pieces[:i]))
+    params = SamplingParams(max_tokens=20, temperature=0, stop=[pieces[at]])
+    try:
+        got = run(eng, {"s": (THINK, params)})["s"].outputs[0]
+        assert eng.get_stats()["spec_num_accepted"] > at
+    finally:
+        eng.shutdown()
+    want = run(sync := engine(model_dir), {"s": (THINK, params)})["s"].outputs[0]
+    sync.shutdown()
+    assert want.finish_reason == "stop" and want.content is None and want.num_reasoning_tokens == len(want.token_ids)
+    assert (got.token_ids, got.text, got.reasoning, got.num_reasoning_tokens) == \
+           (want.token_ids, want.text, want.reasoning, want.num_reasoning_tokens)
 
 
 def test_a_closed_block_answers_under_the_grammar_from_the_first_token(model_dir: Path) -> None:
