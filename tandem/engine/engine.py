@@ -1060,6 +1060,7 @@ class LLMEngine:
         if self.has_unfinished_requests():
             raise RuntimeError("set_reasoning needs an idle engine: requests are in flight")
         self.thinking = Thinking(Reasoner(parser, self.tokenizer) if parser is not None else None, self.guidance)
+        self.step_sampler.limit = self.thinking.limit
 
     def shutdown(self) -> None:
         """Abort what runs, stop the draft worker, the grammar pools and the forward thread."""

@@ -198,6 +198,24 @@ def test_a_stop_string_in_the_thinking_counts_the_tokens_kept(ahead: bool, model
            (want.token_ids, want.text, want.reasoning, want.num_reasoning_tokens)
 
 
+def test_a_parser_set_between_runs_forces_the_end_and_guides_the_answer(model_dir: Path,
+                                                                        reference: dict[str, RequestOutput]) -> None:
+    """`set_reasoning` (the demo's way in): an engine built without a parser thinks, is forced out of its thinking
+    and answers under the grammar as one built with it; set back to None, nothing of the same prompt is reasoning."""
+    eng = engine(model_dir, reasoning_parser=None)
+    try:
+        eng.set_reasoning("generic")
+        c = run(eng, {"g": (THINK, guided(thinking_token_budget=BUDGET))})["g"].outputs[0]
+        assert (c.token_ids, c.num_reasoning_tokens) == (reference["guided"].outputs[0].token_ids,
+                                                         reference["guided"].outputs[0].num_reasoning_tokens)
+        check_answer(c)
+        eng.set_reasoning(None)
+        plain = run(eng, {"p": (THINK, SamplingParams(max_tokens=12, temperature=0, logprobs=0))})["p"].outputs[0]
+        assert plain.reasoning is None and plain.num_reasoning_tokens == 0 and len(plain.logprobs or []) == 12
+    finally:
+        eng.shutdown()
+
+
 def test_a_closed_block_answers_under_the_grammar_from_the_first_token(model_dir: Path) -> None:
     eng = engine(model_dir)
     try:
