@@ -969,9 +969,9 @@ class LLMEngine:
         drafts = seq.req.draft_token_ids if drafts is None else drafts
         self._learn_drafts(seq, drafts, toks)
         if seq.logprobs is not None and len(kept) < len(toks):  # the entries (and sum) of the tokens dropped
-            dropped = seq.logprobs[len(seq.logprobs) - (len(toks) - len(kept)) :]
-            seq.cumulative_logprob -= sum(entry[t].logprob for entry, t in zip(dropped, toks[len(kept) :]))
-            del seq.logprobs[len(seq.logprobs) - len(dropped) :]
+            n = len(toks) - len(kept)
+            seq.cumulative_logprob -= sum(entry[t].logprob for entry, t in zip(seq.logprobs[-n:], toks[-n:]))
+            del seq.logprobs[-n:]
         if accepted is None:
             accepted = self.guidance.accept(seq.req, kept[answer_from:], len(drafts),
                                             unchecked=max(0, min(unchecked, len(kept) - answer_from)))

@@ -1,11 +1,11 @@
 """Reasoning models inside the engine: each sequence's thinking followed token by token (`ThinkingState`), the end
 marker forced when a thinking budget runs out, and the grammar started only once the thinking has ended.
 
-Per step: `limit` as each sequence's tokens are sampled (the end marker is the last token of its step: later tokens of a verified
-draft run are dropped, as a rejected draft's; a spent budget replaces the sampled token by the marker's next one),
-then `feed` where the grammar takes the step's tokens (before the stop checks), which says from which token on the
-grammar takes them. Rollback-safe by construction: the state only ever sees emitted tokens (confirmed, never a
-draft or a tentative tail), so speculation and scheduling ahead need nothing else.
+Per step: `limit` as each sequence's tokens are sampled (the end marker is the last token of its step: later tokens
+of a verified draft run are dropped, as a rejected draft's; a spent budget replaces the sampled token by the marker's
+next one), then `feed` where the grammar takes the step's tokens (before the stop checks), which says from which
+token on the grammar takes them. Rollback-safe by construction: the state only ever sees emitted tokens (confirmed,
+never a draft or a tentative tail), so speculation and scheduling ahead need nothing else.
 """
 
 from __future__ import annotations
