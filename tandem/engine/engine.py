@@ -62,6 +62,9 @@ class _InFlight:
     garbage: set[str] = field(default_factory=set)  # requests whose row was fed a retracted token: thrown away
     verify_late: bool = False  # its drafts verified without masks are checked after the next launch
     sampling: SampleRows | None = None  # its rows as sampling takes them, made while it runs
+    # seconds its launch waited for its drafts, proposed after the outcome before it (`drafts_after_outcome`); 0
+    # beside an accelerator, where drafting ran beside the forward before and a redraft only repairs a miss
+    drafted_s: float = 0.0
 
     @property
     def has_drafts(self) -> bool:
@@ -391,7 +394,8 @@ class LLMEngine:
         # drafts for nxt, past cur's outcome (those that assumed another outcome are dropped once it is known);
         # with alternating groups the requests in cur sit nxt out
         parked = self.speculation.draft_ahead(self.scheduler.running, self._max_drafts,
-                                              self._slack_deadline(cur, DRAFT_SHARE))
+                                              self._slack_deadline(cur, DRAFT_SHARE),
+                                              shared_cores=self.runner.forward_uses_host_cores)
         nxt = self._schedule_ahead(frozenset(sr.request_id for sr in cur.plan.requests), parked)
         nxt_tokens, pairs = nxt.num_tokens, self._pairs(cur.plan, nxt)  # (for the launch's path, taken now)
         timer.mark("scheduled")
@@ -457,14 +461,17 @@ class LLMEngine:
         or, where a redraft pays (`_redraft_budget`), the runner cannot take it or rows were withdrawn, settled and
         redrafted first (`_settle_ahead`; `unchecked`, `pairs`: as there)."""
         budget = self._redraft_budget(len(nxt.requests)) if self.speculation.active else 0.0
+        drafted_s = 0.0
         if not self.speculation.active:
             self.scheduler.feed(tokens, nxt)
         elif self.runner.launches_unsettled and not nxt.edits.withdrawn and not nxt.is_empty() and budget <= 0.0:
             return self._launch_before_settle(plan, tokens, nxt, pairs, timer)
         else:
-            self._settle_ahead(plan, tokens, nxt, unchecked, budget, pairs)
+            drafted_s = self._settle_ahead(plan, tokens, nxt, unchecked, budget, pairs)
         flight = self._launch_ahead(nxt, fill_now=False)
         timer.mark("launched")
+        if flight is not None and self.speculation.drafts_after_outcome:
+            flight.drafted_s = drafted_s  # the step's drafting, as the synchronous step's
         return flight
 
     def _launch_before_settle(self, plan: StepPlan, tokens: Mapping[str, list[int]], nxt: StepPlan,
@@ -517,17 +524,19 @@ class LLMEngine:
         return pair_rows(plan, nxt) if self.speculation.active else None
 
     def _settle_ahead(self, plan: StepPlan, tokens: Mapping[str, list[int]], nxt: StepPlan,
-                      unchecked: frozenset[str], budget: float, pairs: RowPairs | None = None) -> None:
+                      unchecked: frozenset[str], budget: float, pairs: RowPairs | None = None) -> float:
         """Before nxt's launch, with drafts: `plan`'s outcome into nxt's rows (rows whose drafts assumed another
         outcome lose them, rows after a rejected draft move back; the requests learn it after the launch, in
         `_learn_fed`), then drafts again, from the real outcome, for as many of those rows as a small share of a
         forward's time allows (cheap proposers; those requests learn their outcome first); none for the
         `unchecked` (their argmax is checked after the launch: their rows stay without drafts); `budget`: seconds the
-        redrafts may take (`_redraft_budget`). `pairs`: plan's rows with nxt's (`pair_rows`), taken while plan ran."""
+        redrafts may take (`_redraft_budget`). `pairs`: plan's rows with nxt's (`pair_rows`), taken while plan ran.
+        Returns the seconds the redrafts took (the launch waited for them)."""
         changed = self.scheduler.settle(plan, tokens, nxt, self.speculation.still_valid(tokens), pairs)
         self.speculation.missed(len(changed))
         if budget <= 0.0:
-            return
+            return 0.0
+        t0 = time.perf_counter()
         # those that lost their drafts first, then the other rows without any (their proposal past the outcome in
         # flight had nothing: the real outcome may match)
         lost = set(changed)
@@ -536,14 +545,18 @@ class LLMEngine:
         drafts = self._redraft(bare, budget)
         if drafts:
             self.scheduler.add_drafts(nxt, drafts)
+        return time.perf_counter() - t0
 
     def _redraft_budget(self, rows: int) -> float:
         """Seconds the launch of a plan of `rows` rows may wait for redrafts: `REDRAFT_SHARE` of the shortest recent
         forward; none while one redraft costs the plan more than `REDRAFT_YIELD` tokens of a step, or the proposer
-        is not cheap."""
+        is not cheap. Drafting after the outcome (`Speculation.drafts_after_outcome`), the whole forward's time: they
+        are the step's drafts."""
         if not self.speculation.drafts_cheaply or not self._forward_s:
             return 0.0
         forward = min(self._forward_s)
+        if self.speculation.drafts_after_outcome:  # every row's drafts, as the synchronous step's before its launch
+            return forward
         return 0.0 if self._redraft_s * rows > REDRAFT_YIELD * forward else REDRAFT_SHARE * forward
 
     def _redraft(self, request_ids: list[str], budget: float) -> dict[str, list[int]]:
@@ -571,8 +584,8 @@ class LLMEngine:
 
     def _observe_ahead(self, flight: _InFlight) -> None:
         """Adaptive K learns the step's cost: the forward's tokens and device time (drafting ran beside it)."""
-        self.speculation.observe_step(flight.plan.num_tokens, flight.handle.finished_at - flight.launched_at, 0.0,
-                                      shared_cores=self.runner.forward_uses_host_cores)
+        self.speculation.observe_step(flight.plan.num_tokens, flight.handle.finished_at - flight.launched_at,
+                                      flight.drafted_s, shared_cores=self.runner.forward_uses_host_cores)
 
     def _schedule_ahead(self, running: frozenset[str], parked: frozenset[str] = frozenset()) -> StepPlan:
         """The next plan, accounted before it runs; `running` (the plan in flight) is never preempted for it,

@@ -19,6 +19,10 @@ the drafts. The engine keeps them when the outcome is the one they assumed (`dra
 and drops them otherwise. Cheap proposers (n-gram, suffix) propose there and then, from the request's confirmed
 tokens only, so they never learn a draft that is rejected later; a proposer that drafts concurrently (the draft
 model) was started right after the previous launch (`lookahead_ahead`) and is waited for until a deadline.
+Where the forward runs on the host's own cores (a CPU device), a cheap proposer drafts after the outcome instead,
+between sampling and the launch (`draft_ahead(shared_cores=True)`, then `redraft`), as the synchronous step does:
+a proposal beside that forward slows it by about its own time, and at batch 1 on copy tasks ~60 % of the
+optimistic ones were dropped (measured in docs/benchmarks.md, 2026-12-07, stop 66).
 
 `NoSpeculation` is the same interface doing nothing: the engine's step never asks whether speculation is on.
 """
@@ -115,12 +119,22 @@ class Speculation(ABC):
         """While the device verifies: start drafting the next step of the requests verifying drafts now."""
 
     @abstractmethod
-    def draft_ahead(self, running: Sequence[Request], allowed: MaxDrafts, deadline: float | None) -> frozenset[str]:
+    def draft_ahead(self, running: Sequence[Request], allowed: MaxDrafts, deadline: float | None,
+                    shared_cores: bool = False) -> frozenset[str]:
         """Scheduling ahead: set `draft_token_ids` of the running requests in steady decode for the plan after the
         one in flight; a request of that plan is drafted past its outcome (see the module doc), and `still_valid`
         later says whether that outcome came. Returns the requests to leave out of the next plan (alternating
         groups: those in flight, drafted once their outcome is known). `deadline` (perf_counter): how long to
-        wait for a concurrent drafter whose proposal was not sized to the step (None: until it answers)."""
+        wait for a concurrent drafter whose proposal was not sized to the step (None: until it answers).
+        `shared_cores`: the forward runs on the host's cores; then (unless `draft_past_outcome` says otherwise) a
+        cheap proposer proposes nothing here: K is chosen, and `redraft` drafts the step's requests, from their
+        real outcome, before the launch (`drafts_after_outcome`)."""
+
+    @property
+    def drafts_after_outcome(self) -> bool:
+        """The last `draft_ahead` left its step's drafts to `redraft`, after the outcome (they are the step's
+        drafts, not a miss's repair)."""
+        return False
 
     @abstractmethod
     def still_valid(self, tokens: Mapping[str, Sequence[int]]) -> set[str]:
@@ -182,7 +196,8 @@ class NoSpeculation(Speculation):
     def start_lookahead(self, scheduled: Sequence[Request]) -> None:
         pass
 
-    def draft_ahead(self, running: Sequence[Request], allowed: MaxDrafts, deadline: float | None) -> frozenset[str]:
+    def draft_ahead(self, running: Sequence[Request], allowed: MaxDrafts, deadline: float | None,
+                    shared_cores: bool = False) -> frozenset[str]:
         return frozenset()
 
     def still_valid(self, tokens: Mapping[str, Sequence[int]]) -> set[str]:
@@ -257,6 +272,8 @@ class SpeculativeDecoder(Speculation):
         # in flight: on a forward sharing the host's cores that slowed it (a first 5-token verify measured 35 ms,
         # 17 ms after), so its time does not teach adaptive K the cost of its size
         self._caught_up = False
+        # the requests the last `draft_ahead` left to `redraft`, after the outcome (None: it proposed them itself)
+        self._after_outcome: set[str] | None = None
 
     # ------------------------------------------------------------------------------------------------ drafting
     def draft(self, running: Sequence[Request], allowed: MaxDrafts) -> None:
@@ -392,7 +409,8 @@ class SpeculativeDecoder(Speculation):
     def drafts_cheaply(self) -> bool:
         return not self.proposer.drafts_concurrently
 
-    def draft_ahead(self, running: Sequence[Request], allowed: MaxDrafts, deadline: float | None) -> frozenset[str]:
+    def draft_ahead(self, running: Sequence[Request], allowed: MaxDrafts, deadline: float | None,
+                    shared_cores: bool = False) -> frozenset[str]:
         t0 = time.perf_counter()
         decoding = [r for r in running if r.num_computed_tokens == r.num_tokens - 1 and not r.is_finished]
         self._expected = {}
@@ -412,7 +430,10 @@ class SpeculativeDecoder(Speculation):
                 fresh.append(DraftRequest(req.request_id, req.confirmed_tokens, req.num_prompt_tokens,
                                           k + (1 if req.num_tentative else 0), tail))
         self._step_k, self._step_batch = ks, len(decoding)
-        if fresh:
+        past = self.config.draft_past_outcome
+        after = cheap and (not past if past is not None else shared_cores)
+        self._after_outcome = {dr.request_id for dr in fresh} if after else None
+        if fresh and not after:
             self._propose_now(fresh, deadline)
         # a concurrent drafter's proposal sized to the step is waited for (the policy counted the wait); one still
         # catching up on many tokens (as slow as the prompt is long) only when nobody else waits behind it or when
@@ -426,6 +447,10 @@ class SpeculativeDecoder(Speculation):
         self.stats.parked += len(parked)
         self.stats.lookahead_s += time.perf_counter() - t0  # during the forward in flight
         return parked
+
+    @property
+    def drafts_after_outcome(self) -> bool:
+        return self._after_outcome is not None
 
     def _due(self, rid: str) -> bool:
         """A request whose last proposals came back empty is asked again less often (every 2nd, 4th, ... up to
@@ -449,9 +474,14 @@ class SpeculativeDecoder(Speculation):
             future.set_result(self._propose(chunk))
             for dr in chunk:
                 self._ahead[dr.request_id] = _Ahead(len(dr.token_ids), list(dr.assumed), future)
-                self._asked[dr.request_id] = self._step
-                got = future.result().get(dr.request_id)
-                self._empty[dr.request_id] = 0 if got is not None and got.token_ids else self._empty.get(dr.request_id, 0) + 1
+            self._count_asked(chunk, future.result())
+
+    def _count_asked(self, batch: list[DraftRequest], proposals: Mapping[str, Drafts]) -> None:
+        """`batch` was asked this step; its requests that got nothing are asked less often (`_due`)."""
+        for dr in batch:
+            self._asked[dr.request_id] = self._step
+            got = proposals.get(dr.request_id)
+            self._empty[dr.request_id] = 0 if got is not None and got.token_ids else self._empty.get(dr.request_id, 0) + 1
 
     def _parked(self, decoding: Sequence[Request]) -> frozenset[str]:
         """Alternating groups (a concurrent drafter, when the policy prefers them): the requests in flight sit
@@ -586,10 +616,13 @@ class SpeculativeDecoder(Speculation):
         if self.proposer.drafts_concurrently or not requests:
             return {}
         t0 = time.perf_counter()
+        due = self._after_outcome
         batch = [DraftRequest(r.request_id, r.confirmed_tokens, r.num_prompt_tokens, min(self._redraft_k(r), allowed(r)))
-                 for r in requests]
+                 for r in requests if due is None or r.request_id in due]
         wanted = [dr for dr in batch if dr.max_drafts > 0]
         proposals = self._propose(wanted) if wanted else {}
+        if due is not None:  # these are the step's drafts, not a miss's repair: asked this step
+            self._count_asked(wanted, proposals)
         out = {rid: d.token_ids for rid, d in proposals.items() if d.token_ids}
         self.stats.redrafted += len(out)
         self.stats.draft_wait_s += time.perf_counter() - t0

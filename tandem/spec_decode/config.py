@@ -37,6 +37,11 @@ class SpeculativeConfig:
     # while the device verifies the other (True), or every request every step, drafted past the outcome in flight
     # (False); None: whichever measured the better goodput at this batch size
     alternate_groups: bool | None = None
+    # scheduling ahead with a cheap proposer (n-gram, suffix): draft the next plan beside the forward in flight, past
+    # its outcome (True), or once the outcome is known, before the next launch, as the synchronous step does
+    # (False); None: past the outcome unless the forward runs on the host's own cores (a CPU device), where drafting
+    # beside it slowed it by about the drafting's time and most optimistic proposals at batch 1 were dropped
+    draft_past_outcome: bool | None = None
     suffix_max_depth: int = 64
     suffix_max_cached_requests: int = 1000
     extra: Mapping[str, Any] = field(default_factory=dict)

@@ -172,3 +172,41 @@ def test_a_redraft_drafts_as_the_whole_batch_chose() -> None:
     late.num_computed_tokens = late.num_tokens - 1
     assert spec.redraft([reqs[0], reqs[1], late], lambda r: 8) == {}
     assert len(proposer.calls) == calls  # K = 0: nothing proposed
+
+
+class _Empty(_Cheap):
+    """Finds nothing for request "e" (a chat answer the suffix tree has no match for)."""
+
+    def propose(self, batch: Sequence[DraftRequest]) -> dict[str, Drafts]:
+        out = super().propose(batch)
+        return {rid: (Drafts([]) if rid == "e" else d) for rid, d in out.items()}
+
+
+@pytest.mark.parametrize("setting", [None, True, False])
+@pytest.mark.parametrize("shared", [True, False], ids=["host-cores", "accelerator"])
+def test_a_cheap_proposer_drafts_after_the_outcome_on_the_hosts_cores(setting: bool | None, shared: bool) -> None:
+    """Scheduling ahead, where the forward runs on the host's cores a cheap proposer proposes nothing beside it:
+    K is chosen, and `redraft` drafts from the real outcome before the launch; `draft_past_outcome` overrides
+    either way. Drafting after the outcome, a request whose proposals come back empty is asked less often, as
+    when drafting past it (`_due`)."""
+    proposer = _Empty()
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=3, adaptive=False, draft_past_outcome=setting)
+    spec = SpeculativeDecoder(config, proposer, 4096)
+    reqs = [Request(rid, [1, 2, 10], SamplingParams()) for rid in ("r", "e")]
+    for req in reqs:
+        req.num_computed_tokens = req.num_tokens - 1
+    after = setting is False or (setting is None and shared)
+    spec.draft_ahead(reqs, lambda r: 8, None, shared_cores=shared)
+    assert spec.drafts_after_outcome is after
+    assert (proposer.calls == []) is after and (reqs[0].draft_token_ids == []) is after
+    if not after:
+        return
+    assert spec.redraft(reqs, lambda r: 8) == {"r": [11, 12, 13]}
+    asked = []
+    for _ in range(8):  # "e" comes back empty each time it is asked
+        for req in reqs:
+            _emit(req, [5])
+        spec.draft_ahead(reqs, lambda r: 8, None, shared_cores=shared)
+        assert spec.redraft(reqs, lambda r: 8) == {"r": [6, 7, 8]}
+        asked.append(len(proposer.calls[-1]) == 2)  # the one call asked for "e" too
+    assert asked[:2] == [True, False] and sum(asked) <= 3  # backing off: every 2nd step, then every 4th

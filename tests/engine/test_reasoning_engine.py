@@ -33,7 +33,8 @@ MODES: dict[str, dict[str, Any]] = {
     "sync": {},
     "ahead": {"async_scheduling": True},
     "ngram": {"speculative_config": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}},
-    "suffix-ahead": {"async_scheduling": True, "speculative_config": {"method": "suffix", "num_speculative_tokens": 4}},
+    "suffix-ahead": {"async_scheduling": True, "speculative_config": {"method": "suffix", "num_speculative_tokens": 4,
+                                                                    "draft_past_outcome": True}},
 }
 
 

@@ -3,7 +3,9 @@ proposed past that outcome (every draft accepted plus the proposer's guess); row
 moved back or lose their drafts before the launch. Outputs must be exactly the target's (greedy: token for token
 against the engine without drafts; sampled: the law of the tokens, chi-square), with n-gram, suffix and draft-model
 proposers, guided requests, stop strings, tiny KV caches that preempt, aborts mid-flight; every KV block comes
-back."""
+back. The engines here run on the CPU, where a cheap proposer would by default draft after the outcome
+(`draft_past_outcome`: its way on the host's cores); they draft past it, as beside an accelerator, except where a
+test says otherwise."""
 
 from __future__ import annotations
 
@@ -30,8 +32,9 @@ from .test_speculative import (
     tiny_vocab_dir,  # noqa: F401 - fixture
 )
 
-SUFFIX = {"method": "suffix", "num_speculative_tokens": 4, "adaptive": False}
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False}
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 4, "adaptive": False, "draft_past_outcome": True}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False, "draft_past_outcome": True}
+AFTER = dict(SUFFIX, draft_past_outcome=None)  # the CPU's own way: drafts after the outcome, before the launch
 
 
 @pytest.fixture(params=["settled-first", "launched-first"])
@@ -81,6 +84,32 @@ def test_greedy_tokens_are_the_targets(stories_engine_factory, config: dict, bat
     assert stats["steps_ahead_with_drafts"] > 0 and stats["spec_num_accepted"] > 0
     assert stats["spec_ahead_drafted"] > 0  # drafted past an outcome still in flight
     assert ahead.block_manager.num_free_blocks == ahead.runner.num_blocks
+
+
+@pytest.mark.parametrize("batch", [1, 7])
+def test_on_the_hosts_cores_drafts_wait_for_the_outcome(stories_engine_factory, batch: int) -> None:  # type: ignore[no-untyped-def]
+    """A forward on the host's cores (this CPU engine) with a cheap proposer: by default nothing is proposed beside
+    the forward (a proposal there slows it by its own time); each step's drafts come from the real outcome,
+    between sampling and the launch, counted as the time the launch waited for drafting. The same tokens as the
+    engine without drafts; no proposal made past an outcome."""
+    base = stories_engine_factory(async_scheduling=False)
+    ahead = stories_engine_factory(async_scheduling=True, speculative_config=AFTER)
+    assert ahead.runner.forward_uses_host_cores
+    seen: list[bool] = []
+    observe = ahead.speculation.observe_step
+
+    def spy(num_tokens: int, seconds: float, draft_seconds: float, shared_cores: bool = False) -> None:
+        seen.append(draft_seconds > 0.0)
+        observe(num_tokens, seconds, draft_seconds, shared_cores)
+
+    ahead.speculation.observe_step = spy  # type: ignore[method-assign]
+    prompts = _story_prompts(base, batch)
+    assert _tokens(run_all(ahead, prompts, GREEDY)) == _tokens(run_all(base, prompts, GREEDY))
+    stats = ahead.get_stats()
+    assert stats["steps_scheduled_ahead"] == stats["num_steps"] > 0
+    assert stats["spec_num_accepted"] > 0 and stats["spec_redrafted"] > 0
+    assert stats["spec_ahead_drafted"] == 0
+    assert any(seen)  # adaptive K learns what drafting before the launch cost
 
 
 @pytest.mark.usefixtures("launch_order")
@@ -224,15 +253,17 @@ def _outcome(o: RequestOutput) -> list[object]:
 def test_random_mixed_traffic_gives_the_synchronous_tokens(stories_engine_factory) -> None:  # type: ignore[no-untyped-def]
     """Randomized: 20 batches of mixed greedy traffic arriving over the first steps, some requests aborted, through
     engines that keep their history (suffix trees, prefix caches) from batch to batch: scheduled ahead with suffix
-    drafts, and with n-gram drafts under a KV cache small enough to preempt. Every finished request reads as it
-    does from the synchronous engine without drafts; every KV block comes back. (A longer run of this kind, 4
+    drafts past the outcome and after it, and with n-gram drafts under a KV cache small enough to preempt. Every
+    finished request reads as it does from the synchronous engine without drafts; every KV block comes back. (A
+    longer run of this kind, 4
     engines over 160 batches, found a preempted request's penalties lost for a token and a guided answer with
     `ignore_eos` going on past its grammar's EOS; their own tests carry the negative controls, this one passes
     before those fixes too.)"""
     base = stories_engine_factory(async_scheduling=False)
     engines = [stories_engine_factory(async_scheduling=True, speculative_config=SUFFIX),
                stories_engine_factory(async_scheduling=True, speculative_config=dict(NGRAM, num_speculative_tokens=3),
-                                      num_kv_blocks=20, block_size=8, max_num_batched_tokens=48)]
+                                      num_kv_blocks=20, block_size=8, max_num_batched_tokens=48),
+               stories_engine_factory(async_scheduling=True, speculative_config=AFTER)]
     texts = [*(base.tokenizer.decode(p) for p in _story_prompts(base, 4).values()), "Lily", "Once upon a time"]
     for seed in range(20):
         rng = random.Random(seed)
@@ -333,7 +364,7 @@ def test_sampled_distribution_is_preserved_scheduled_ahead(tiny_vocab_dir: Path,
     spec: LLMEngine = build_engine(str(tiny_vocab_dir), dtype="float32", progress=False, max_num_seqs=n,
                                    num_kv_blocks=2 * n, block_size=4, max_num_batched_tokens=4 * n, async_scheduling=True,
                                    speculative_config={"method": cycle_method, "num_speculative_tokens": 1,
-                                                       "adaptive": False})
+                                                       "adaptive": False, "draft_past_outcome": True})
     probs = _exact_pair_probs(spec)
     # max_tokens 4: no request ends with the first verification, so the plan after it is launched before its rows
     # are settled (the plan after an ending request's step is settled first: its row is withdrawn)
@@ -370,7 +401,7 @@ def test_a_request_that_ends_while_its_drafted_row_is_in_flight(stories_engine_f
     stopped = SamplingParams(temperature=0.0, max_tokens=48, stop=[" play with", " happy"])
     base = stories_engine_factory(async_scheduling=False)
     ahead = stories_engine_factory(async_scheduling=True, speculative_config={
-        "method": cycle_method, "num_speculative_tokens": 2, "adaptive": False})
+        "method": cycle_method, "num_speculative_tokens": 2, "adaptive": False, "draft_past_outcome": True})
     prompts = _story_prompts(base, 8)
     got, want = {}, {}
     for engine, out in ((base, want), (ahead, got)):

@@ -83,7 +83,8 @@ def test_rows_made_while_the_forward_runs_are_those_made_at_sampling(stories_eng
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, repetition_penalty=1.1, min_tokens=6,
                             logprobs=2, prompt_logprobs=1)
     base = stories_engine_factory(async_scheduling=False)
-    ahead = stories_engine_factory(async_scheduling=True, speculative_config={"method": "suffix", "num_speculative_tokens": 3})
+    ahead = stories_engine_factory(async_scheduling=True, speculative_config={"method": "suffix", "num_speculative_tokens": 3,
+                                                                                           "draft_past_outcome": True})
     prompts = _story_prompts(base, 5)
     got, want = run_all(ahead, prompts, params), run_all(base, prompts, params)
     assert used and any(used)  # prepared rows were sampled, verify rows among them

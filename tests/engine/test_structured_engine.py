@@ -374,7 +374,7 @@ def test_a_greedy_answer_is_the_same_on_every_path(stories_engine_factory, backe
     assert tok.decode(masked[0]) in CHOICE and [tok.decode([t]) for t in masked[0][:3]] == answer
     cheap = {"unmasked_min_fill_ms": 0.0}  # a 512-token vocabulary: every fill is cheap, skip them all the same
     spell = {"method": "spell", "num_speculative_tokens": 2, "adaptive": False}
-    suffix = {"method": "suffix", "num_speculative_tokens": 4, "adaptive": False}
+    suffix = {"method": "suffix", "num_speculative_tokens": 4, "adaptive": False, "draft_past_outcome": True}
     for ahead in (False, True):
         assert answers(structured_outputs_config=cheap, async_scheduling=ahead, speculative_config=spell) == masked
     assert answers(structured_outputs_config=cheap, async_scheduling=True, speculative_config=suffix) == masked
