@@ -583,7 +583,8 @@ class LLMEngine:
         return [self._seqs[sr.request_id].req for sr in plan.requests if sr.needs_logits and sr.request_id in self._seqs]
 
     def _observe_ahead(self, flight: _InFlight) -> None:
-        """Adaptive K learns the step's cost: the forward's tokens and device time (drafting ran beside it)."""
+        """Adaptive K learns the step's cost: the forward's tokens and device time, and the time its launch waited
+        for drafts made after the outcome (`drafted_s`; drafting past it ran beside the forward before)."""
         self.speculation.observe_step(flight.plan.num_tokens, flight.handle.finished_at - flight.launched_at,
                                       flight.drafted_s, shared_cores=self.runner.forward_uses_host_cores)
 

@@ -616,9 +616,9 @@ class SpeculativeDecoder(Speculation):
         if self.proposer.drafts_concurrently or not requests:
             return {}
         t0 = time.perf_counter()
-        due = self._after_outcome
+        due = self._after_outcome  # drafting after the outcome: those due, and those draft_ahead did not see
         batch = [DraftRequest(r.request_id, r.confirmed_tokens, r.num_prompt_tokens, min(self._redraft_k(r), allowed(r)))
-                 for r in requests if due is None or r.request_id in due]
+                 for r in requests if due is None or r.request_id in due or r.request_id not in self._step_k]
         wanted = [dr for dr in batch if dr.max_drafts > 0]
         proposals = self._propose(wanted) if wanted else {}
         if due is not None:  # these are the step's drafts, not a miss's repair: asked this step

@@ -60,6 +60,9 @@ class SpeculativeConfig:
                 raise ConfigError(f"draft_vocab_size must be a positive integer or None, got {self.draft_vocab_size!r}")
             if self.method != "draft_model":
                 raise ConfigError(f"draft_vocab_size applies to method 'draft_model' only, not {self.method!r}")
+        for name in ("alternate_groups", "draft_past_outcome"):
+            if getattr(self, name) not in (None, True, False):
+                raise ConfigError(f"{name} must be true, false or null, got {getattr(self, name)!r}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ConfigError(
                 f"need 1 <= prompt_lookup_min ({self.prompt_lookup_min}) <= prompt_lookup_max ({self.prompt_lookup_max})"

@@ -210,3 +210,24 @@ def test_a_cheap_proposer_drafts_after_the_outcome_on_the_hosts_cores(setting: b
         assert spec.redraft(reqs, lambda r: 8) == {"r": [6, 7, 8]}
         asked.append(len(proposer.calls[-1]) == 2)  # the one call asked for "e" too
     assert asked[:2] == [True, False] and sum(asked) <= 3  # backing off: every 2nd step, then every 4th
+
+
+def test_drafting_after_the_outcome_drafts_a_request_draft_ahead_did_not_see() -> None:
+    """A request whose prefill ended in the plan in flight was not decoding when `draft_ahead` ran: drafting after
+    the outcome, its first decode step gets drafts too (as the synchronous step drafts it)."""
+    proposer = _Cheap()
+    spec = SpeculativeDecoder(SpeculativeConfig(method="ngram", num_speculative_tokens=3, adaptive=False), proposer, 4096)
+    new = Request("new", [1, 2, 10], SamplingParams())  # still prefilling when draft_ahead ran
+    spec.draft_ahead([new], lambda r: 8, None, shared_cores=True)
+    assert spec.drafts_after_outcome and proposer.calls == []
+    new.num_computed_tokens = new.num_tokens - 1  # its outcome: steady decode
+    assert spec.redraft([new], lambda r: 8) == {"new": [11, 12, 13]}
+
+
+@pytest.mark.parametrize("name", ["draft_past_outcome", "alternate_groups"])
+def test_a_three_way_setting_that_is_not_a_bool_is_a_config_error(name: str) -> None:
+    from tandem.config import ConfigError
+
+    with pytest.raises(ConfigError, match=name):
+        SpeculativeConfig.from_dict({"method": "suffix", name: "false"})  # a string is truthy: refused
+    assert getattr(SpeculativeConfig.from_dict({"method": "suffix", name: False}), name) is False
