@@ -81,7 +81,9 @@ def test_random_logits_give_the_masked_tokens(gpt2: Tokenizer, speculative: bool
     # unmasked verification is verified again before the next launch
     assert stats["num_late_rows"] + stats["guided_verify_rejected"] == stats["guided_refills"]
     if speculative:
-        assert 0 < stats["guided_verify_rejected"] < stats["guided_unmasked_verify"]
+        # (noise logits keep few unmasked verifications: ~4 of ~44 here, once none of 41 on CI; how many are kept
+        # depends on chance and timing, the tokens equal the masked engine's either way)
+        assert 0 < stats["guided_verify_rejected"] <= stats["guided_unmasked_verify"]
         assert plain_stats["guided_unmasked_verify"] == 0
     else:
         assert stats["guided_unmasked_verify"] == 0
