@@ -422,18 +422,22 @@ class SpeculativeDecoder(Speculation):
             req.draft_token_ids = []
         live = [req for req in decoding if req.request_id not in parked]
         cheap = not self.proposer.drafts_concurrently
-        for req, chosen in zip(live, self._ahead_ks([req.request_id for req in live], len(decoding)), strict=True):
-            k = ks[req.request_id] = min(chosen, allowed(req))
-            if k > 0 and cheap and self._due(req.request_id):
-                # propose now, past the confirmed tokens and the tentative drafts (a guess first, then k drafts)
-                tail = req.token_ids[len(req.token_ids) - req.num_tentative : len(req.token_ids) - 1]
-                fresh.append(DraftRequest(req.request_id, req.confirmed_tokens, req.num_prompt_tokens,
-                                          k + (1 if req.num_tentative else 0), tail))
-        self._step_k, self._step_batch = ks, len(decoding)
         past = self.config.draft_past_outcome
         after = cheap and (not past if past is not None else shared_cores)
-        self._after_outcome = {dr.request_id for dr in fresh} if after else None
-        if fresh and not after:
+        self._after_outcome = set() if after else None
+        for req, chosen in zip(live, self._ahead_ks([req.request_id for req in live], len(decoding)), strict=True):
+            k = ks[req.request_id] = min(chosen, allowed(req))
+            if k <= 0 or not cheap or not self._due(req.request_id):
+                continue
+            if self._after_outcome is not None:  # left to `redraft`, once the outcome is known
+                self._after_outcome.add(req.request_id)
+                continue
+            # propose now, past the confirmed tokens and the tentative drafts (a guess first, then k drafts)
+            tail = req.token_ids[len(req.token_ids) - req.num_tentative : len(req.token_ids) - 1]
+            fresh.append(DraftRequest(req.request_id, req.confirmed_tokens, req.num_prompt_tokens,
+                                      k + (1 if req.num_tentative else 0), tail))
+        self._step_k, self._step_batch = ks, len(decoding)
+        if fresh:
             self._propose_now(fresh, deadline)
         # a concurrent drafter's proposal sized to the step is waited for (the policy counted the wait); one still
         # catching up on many tokens (as slow as the prompt is long) only when nobody else waits behind it or when
