@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 
-from tandem.engine.engine import LLMEngine
+from tandem.engine.engine import YOUNG_GC_THRESHOLD, LLMEngine, freeze_startup_heap
 from tandem.params import ParamError, RequestOutputKind, SamplingParams
 from tandem.request import RequestOutput
 
@@ -250,3 +252,17 @@ def test_stats_count_what_ran(stories_engine_factory) -> None:  # type: ignore[n
     assert stats["num_prompt_tokens"] == sum(len(o.prompt_token_ids) for o in done.values())
     assert stats["forward_s"] > 0 and stats["sample_s"] > 0 and stats["grammar_mask_fill_s"] > 0
     assert stats["num_running"] == stats["num_waiting"] == 0 and stats["kv_cache_usage"] == 0.0
+
+
+def test_a_kept_engine_collects_the_young_generation_less_often() -> None:
+    """`freeze_startup_heap` (a process that keeps its engine) raises the young generation's threshold to
+    YOUNG_GC_THRESHOLD; a higher one the process set itself, or automatic collection turned off (0), is kept."""
+    saved = gc.get_threshold()
+    try:
+        for before, after in (((700, 10, 10), (YOUNG_GC_THRESHOLD, 10, 10)), ((50_000, 5, 7), (50_000, 5, 7)),
+                              ((0, 10, 10), (0, 10, 10))):
+            gc.set_threshold(*before)
+            freeze_startup_heap()
+            assert gc.get_threshold() == after
+    finally:
+        gc.set_threshold(*saved)

@@ -35,6 +35,8 @@ MODES: dict[str, dict[str, Any]] = {
     "ngram": {"speculative_config": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}},
     "suffix-ahead": {"async_scheduling": True, "speculative_config": {"method": "suffix", "num_speculative_tokens": 4,
                                                                     "draft_past_outcome": True}},
+    # the CPU's own way with a cheap proposer: drafted after the outcome, before the launch
+    "suffix-after": {"async_scheduling": True, "speculative_config": {"method": "suffix", "num_speculative_tokens": 4}},
 }
 
 
@@ -227,7 +229,7 @@ def test_a_closed_block_answers_under_the_grammar_from_the_first_token(model_dir
     check_answer(c)
 
 
-@pytest.mark.parametrize("mode", ["sync", "ahead", "suffix-ahead"])
+@pytest.mark.parametrize("mode", ["sync", "ahead", "suffix-ahead", "suffix-after"])
 def test_a_grammar_that_holds_the_thinking_too_starts_at_the_first_token(mode: str, model_dir: Path) -> None:
     """`enable_in_reasoning`: the grammar is not deferred to the end of the thinking; it holds the thinking (a few
     lowercase letters), the end marker and the answer, and the split still follows the marker."""
