@@ -152,8 +152,9 @@ def freeze_startup_heap() -> None:
     """Move every object alive now (modules, the model's and tokenizer's Python objects) out of the cyclic GC's
     reach, as vLLM does after start-up: a full collection otherwise walks them all, and with a large vocabulary's
     tokenizer loaded that stalled the engine thread for 50-190 ms, 2-3 times in 100 steps of `tandem bench
-    simulated` (gc.callbacks). They are still freed by reference counting, but a cycle among them never is: call it
-    in a process that keeps its engine (the engine core, benchmarks), not where engines come and go (tests).
+    simulated` (gc.callbacks). They are still freed by reference counting, but a cycle among them never is: meant
+    for a process that keeps its engine (`build_engine` calls it: `LLM`, the engine core; benchmarks); where engines
+    come and go (tests), such cycles of each stay.
 
     The young generation is then collected every YOUNG_GC_THRESHOLD container allocations, not 700 (a higher setting
     of the process's own is kept): at 256 concurrent requests an engine step allocates thousands of short-lived
