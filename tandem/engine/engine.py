@@ -157,12 +157,9 @@ def freeze_startup_heap() -> None:
     come and go (tests), such cycles of each stay.
 
     The young generation is then collected every YOUNG_GC_THRESHOLD container allocations, not 700 (a higher setting
-    of the process's own is kept): at 256 concurrent requests an engine step allocates thousands of short-lived
-    lists and tuples, and Python's default ran 2-3 young collections a step. `tandem bench simulated --step-ms 20
-    --logits replay --concurrency 256 --modes guided+suffix,suffix,guided`, the engine thread's GC pauses per step
-    (`gc_ms/step`), default / 10,000, three alternating pairs: 0.48-0.72 / 0.02-0.06 (guided + suffix), 0.59-1.06 /
-    0.10-0.13 (suffix), 0.34-0.70 / 0.05-0.13 (guided); 2,000: 0.26-0.73 (AMD EPYC, 2026-12-07). A cycle of young
-    objects lives until the next collection: at most that many allocations later."""
+    of the process's own is kept): at 256 concurrent requests Python's default ran 2-3 young collections a step on
+    the engine thread, 0.3-1.1 ms of GC pauses a step against 0.02-0.13 now (`gc_ms/step` of `tandem bench
+    simulated`; docs/benchmarks.md, stop 67). A cycle of young objects lives at most that many allocations longer."""
     gc.collect()
     gc.freeze()
     young, *older = gc.get_threshold()
